@@ -1,0 +1,406 @@
+"""Pack ingested genome records into 512k-1M-token Parquet shards (single-nucleotide tokens).
+
+This module owns the shard schema every later stage reads.
+
+Token ids are those of :mod:`tasks.vocab` (``<pad>=0 <sep>=1 <bos>=2 <unk>=3 A=4 C=5 G=6
+T=7 N=8``), stored as uint8. They are the shards' only ids: a pretrained checkpoint whose
+vocabulary numbers the letters differently is served through ``tasks.vocab.id_map_to``
+applied at load time; the shards are never rewritten. ``tokenizer.json`` (Hugging Face
+format, loadable by transformers and vLLM) is written beside the shards.
+
+Layout of one pack output::
+
+    manifest.json            schema "megabase.shards/1": config, vocab, ingest manifest sha256,
+                             per split: shards (path, tokens, bases, sha256), records, totals
+    tokenizer.json           + tokenizer_config.json
+    train/shard-00000.parquet ...
+    eval/shard-00000.parquet ...
+
+Shard file (Parquet, zstd). Every shard holds exactly ``shard_tokens`` tokens except the last
+shard of a split (and, with ``tail="short"``, the last shard of each record), which may be
+shorter. The shard's token stream is the concatenation of its rows' ``tokens`` in row order;
+each row is one contiguous piece of one record on one strand:
+
+    ============  ===================  ====================================================
+    column        type                 meaning
+    ============  ===================  ====================================================
+    tokens        list<uint8>          ``[<sep>]`` if ``leading_sep``, then the bases
+    loss_mask     list<bool>           True where the token is A/C/G/T; False for N and <sep>
+    soft_mask     list<bool>           True where the FASTA base was lowercase (soft-masked)
+    source        string (dictionary)  ingest source label
+    record        string (dictionary)  record name (first word of the header)
+    start         int64                0-based start on the forward strand, inclusive
+    end           int64                0-based end on the forward strand, exclusive
+    strand        string               "+" or "-" ("-": reverse complement of [start, end))
+    leading_sep   bool                 row begins with one <sep> (a new document)
+    doc_id        int64                document index within the split (pieces between
+                                       separators); equal doc_id = one continuous sequence,
+                                       also across shard boundaries
+    ============  ===================  ====================================================
+
+So ``len(tokens) == end - start + leading_sep``; a row may hold a separator alone
+(``start == end``) when a document boundary falls on a shard's last token. For variable-length
+attention (``cu_seqlens``) documents start at rows with ``leading_sep`` (and at the first row
+of a shard whose ``doc_id`` differs from the previous shard's last row).
+
+Documents: a record is split into pieces at runs of N of at least ``n_run_split_bases``
+bases; those runs are not packed (their positions stay recoverable from the provenance),
+shorter runs are packed as N tokens with ``loss_mask`` False. Each piece is one document.
+With ``tail="short"`` every record starts a new shard, so its last shard may be short; with
+``tail="join"`` records follow each other in the stream separated by ``<sep>``. No A/C/G/T
+base is ever dropped. Reverse-complement copies (``reverse_complement=True``) follow each
+record's forward pieces, with ``strand="-"`` and the forward-strand coordinates.
+
+Packing streams each record in blocks of ``read_block_bases`` through pyfaidx, so peak memory
+is a few shards' worth whatever the chromosome length; outputs are byte-identical for the same
+inputs and config, and written atomically (a failed run leaves no shard behind).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm.auto import tqdm
+
+from tasks import vocab
+from tasks.atomic import atomic_output_dir, sha256_file
+from tasks.ingest import GenomeInputError, RecordInfo, load_manifest, open_fasta
+
+log = logging.getLogger("megabase.pack")
+
+MANIFEST_SCHEMA = "megabase.shards/1"
+MIN_SHARD_TOKENS = 1 << 19   # 524,288
+MAX_SHARD_TOKENS = 1 << 20   # 1,048,576
+
+SHARD_SCHEMA = pa.schema(
+    [
+        ("tokens", pa.list_(pa.uint8())),
+        ("loss_mask", pa.list_(pa.bool_())),
+        ("soft_mask", pa.list_(pa.bool_())),
+        ("source", pa.dictionary(pa.int32(), pa.string())),
+        ("record", pa.dictionary(pa.int32(), pa.string())),
+        ("start", pa.int64()),
+        ("end", pa.int64()),
+        ("strand", pa.dictionary(pa.int8(), pa.string())),
+        ("leading_sep", pa.bool_()),
+        ("doc_id", pa.int64()),
+    ],
+    metadata={b"megabase.schema": MANIFEST_SCHEMA.encode()},
+)
+
+
+@dataclass(frozen=True)
+class PackConfig:
+    """Every packing knob.
+
+    Attributes:
+        shard_tokens: tokens per shard, in [524288, 1048576].
+        tail: "short" (each record starts a new shard; its tail shard may be short) or
+            "join" (records continue in the same shard after a ``<sep>``).
+        n_run_split_bases: N runs at least this long split a record and are not packed.
+        reverse_complement: also pack the reverse complement of every piece (strand "-").
+        read_block_bases: bases fetched from the FASTA per read (memory/speed trade-off).
+    """
+
+    shard_tokens: int = MAX_SHARD_TOKENS
+    tail: Literal["short", "join"] = "short"
+    n_run_split_bases: int = 1000
+    reverse_complement: bool = False
+    read_block_bases: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not MIN_SHARD_TOKENS <= self.shard_tokens <= MAX_SHARD_TOKENS:
+            raise ValueError(
+                f"shard_tokens={self.shard_tokens} is outside [{MIN_SHARD_TOKENS}, {MAX_SHARD_TOKENS}]"
+            )
+        if self.tail not in ("short", "join"):
+            raise ValueError(f"tail={self.tail!r}: expected 'short' or 'join'")
+        if self.n_run_split_bases < 1 or self.read_block_bases < 1:
+            raise ValueError("n_run_split_bases and read_block_bases must be positive")
+
+
+@dataclass(frozen=True)
+class PackResult:
+    """Where the shards are and how many tokens each split holds."""
+
+    out_dir: Path
+    manifest: Path
+    tokens: dict[str, int]
+    shards: dict[str, int]
+
+
+@dataclass
+class _Row:
+    source: str
+    record: str
+    start: int
+    end: int
+    strand: str
+    leading_sep: bool
+    doc_id: int
+    tokens: list[np.ndarray]
+    soft: list[np.ndarray]
+
+
+class _ShardWriter:
+    """Accumulates rows into shards of exactly ``shard_tokens`` tokens and writes them."""
+
+    def __init__(self, split_dir: Path, shard_tokens: int):
+        self.split_dir = split_dir
+        self.shard_tokens = shard_tokens
+        self.rows: list[_Row] = []
+        self.filled = 0
+        self.doc_id = -1
+        self.shards: list[dict] = []
+        split_dir.mkdir(parents=True)
+
+    def new_document(self, source: str, record: str, start: int, strand: str) -> None:
+        """Start a document: a <sep> if the shard already holds tokens, then its bases."""
+        self.doc_id += 1
+        if self.filled == self.shard_tokens:
+            self.flush()
+        sep = self.filled > 0
+        self.rows.append(_Row(source, record, start, start, strand, sep, self.doc_id, [], []))
+        self.filled += sep
+
+    def append(self, tokens: np.ndarray, soft: np.ndarray) -> None:
+        """Append bases of the current document (forward order of the emitted stream)."""
+        while len(tokens):
+            if self.filled == self.shard_tokens:
+                row = self.rows[-1]
+                self.flush()
+                self.rows.append(_Row(row.source, row.record, row.end if row.strand == "+" else row.start,
+                                      row.end if row.strand == "+" else row.start, row.strand, False,
+                                      row.doc_id, [], []))
+            take = min(len(tokens), self.shard_tokens - self.filled)
+            row = self.rows[-1]
+            row.tokens.append(tokens[:take])
+            row.soft.append(soft[:take])
+            if row.strand == "+":
+                row.end += take
+            else:
+                row.start -= take
+            self.filled += take
+            tokens, soft = tokens[take:], soft[take:]
+
+    def flush(self) -> None:
+        """Write the current shard (if it holds anything)."""
+        if not self.rows:
+            return
+        parts, softs = [], []
+        for row in self.rows:
+            if row.leading_sep:
+                parts.append(np.array([vocab.SEP], np.uint8))
+                softs.append(np.zeros(1, bool))
+            parts += row.tokens
+            softs += row.soft
+        tokens = np.concatenate(parts).astype(np.uint8, copy=False)
+        soft = np.concatenate(softs).astype(bool, copy=False)
+        lengths = [row.end - row.start + row.leading_sep for row in self.rows]
+        offsets = pa.array(np.r_[0, np.cumsum(lengths)].astype(np.int32))
+        as_list = lambda values: pa.ListArray.from_arrays(offsets, pa.array(values))  # noqa: E731
+        table = pa.table(
+            {
+                "tokens": as_list(tokens),
+                "loss_mask": as_list((tokens >= vocab.A) & (tokens <= vocab.T)),
+                "soft_mask": as_list(soft),
+                **{name: [getattr(row, name) for row in self.rows]
+                   for name in ("source", "record", "start", "end", "strand", "leading_sep", "doc_id")},
+            }
+        ).cast(SHARD_SCHEMA)
+        path = self.split_dir / f"shard-{len(self.shards):05d}.parquet"
+        pq.write_table(table, path, compression="zstd", row_group_size=len(self.rows), write_statistics=False)
+        self.shards.append({
+            "path": f"{self.split_dir.name}/{path.name}",
+            "tokens": self.filled,
+            "rows": len(self.rows),
+            "bases": sum(r.end - r.start for r in self.rows),
+            "sha256": sha256_file(path),
+        })
+        self.rows, self.filled = [], 0
+
+
+def _blocks(fasta, record: RecordInfo, start: int, end: int, block: int, reverse: bool) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Yield (token ids, soft mask) of [start, end) in blocks, reverse-complemented if asked."""
+    positions = range(start, end, block)
+    for pos in (reversed(positions) if reverse else positions):
+        raw = fasta[record.name][pos : min(pos + block, end)].encode("ascii")
+        try:
+            ids = vocab.tokenize(raw)
+        except ValueError as err:
+            raise GenomeInputError(f"{record.fasta}: record {record.name!r} near base {pos}: {err}") from err
+        soft = vocab.BYTE_IS_SOFTMASKED[np.frombuffer(raw, dtype=np.uint8)]
+        if reverse:
+            ids, soft = vocab.COMPLEMENT[ids[::-1]], soft[::-1]
+        yield ids, soft
+
+
+def _pieces(fasta, record: RecordInfo, cfg: PackConfig, writer: _ShardWriter, bar: tqdm) -> list[tuple[int, int]]:
+    """Stream a record forward into the writer, splitting at long N runs; return the pieces."""
+    pieces: list[tuple[int, int]] = []
+    piece_start: int | None = None      # start of the open piece
+    n_start: int | None = None          # start of a pending N run (not yet emitted)
+    pos = 0
+
+    def open_piece(at: int) -> None:
+        nonlocal piece_start
+        writer.new_document(record.source, record.name, at, "+")
+        piece_start = at
+
+    for ids, soft in _blocks(fasta, record, 0, record.length, cfg.read_block_bases, reverse=False):
+        is_n = ids == vocab.N
+        # Boundaries of runs of equal "is N" inside the block.
+        edges = np.flatnonzero(np.diff(is_n.view(np.int8))) + 1
+        for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(ids)]):
+            lo, hi = int(lo), int(hi)
+            if is_n[lo]:
+                if n_start is None:
+                    n_start = pos + lo
+                continue
+            if n_start is not None:       # an N run ends here: emit it or split at it
+                run = pos + lo - n_start
+                if run >= cfg.n_run_split_bases:
+                    if piece_start is not None:
+                        pieces.append((piece_start, n_start))
+                    piece_start = None
+                else:
+                    if piece_start is None:
+                        open_piece(n_start)
+                    writer.append(np.full(run, vocab.N, np.uint8), _soft_of(fasta, record, n_start, pos + lo))
+                n_start = None
+            if piece_start is None:
+                open_piece(pos + lo)
+            writer.append(ids[lo:hi], soft[lo:hi])
+        pos += len(ids)
+        bar.update(len(ids))
+    if n_start is not None:
+        run = record.length - n_start
+        if run < cfg.n_run_split_bases:
+            if piece_start is None:
+                open_piece(n_start)
+            writer.append(np.full(run, vocab.N, np.uint8), _soft_of(fasta, record, n_start, record.length))
+            n_start = None
+    if piece_start is not None:
+        pieces.append((piece_start, n_start if n_start is not None else record.length))
+    return pieces
+
+
+def _soft_of(fasta, record: RecordInfo, start: int, end: int) -> np.ndarray:
+    # Short N runs are re-read (they are short by definition) to keep their soft-mask bits.
+    raw = fasta[record.name][start:end].encode("ascii")
+    return vocab.BYTE_IS_SOFTMASKED[np.frombuffer(raw, dtype=np.uint8)]
+
+
+def pack(ingest_dir: str | os.PathLike, cfg: PackConfig, out_dir: str | os.PathLike) -> PackResult:
+    """Pack the train and eval records selected by ingest into Parquet shards.
+
+    Args:
+        ingest_dir: output directory of ``tasks.ingest.ingest``.
+        cfg: packing configuration.
+        out_dir: output directory (replaced atomically; nothing is left behind on error).
+
+    Returns:
+        Manifest location, tokens and shard count per split.
+
+    Raises:
+        GenomeInputError: the ingest output is missing/invalid or a FASTA changed since ingest
+            (length mismatch).
+    """
+    ingest_dir = Path(ingest_dir).absolute()
+    doc, records = load_manifest(ingest_dir)
+    out_dir = Path(out_dir)
+    fastas: dict[str, object] = {}
+    try:
+        with atomic_output_dir(out_dir) as work:
+            vocab.write_tokenizer(work)
+            splits = {}
+            for split in ("train", "eval"):
+                keys = doc["selection"][split]
+                writer = _ShardWriter(work / split, cfg.shard_tokens)
+                split_records = []
+                total = sum(records[k].length for k in keys)
+                with tqdm(total=total, unit="base", unit_scale=True, desc=f"pack {split}", disable=None) as bar:
+                    for key in keys:
+                        rec = records[key]
+                        if rec.fasta not in fastas:
+                            fastas[rec.fasta] = open_fasta(ingest_dir, rec.fasta, rec.fai, rec.gzi)
+                        fasta = fastas[rec.fasta]
+                        if len(fasta[rec.name]) != rec.length:
+                            raise GenomeInputError(
+                                f"{rec.fasta}: record {rec.name!r} has {len(fasta[rec.name])} bases, "
+                                f"ingest measured {rec.length}: the file changed since ingest"
+                            )
+                        pieces = _pieces(fasta, rec, cfg, writer, bar)
+                        if cfg.reverse_complement:
+                            for start, end in reversed(pieces):
+                                writer.new_document(rec.source, rec.name, end, "-")
+                                for ids, soft in _blocks(fasta, rec, start, end, cfg.read_block_bases, reverse=True):
+                                    writer.append(ids, soft)
+                        if cfg.tail == "short":
+                            writer.flush()
+                        split_records.append({
+                            "key": key, "length": rec.length, "sha256": rec.sha256,
+                            "pieces": [list(p) for p in pieces],
+                            "packed_bases": sum(e - s for s, e in pieces) * (2 if cfg.reverse_complement else 1),
+                        })
+                writer.flush()
+                splits[split] = {
+                    "tokens": sum(s["tokens"] for s in writer.shards),
+                    "bases": sum(s["bases"] for s in writer.shards),
+                    "documents": writer.doc_id + 1,
+                    "shards": writer.shards,
+                    "records": split_records,
+                }
+            manifest = {
+                "schema": MANIFEST_SCHEMA,
+                "config": asdict(cfg),
+                "vocab": {"tokens": list(vocab.TOKENS), "size": vocab.VOCAB_SIZE, "tokenizer": "tokenizer.json"},
+                "ingest_manifest_sha256": sha256_file(ingest_dir / "manifest.json"),
+                "splits": splits,
+            }
+            (work / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    finally:
+        for fasta in fastas.values():
+            fasta.close()
+    for split, info in splits.items():
+        log.info("%s: %d tokens in %d shards", split, info["tokens"], len(info["shards"]))
+    return PackResult(
+        out_dir=out_dir,
+        manifest=out_dir / "manifest.json",
+        tokens={s: i["tokens"] for s, i in splits.items()},
+        shards={s: len(i["shards"]) for s, i in splits.items()},
+    )
+
+
+def read_shard(path: str | os.PathLike) -> pa.Table:
+    """Read one shard, checking its schema tag.
+
+    Raises:
+        GenomeInputError: the file is not a megabase shard of this schema version.
+    """
+    table = pq.read_table(path)
+    tag = (table.schema.metadata or {}).get(b"megabase.schema")
+    if tag != MANIFEST_SCHEMA.encode():
+        raise GenomeInputError(f"{path}: not a {MANIFEST_SCHEMA} shard (schema tag {tag!r})")
+    return table
+
+
+def shard_token_stream(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
+    """The shard's token stream and loss mask, concatenated over rows.
+
+    Returns:
+        (tokens uint8 ``[shard_tokens]``, loss_mask bool ``[shard_tokens]``).
+    """
+    table = read_shard(path)
+    tokens = table.column("tokens").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    mask = table.column("loss_mask").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    return tokens.astype(np.uint8, copy=False), mask.astype(bool, copy=False)
