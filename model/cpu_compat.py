@@ -1,0 +1,141 @@
+"""Run megatron-core 0.19.2 on a machine without a GPU (CPU tensors, gloo process groups).
+
+This is the only module in the project that patches megatron or ``torch.cuda``. It does
+nothing when a CUDA device is present, so GPU runs execute megatron unmodified.
+:func:`enable` is idempotent; call it before building megatron modules and before
+``parallel_state.initialize_model_parallel``.
+
+Calls covered (each met on CPU, see /work/shared/FINDINGS.md, "megatron-core on CPU"):
+
+``torch.cuda.current_device()``
+    Used as ``device=`` for parameters and buffers (router ``expert_bias``, rotary tables, MoE
+    token counters, DDP buckets). Mapped to ``torch.device("cpu")``.
+``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed`` / ``manual_seed_all``
+    ``model_parallel_cuda_manual_seed`` seeds the CUDA generator and the ``CudaRNGStatesTracker``
+    snapshots it for the tensor-parallel RNG streams. Mapped to the CPU default generator, so
+    ``tracker.fork()`` swaps CPU generator states exactly as it swaps CUDA ones on GPU.
+``megatron.core.tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``
+    Read and restore the generator in ``tracker.fork()`` and in activation recompute
+    (``tensor_parallel.checkpoint``), which must replay dropout exactly. Mapped to the CPU
+    generator.
+``torch.cuda.synchronize``, ``torch.cuda.current_stream``, ``torch.cuda.Stream``, ``torch.cuda.Event``
+    The async checkpoint writer synchronises; the alltoall dispatcher and activation offload
+    record events on side streams. On CPU every op is already ordered, so these are no-ops
+    (a stream/event object whose methods do nothing).
+``torch.Tensor.pin_memory``
+    Host staging buffers (offload, optimizer state) are pinned; pinning needs a CUDA driver.
+    Mapped to identity when no GPU is present.
+``torch.Tensor.cuda``
+    ``.cuda()`` on buffers (DDP grad buffers, RoPE utils). Mapped to identity (the tensor stays on
+    CPU).
+
+Not covered here: ``Tensor.type() == "torch.cuda.FloatTensor"`` assertions in megatron's
+distributed optimizer / grad clipping (patching ``Tensor.type`` globally would change its meaning
+for every library); the training stage uses megatron's optimizer wrappers that avoid them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+__all__ = ["enable", "is_active", "init_process_group"]
+
+_ACTIVE = False
+
+
+class _NullStream:
+    """Stand-in for ``torch.cuda.Stream``/``Event`` on CPU: ordering is already sequential."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NullStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def elapsed_time(self, other):
+        return 0.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def is_active() -> bool:
+    """True once :func:`enable` patched megatron for CPU in this process."""
+    return _ACTIVE
+
+
+def enable() -> bool:
+    """Map megatron's CUDA-only calls to CPU when no GPU is present.
+
+    Returns:
+        True if the CPU mapping is (now) active, False if a CUDA device is present and nothing
+        was changed.
+    """
+    global _ACTIVE
+    if _ACTIVE:
+        return True
+    if torch.cuda.is_available():
+        return False
+
+    cpu = torch.device("cpu")
+    torch.cuda.current_device = lambda: cpu
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the generator directly.
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    torch.cuda.manual_seed_all = lambda seed: None
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.current_stream = lambda device=None: _NullStream()
+    torch.cuda.default_stream = lambda device=None: _NullStream()
+    torch.cuda.Stream = _NullStream
+    torch.cuda.Event = _NullStream
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.get_rng_state().clone() if clone else torch.get_rng_state()
+    )
+    mp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    _ACTIVE = True
+    return True
+
+
+def init_process_group(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
+    """Initialise ``torch.distributed`` with gloo on CPU (nccl on GPU) and enable the CPU mapping.
+
+    Reads ``MASTER_ADDR``/``MASTER_PORT`` from the environment, defaulting to 127.0.0.1 and
+    ``port`` (or 29500).
+    """
+    enable()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port or 29500))
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
