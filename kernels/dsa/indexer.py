@@ -1,0 +1,327 @@
+"""Lightning indexer with k-pool compression and streaming top-k (glm5_next DSA).
+
+Public entries: :func:`kpool_compress` and :func:`lightning_indexer_topk`. On CUDA
+tensors they run the Triton kernels of :mod:`kernels.dsa.indexer_triton`; elsewhere the
+blockwise torch path below, which never holds more than ``block_size x pool_block``
+scores. The dense definitions a reader checks against transformers live in
+:mod:`kernels.dsa.naive` (see its module docstring for the shared conventions: pools,
+visibility, tie rule, output layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.dsa.errors import DSAInputError
+
+__all__ = ["KPoolGrid", "kpool_grid", "kpool_compress", "lightning_indexer_topk"]
+
+# Composite int64 selection key: high 32 bits = order-preserving image of the float32
+# score, low 32 bits = (2^32 - 1 - pool index). Every key is distinct, so top-k over keys
+# is deterministic on every device and equal scores are won by the lower pool index.
+_LOW_MASK = 0xFFFFFFFF
+INVALID_KEY = torch.iinfo(torch.int64).min
+
+
+@dataclass(frozen=True)
+class KPoolGrid:
+    """Where the k-pools of ``S`` (possibly packed) keys lie.
+
+    Attributes:
+        start: ``[P]`` int64, first token of each pool (pools of a document are
+            contiguous and in position order, documents in order).
+        doc: ``[P]`` int64, document of each pool.
+        complete: ``[P]`` bool, the pool has ``kpool`` tokens inside its document.
+        doc_bounds: ``[n_docs + 1]`` int64, ``cu_seqlens`` (``[0, S]`` for one document).
+        doc_first_pool: ``[n_docs + 1]`` int64, index of each document's first pool.
+        kpool: tokens per pool.
+    """
+
+    start: torch.Tensor
+    doc: torch.Tensor
+    complete: torch.Tensor
+    doc_bounds: torch.Tensor
+    doc_first_pool: torch.Tensor
+    kpool: int
+
+    @property
+    def end(self) -> torch.Tensor:
+        """``[P]`` int64, last token of each complete pool (the visibility position)."""
+        return self.start + (self.kpool - 1)
+
+    def pool_of_start(self, start_token: torch.Tensor) -> torch.Tensor:
+        """Pool index of pools given by their first token (any shape, int)."""
+        start_token = start_token.long()
+        doc = torch.searchsorted(self.doc_bounds, start_token, right=True) - 1
+        doc = doc.clamp(0, self.doc_bounds.numel() - 2)
+        return self.doc_first_pool[doc] + (start_token - self.doc_bounds[doc]) // self.kpool
+
+
+def kpool_grid(
+    n_keys: int, kpool: int, cu_seqlens: torch.Tensor | None = None, device: torch.device | None = None
+) -> KPoolGrid:
+    """Lay k-pools over ``n_keys`` keys, restarting at every document start.
+
+    Args:
+        n_keys: key count ``S``.
+        kpool: tokens per pool (>= 1).
+        cu_seqlens: optional ``[n_docs + 1]`` document bounds (fla convention).
+        device: where the grid tensors live.
+
+    Raises:
+        DSAInputError: ``kpool < 1`` or ``cu_seqlens`` not rising from 0 to ``n_keys``.
+    """
+    if kpool < 1:
+        raise DSAInputError(f"kpool must be >= 1, got {kpool}")
+    if cu_seqlens is None:
+        bounds = torch.tensor([0, n_keys], dtype=torch.long, device=device)
+    else:
+        bounds = cu_seqlens.to(device=device, dtype=torch.long)
+        if bounds.ndim != 1 or bounds.numel() < 2 or int(bounds[0]) != 0 or int(bounds[-1]) != n_keys or bool(
+            (bounds[1:] < bounds[:-1]).any()
+        ):
+            raise DSAInputError(f"cu_seqlens must rise from 0 to the key length {n_keys}, got {cu_seqlens.tolist()}")
+    lengths = bounds[1:] - bounds[:-1]
+    n_pools = (lengths + kpool - 1) // kpool
+    first_pool = torch.zeros(lengths.numel() + 1, dtype=torch.long, device=device)
+    first_pool[1:] = torch.cumsum(n_pools, 0)
+    doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), n_pools)
+    local = torch.arange(int(first_pool[-1]), device=device) - first_pool[doc]
+    start = bounds[doc] + local * kpool
+    complete = start + kpool <= bounds[doc + 1]
+    return KPoolGrid(start, doc, complete, bounds, first_pool, kpool)
+
+
+def _check_kpool_inputs(keys: torch.Tensor, gate_scores: torch.Tensor, ape: torch.Tensor, kpool: int) -> None:
+    if keys.ndim != 3 or gate_scores.shape != keys.shape:
+        raise DSAInputError(
+            f"keys and gate_scores must both be [B, S, D], got {tuple(keys.shape)} and {tuple(gate_scores.shape)}"
+        )
+    if ape.shape != (kpool, keys.shape[-1]):
+        raise DSAInputError(f"ape must be [kpool, D] = {(kpool, keys.shape[-1])}, got {tuple(ape.shape)}")
+
+
+def kpool_compress(
+    keys: torch.Tensor,
+    gate_scores: torch.Tensor,
+    ape: torch.Tensor,
+    kpool: int,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Compress indexer keys into one key per k-pool (differentiable).
+
+    ``pool_key[j, d] = sum_i softmax_i(gate[start_j + i, d] + ape[i, d]) * keys[start_j + i, d]``,
+    softmax over the tokens of pool ``j`` per channel ``d`` (``Glm5NextTextIndexer.get_pooled_states``).
+
+    Args:
+        keys: indexer keys ``[B, S, D]`` (after ``k_norm``).
+        gate_scores: ``x @ index_kpool_compress_gate.T``, ``[B, S, D]``.
+        ape: ``index_kpool_compress_ape``, ``[kpool, D]``.
+        kpool: tokens per pool.
+        cu_seqlens: optional document bounds (``B == 1``); pools restart at each document.
+
+    Returns:
+        ``[B, P, D]`` in ``keys.dtype``, pools ordered as :func:`kpool_grid` (``P =
+        ceil(S / kpool)`` for one document, ``sum_d ceil(len_d / kpool)`` when packed).
+        Tail rule: a document's last, incomplete pool is compressed over the tokens it
+        has (as transformers does) but is never selectable; the indexer reaches those
+        tokens through the tail rule of :func:`lightning_indexer_topk`.
+
+    Raises:
+        DSAInputError: on shape mismatches or bad ``cu_seqlens``.
+    """
+    _check_kpool_inputs(keys, gate_scores, ape, kpool)
+    if cu_seqlens is not None and keys.shape[0] != 1:
+        raise DSAInputError(f"cu_seqlens needs batch size 1 (packed documents), got batch {keys.shape[0]}")
+    grid = kpool_grid(keys.shape[1], kpool, cu_seqlens, keys.device)
+    return _compress_on_grid(keys, gate_scores, ape, grid)
+
+
+def _compress_on_grid(keys: torch.Tensor, gate_scores: torch.Tensor, ape: torch.Tensor, grid: KPoolGrid) -> torch.Tensor:
+    compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
+    kpool = grid.kpool
+    tokens = grid.start[:, None] + torch.arange(kpool, device=keys.device)  # [P, kpool]
+    present = tokens < grid.doc_bounds[grid.doc + 1][:, None]
+    tokens = tokens.clamp_max(keys.shape[1] - 1)
+    logits = gate_scores[:, tokens].to(compute) + ape.to(compute)  # [B, P, kpool, D]
+    logits = logits.masked_fill(~present[None, :, :, None], float("-inf"))
+    probs = logits.softmax(dim=2)
+    return (probs * keys[:, tokens].to(compute)).sum(dim=2).to(keys.dtype)
+
+
+def _selection_keys(scores: torch.Tensor, pool_index: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Composite int64 keys (see ``_LOW_MASK``) from float32 ``scores``; invisible -> INVALID_KEY."""
+    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0 folds -0.0 into +0.0
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    keys = (ordered << 32) | (_LOW_MASK - pool_index)
+    return keys.masked_fill(~visible, INVALID_KEY)
+
+
+def decode_selection_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool indices (int64) and validity of composite selection keys."""
+    return _LOW_MASK - (keys & _LOW_MASK), keys != INVALID_KEY
+
+
+def _check_indexer_inputs(q, k, gate_scores, ape, weights, kpool, topk, q_offset) -> None:
+    if q.ndim != 4:
+        raise DSAInputError(f"q must be [B, T, H, D], got {tuple(q.shape)}")
+    batch, n_q, heads, dim = q.shape
+    _check_kpool_inputs(k, gate_scores, ape, kpool)
+    if k.shape[0] != batch or k.shape[2] != dim:
+        raise DSAInputError(f"k must be [B, S, D] = [{batch}, S, {dim}], got {tuple(k.shape)}")
+    if weights.shape != (batch, n_q, heads):
+        raise DSAInputError(f"weights must be [B, T, H] = {(batch, n_q, heads)}, got {tuple(weights.shape)}")
+    if topk < kpool or topk % kpool != 0:
+        raise DSAInputError(f"topk ({topk}) must be a positive multiple of kpool ({kpool})")
+    if q_offset < 0 or q_offset + n_q > k.shape[1]:
+        raise DSAInputError(
+            f"queries at positions {q_offset}..{q_offset + n_q - 1} do not lie within the {k.shape[1]} keys"
+        )
+
+
+def tail_indices(q_pos: torch.Tensor, q_doc_start: torch.Tensor, kpool: int) -> torch.Tensor:
+    """``[T, kpool - 1]`` int64 tokens of each query's current incomplete pool, ``-1``-padded.
+
+    A query at local position ``p`` (``p = q_pos - doc_start``) sees ``p + 1`` tokens of its
+    document, ``(p + 1) % kpool`` of which lie past the last complete pool
+    (``Glm5NextTextIndexer.append_visible_tail`` without padding).
+    """
+    tail_count = (q_pos - q_doc_start + 1) % kpool
+    offsets = torch.arange(kpool - 1, device=q_pos.device)
+    tail = (q_pos + 1 - tail_count)[:, None] + offsets
+    return tail.masked_fill(offsets[None, :] >= tail_count[:, None], -1)
+
+
+def lightning_indexer_topk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    gate_scores: torch.Tensor,
+    ape: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    kpool: int,
+    topk: int,
+    select_tail: bool,
+    softmax_scale: float,
+    q_offset: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    block_size: int = 256,
+) -> torch.Tensor:
+    """Select, per query, the tokens DSA attends to: the top k-pools by lightning-indexer score.
+
+    Pools (:func:`kpool_compress`) are scored by
+    ``I[t, p] = sum_h weights[t, h] * relu(softmax_scale * q[t, h] . pool_key[p])``
+    (DeepSeek-V3.2, arXiv 2512.02556, eq. 1; GLM-5.3 k-pool variant,
+    ``Glm5NextTextIndexer``). A pool is selectable when it is complete, in the query's
+    document and its last token is at or before the query. The best
+    ``topk // kpool`` selectable pools are kept and expanded to token indices; with
+    ``select_tail`` the visible tokens of the query's current incomplete pool follow.
+
+    Tie rule (project decision): among equal scores the pool with the lower index
+    (earlier position) wins, in every path (composite int64 keys, see ``_LOW_MASK``).
+
+    Queries are processed ``block_size`` at a time against pools in chunks with a
+    running top-k: memory ``O(T * topk + block_size * pool_chunk)``, never ``T x S``.
+
+    Args:
+        q: indexer queries ``[B, T, H, D]`` (``wq_b(q_resid)``), at global positions
+            ``q_offset .. q_offset + T - 1``.
+        k: indexer keys ``[B, S, D]`` (``k_norm(wk(x))``), all keys ``0 .. S - 1``.
+        gate_scores: ``[B, S, D]`` k-pool compression gates.
+        ape: ``[kpool, D]`` k-pool positional bias.
+        weights: ``[B, T, H]`` per-head weights, already scaled by ``H ** -0.5``.
+        kpool: tokens per pool. topk: token budget, a multiple of ``kpool``.
+        select_tail: append the current incomplete pool (``index_kpool_always_select_tail``).
+        softmax_scale: score scale, ``D ** -0.5`` in glm5_next.
+        q_offset: global position of the first query (context parallelism).
+        cu_seqlens: ``[n_docs + 1]`` int document bounds over the ``S`` keys (``B == 1``).
+        block_size: queries per block.
+
+    Returns:
+        ``[B, T, W]`` int32 token indices into the ``S`` keys, ``-1`` = none,
+        ``W = topk + (kpool - 1 if select_tail else 0)``; layout in :mod:`kernels.dsa.naive`.
+
+    Raises:
+        DSAInputError: on inconsistent shapes, ``topk`` not a multiple of ``kpool``,
+            queries outside the keys, or bad ``cu_seqlens``.
+    """
+    _check_indexer_inputs(q, k, gate_scores, ape, weights, kpool, topk, q_offset)
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise DSAInputError(f"cu_seqlens needs batch size 1 (packed documents), got batch {q.shape[0]}")
+    if block_size < 1:
+        raise DSAInputError(f"block_size must be >= 1, got {block_size}")
+    grid = kpool_grid(k.shape[1], kpool, cu_seqlens, q.device)
+    pool_keys = _compress_on_grid(k, gate_scores, ape, grid)
+    if q.is_cuda:
+        from kernels.dsa.indexer_triton import triton_pool_topk
+
+        pools = triton_pool_topk(q, pool_keys, weights, grid, topk // kpool, softmax_scale, q_offset)
+    else:
+        pools = _torch_pool_topk(q, pool_keys, weights, grid, topk // kpool, softmax_scale, q_offset, block_size)
+    return _expand_selection(pools, grid, q.shape[1], q_offset, topk, select_tail)
+
+
+def _query_docs(grid: KPoolGrid, n_q: int, q_offset: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    q_pos = q_offset + torch.arange(n_q, device=device)
+    q_doc = torch.searchsorted(grid.doc_bounds, q_pos, right=True) - 1
+    return q_pos, q_doc
+
+
+def _torch_pool_topk(
+    q: torch.Tensor,
+    pool_keys: torch.Tensor,
+    weights: torch.Tensor,
+    grid: KPoolGrid,
+    n_select: int,
+    softmax_scale: float,
+    q_offset: int,
+    block_size: int,
+    pool_chunk: int = 2048,
+) -> torch.Tensor:
+    """Blockwise scores with a running top-k; ``[B, T, n_select]`` int64 pool indices, -1 = none."""
+    batch, n_q, _, _ = q.shape
+    device = q.device
+    q_pos, q_doc = _query_docs(grid, n_q, q_offset, device)
+    pool_end = grid.end
+    selected = torch.full((batch, n_q, n_select), -1, dtype=torch.long, device=device)
+    for t0 in range(0, n_q, block_size):
+        t1 = min(t0 + block_size, n_q)
+        pos, doc = q_pos[t0:t1], q_doc[t0:t1]
+        # Pools are ordered by position: the candidates of this block are the pools from
+        # its first document's first pool up to the last pool ending at its last query.
+        p_lo = int(grid.doc_first_pool[doc[0]])
+        p_hi = int(torch.searchsorted(pool_end, pos[-1], right=True))
+        q_blk = q[:, t0:t1].float()
+        w_blk = weights[:, t0:t1].float()
+        running = torch.full((batch, t1 - t0, n_select), INVALID_KEY, dtype=torch.long, device=device)
+        for c0 in range(p_lo, p_hi, pool_chunk):
+            c1 = min(c0 + pool_chunk, p_hi)
+            scores = torch.einsum("bthd,bpd->bthp", q_blk, pool_keys[:, c0:c1].float())
+            scores = torch.einsum("bthp,bth->btp", torch.relu(scores * softmax_scale), w_blk)
+            visible = (
+                grid.complete[None, c0:c1]
+                & (grid.doc[None, c0:c1] == doc[:, None])
+                & (pool_end[None, c0:c1] <= pos[:, None])
+            )
+            keys = _selection_keys(scores, torch.arange(c0, c1, device=device), visible[None])
+            running = torch.cat([running, keys], dim=-1).topk(n_select, dim=-1).values
+        pool_index, valid = decode_selection_keys(running)
+        selected[:, t0:t1] = pool_index.masked_fill(~valid, -1)
+    return selected
+
+
+def _expand_selection(
+    pools: torch.Tensor, grid: KPoolGrid, n_q: int, q_offset: int, topk: int, select_tail: bool
+) -> torch.Tensor:
+    """Pool indices ``[B, T, topk // kpool]`` (-1 = none) -> token indices ``[B, T, W]`` int32."""
+    kpool = grid.kpool
+    valid = pools >= 0
+    tokens = grid.start[pools.clamp_min(0)][..., None] + torch.arange(kpool, device=pools.device)
+    tokens = tokens.masked_fill(~valid[..., None], -1).flatten(-2)
+    if select_tail:
+        q_pos, q_doc = _query_docs(grid, n_q, q_offset, pools.device)
+        tail = tail_indices(q_pos, grid.doc_bounds[q_doc], kpool)
+        tokens = torch.cat([tokens, tail[None].expand(pools.shape[0], -1, -1)], dim=-1)
+    return tokens.to(torch.int32)

@@ -1,0 +1,153 @@
+"""Sparse MLA attention over indexer-selected tokens, absorbed (MQA) form, with backward.
+
+DeepSeek-V3.2 (arXiv 2512.02556) runs the sparse attention of DSA in MLA's MQA mode:
+the per-head query is absorbed through ``W_UK`` into the ``kv_lora_rank`` latent, every
+head attends to the same latent ``kv`` of the selected tokens, and the output latent is
+projected through ``W_UV`` afterwards (FlashMLA ``sparse`` kernels). glm5_next's DSA
+layers are NoPE-MLA (``qk_rope_head_dim = 0``), so ``Dqk = d_v = kv_lora_rank`` there.
+
+:func:`sparse_mla_attention` is the public entry (an ``autograd.Function``): Triton
+kernels on CUDA (:mod:`kernels.dsa.sparse_attention_triton`), the blockwise torch path
+below elsewhere. Neither path builds a ``T x S`` matrix: the forward gathers the ``K``
+selected latents of a block of queries, the backward recomputes the probabilities from
+the saved log-sum-exp and scatter-adds into ``dkv``. The dense definition is
+:func:`kernels.dsa.naive.naive_sparse_mla_attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.dsa.errors import DSAInputError
+
+__all__ = ["sparse_mla_attention"]
+
+
+def _check_attention_inputs(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> None:
+    if q.ndim != 4 or kv.ndim != 3:
+        raise DSAInputError(f"q must be [B, T, H, Dqk] and kv [B, S, Dqk], got {tuple(q.shape)} and {tuple(kv.shape)}")
+    if kv.shape[0] != q.shape[0] or kv.shape[2] != q.shape[3]:
+        raise DSAInputError(f"kv {tuple(kv.shape)} does not match q {tuple(q.shape)} in batch or Dqk")
+    if indices.ndim != 3 or indices.shape[:2] != q.shape[:2]:
+        raise DSAInputError(f"indices must be [B, T, K] = [{q.shape[0]}, {q.shape[1]}, K], got {tuple(indices.shape)}")
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise DSAInputError(f"indices must be int32 or int64, got {indices.dtype}")
+    if not 0 < d_v <= kv.shape[2]:
+        raise DSAInputError(f"d_v must be in 1..{kv.shape[2]}, got {d_v}")
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _gather_block(kv: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selected latents ``[B, t, K, Dqk]`` (zeros where -1) and the validity mask ``[B, t, K]``."""
+    valid = idx >= 0
+    batch_index = torch.arange(kv.shape[0], device=kv.device)[:, None, None]
+    gathered = kv[batch_index, idx.long().clamp_min(0)].to(dtype)
+    return gathered * valid[..., None], valid
+
+
+def _block_scores(q_blk: torch.Tensor, kv_blk: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    scores = torch.einsum("bthd,btkd->bthk", q_blk, kv_blk) * scale
+    return scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+
+
+def torch_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v, block_size=64):
+    """Blockwise forward: ``out [B, T, H, d_v]`` (q.dtype), ``lse [B, T, H]`` (float64 for
+    float64 inputs so that gradcheck-level backwards stay exact, else float32)."""
+    batch, n_q, heads, _ = q.shape
+    dtype = _compute_dtype(q)
+    out = torch.empty(batch, n_q, heads, d_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, n_q, heads, dtype=torch.promote_types(dtype, torch.float32), device=q.device)
+    for t0 in range(0, n_q, block_size):
+        t1 = min(t0 + block_size, n_q)
+        kv_blk, valid = _gather_block(kv, indices[:, t0:t1], dtype)
+        scores = _block_scores(q[:, t0:t1].to(dtype), kv_blk, valid, softmax_scale)
+        lse_blk = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse_blk.masked_fill(torch.isinf(lse_blk), 0.0)[..., None])
+        out[:, t0:t1] = torch.einsum("bthk,btkv->bthv", probs, kv_blk[..., :d_v]).to(q.dtype)
+        lse[:, t0:t1] = lse_blk
+    return out, lse
+
+
+def torch_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v, block_size=64):
+    """Blockwise backward: ``dq`` like q, ``dkv`` like kv (scatter-added in float32/64)."""
+    dtype = _compute_dtype(q)
+    batch, n_q, _, _ = q.shape
+    n_keys = kv.shape[1]
+    dq = torch.empty_like(q)
+    dkv = torch.zeros(batch * n_keys, kv.shape[2], dtype=dtype, device=kv.device)
+    delta = (grad_out.to(dtype) * out.to(dtype)).sum(-1)  # [B, T, H]
+    for t0 in range(0, n_q, block_size):
+        t1 = min(t0 + block_size, n_q)
+        idx = indices[:, t0:t1]
+        kv_blk, valid = _gather_block(kv, idx, dtype)
+        q_blk = q[:, t0:t1].to(dtype)
+        do_blk = grad_out[:, t0:t1].to(dtype)
+        scores = _block_scores(q_blk, kv_blk, valid, softmax_scale)
+        lse_blk = lse[:, t0:t1].to(dtype)
+        probs = torch.exp(scores - lse_blk.masked_fill(torch.isinf(lse_blk), 0.0)[..., None])
+        dprobs = torch.einsum("bthv,btkv->bthk", do_blk, kv_blk[..., :d_v])
+        dscores = probs * (dprobs - delta[:, t0:t1, :, None].to(dtype)) * softmax_scale
+        dq[:, t0:t1] = torch.einsum("bthk,btkd->bthd", dscores, kv_blk).to(q.dtype)
+        dkv_blk = torch.einsum("bthk,bthd->btkd", dscores, q_blk)
+        dkv_blk[..., :d_v] += torch.einsum("bthk,bthv->btkv", probs, do_blk)
+        rows = idx.long().clamp_min(0) + n_keys * torch.arange(batch, device=kv.device)[:, None, None]
+        dkv.index_add_(0, rows[valid], dkv_blk[valid])
+    return dq, dkv.view(batch, n_keys, -1).to(kv.dtype)
+
+
+class _SparseMLAAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, indices, softmax_scale, d_v):
+        if q.is_cuda:
+            from kernels.dsa.sparse_attention_triton import triton_sparse_mla_fwd
+
+            out, lse = triton_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v)
+        else:
+            out, lse = torch_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v)
+        ctx.save_for_backward(q, kv, indices, out, lse)
+        ctx.softmax_scale, ctx.d_v = softmax_scale, d_v
+        lse = lse.float()
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, kv, indices, out, lse = ctx.saved_tensors
+        if q.is_cuda:
+            from kernels.dsa.sparse_attention_triton import triton_sparse_mla_bwd
+
+            dq, dkv = triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out.contiguous(), ctx.softmax_scale, ctx.d_v)
+        else:
+            dq, dkv = torch_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, ctx.softmax_scale, ctx.d_v)
+        return dq, dkv, None, None, None
+
+
+def sparse_mla_attention(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of every head over the selected tokens of one shared MLA latent.
+
+    ``out[b, t, h] = sum_{s in sel(b, t)} softmax_s(softmax_scale * q[b, t, h] . kv[b, s]) * kv[b, s, :d_v]``
+
+    Args:
+        q: absorbed queries ``[B, T, H, Dqk]`` (``q_nope @ W_UK`` per head).
+        kv: latent ``[B, S, Dqk]`` (``kv_a_layernorm`` output), shared by all heads.
+        indices: ``[B, T, K]`` int32/int64 token indices into ``S``, ``-1`` skipped, each
+            valid index at most once per row (the indexer's output satisfies this).
+        softmax_scale: usually ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5`` of the
+            un-absorbed head (the absorption does not change the logits).
+        d_v: value width, the value of token ``s`` is ``kv[b, s, :d_v]``.
+
+    Returns:
+        ``out [B, T, H, d_v]`` in ``q.dtype`` and ``lse [B, T, H]`` float32 (natural log;
+        ``-inf`` for a row without a valid index, whose ``out`` is 0). ``lse`` carries no
+        gradient. Differentiable in ``q`` and ``kv``.
+
+    Raises:
+        DSAInputError: on inconsistent shapes or dtypes.
+    """
+    _check_attention_inputs(q, kv, indices, d_v)
+    return _SparseMLAAttention.apply(q, kv, indices, softmax_scale, d_v)

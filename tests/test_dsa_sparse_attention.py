@@ -1,0 +1,106 @@
+"""Sparse MLA attention (absorbed form): forward, log-sum-exp and backward equal a float64
+dense masked computation written here, and the autograd Function passes gradcheck."""
+
+import math
+
+import pytest
+import torch
+
+from kernels.dsa import DSAInputError, naive_sparse_mla_attention, sparse_mla_attention
+
+
+def _case(batch, n_q, n_k, heads, dqk, n_idx, seed, dtype=torch.float64, q_offset=None):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, n_q, heads, dqk, generator=gen, dtype=dtype)
+    kv = torch.randn(batch, n_k, dqk, generator=gen, dtype=dtype)
+    q_offset = n_k - n_q if q_offset is None else q_offset
+    indices = torch.full((batch, n_q, n_idx), -1, dtype=torch.int32)
+    for b in range(batch):
+        for t in range(n_q):
+            visible = q_offset + t + 1
+            take = torch.randperm(visible, generator=gen)[: min(n_idx, visible)]
+            # leave some slots empty, and scatter the -1s among the valid ones
+            keep = take[: max(1, len(take) - t % 3)]
+            slots = torch.randperm(n_idx, generator=gen)[: len(keep)]
+            indices[b, t, slots] = keep.to(torch.int32)
+    return q, kv, indices
+
+
+def _reference(q, kv, indices, scale, d_v):
+    """Loop over queries in float64: softmax over the named keys only."""
+    batch, n_q, heads, _ = q.shape
+    out = torch.zeros(batch, n_q, heads, d_v, dtype=torch.float64)
+    lse = torch.full((batch, n_q, heads), -math.inf, dtype=torch.float64)
+    for b in range(batch):
+        for t in range(n_q):
+            keys = indices[b, t][indices[b, t] >= 0].long()
+            if keys.numel() == 0:
+                continue
+            scores = q[b, t].double() @ kv[b, keys].double().T * scale  # [H, k]
+            lse[b, t] = torch.logsumexp(scores, -1)
+            out[b, t] = scores.softmax(-1) @ kv[b, keys, :d_v].double()
+    return out, lse
+
+
+@pytest.mark.parametrize("d_v", [12, 16])
+def test_forward_and_lse_equal_float64_reference(d_v):
+    q, kv, idx = _case(2, 9, 20, 3, 16, 6, seed=0)
+    out, lse = sparse_mla_attention(q, kv, idx, 0.3, d_v)
+    ref_out, ref_lse = _reference(q, kv, idx, 0.3, d_v)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-6, atol=1e-6)  # lse is float32
+    dense_out, dense_lse = naive_sparse_mla_attention(q, kv, idx, 0.3, d_v)
+    torch.testing.assert_close(dense_out, ref_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dense_lse, lse)
+
+
+def test_row_without_indices_gives_zero_output_and_minus_inf_lse():
+    q, kv, idx = _case(1, 4, 8, 2, 8, 3, seed=1)
+    idx[0, 2] = -1
+    out, lse = sparse_mla_attention(q, kv, idx, 1.0, 8)
+    assert bool((out[0, 2] == 0).all()) and bool(torch.isneginf(lse[0, 2]).all())
+    q.requires_grad_(True)
+    kv.requires_grad_(True)
+    out, _ = sparse_mla_attention(q, kv, idx, 1.0, 8)
+    out.square().sum().backward()
+    assert bool(torch.isfinite(q.grad).all()) and bool((q.grad[0, 2] == 0).all())
+    assert bool(torch.isfinite(kv.grad).all())
+
+
+def test_backward_equals_float64_reference_gradients():
+    q, kv, idx = _case(2, 11, 24, 4, 16, 7, seed=2)
+    d_v, scale = 12, 0.25
+    grad = torch.randn(2, 11, 4, d_v, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    q1, kv1 = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    out, _ = sparse_mla_attention(q1, kv1, idx, scale, d_v)
+    out.backward(grad)
+    q2, kv2 = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    ref_out, _ = _reference(q2, kv2, idx, scale, d_v)
+    ref_out.backward(grad)
+    torch.testing.assert_close(q1.grad, q2.grad, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(kv1.grad, kv2.grad, rtol=1e-9, atol=1e-11)
+
+
+def test_gradcheck():
+    q, kv, idx = _case(1, 5, 9, 2, 6, 4, seed=4)
+    q.requires_grad_(True)
+    kv.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, b: sparse_mla_attention(a, b, idx, 0.7, 4)[0], (q, kv))
+
+
+def test_float32_inputs_keep_their_dtype_and_match_float64():
+    q, kv, idx = _case(1, 16, 40, 4, 32, 10, seed=5, dtype=torch.float32)
+    out, lse = sparse_mla_attention(q, kv, idx, 32**-0.5, 32)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    ref_out, _ = _reference(q, kv, idx, 32**-0.5, 32)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_arguments_raise_dsa_input_error():
+    q, kv, idx = _case(1, 4, 8, 2, 8, 3, seed=6)
+    with pytest.raises(DSAInputError, match="d_v"):
+        sparse_mla_attention(q, kv, idx, 1.0, 9)
+    with pytest.raises(DSAInputError, match="indices"):
+        sparse_mla_attention(q, kv, idx.float(), 1.0, 8)
+    with pytest.raises(DSAInputError, match="Dqk"):
+        sparse_mla_attention(q, kv[..., :4], idx, 1.0, 4)
