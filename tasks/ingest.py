@@ -77,11 +77,15 @@ class IngestConfig:
         train: selection patterns for training records (see module docstring).
         eval: selection patterns for held-out evaluation records.
         aliases: extra aliases, ``{"chr22": "NC_000022.11"}``; a value may be ``"source:name"``.
+        self_contained: copy sources that would be read in place into the output (BGZF stays
+            BGZF), so the output directory can move (Flyte outputs, cache hits after the
+            source file was renamed or deleted).
     """
 
-    train: tuple[str, ...]
-    eval: tuple[str, ...]
-    aliases: Mapping[str, str] = field(default_factory=dict)
+    train: list[str]
+    eval: list[str]
+    aliases: dict[str, str] = field(default_factory=dict)
+    self_contained: bool = False
 
 
 @dataclass(frozen=True)
@@ -287,6 +291,7 @@ class _CountingReader(io.RawIOBase):
 
     def __init__(self, raw: BinaryIO, bar: tqdm):
         self.raw, self.bar = raw, bar
+        self.sha = hashlib.sha256()
 
     def readable(self) -> bool:
         return True
@@ -294,6 +299,7 @@ class _CountingReader(io.RawIOBase):
     def readinto(self, buf) -> int:
         data = self.raw.read(len(buf))
         buf[: len(data)] = data
+        self.sha.update(data)
         self.bar.update(len(data))
         return len(data)
 
@@ -306,8 +312,9 @@ def _open_lines(uri: str, raw: BinaryIO, compressed: bool) -> Iterator[bytes]:
         raise GenomeInputError(f"{uri}: corrupt or truncated compressed FASTA ({err})") from err
 
 
-def _ingest_source(uri: str, label: str, work: Path) -> tuple[_SourceScan, str, str, str | None]:
-    """Scan one source; returns (scan, fasta path, fai path, gzi path) for pyfaidx."""
+def _ingest_source(uri: str, label: str, work: Path, self_contained: bool
+                   ) -> tuple[_SourceScan, str, str, str | None, str]:
+    """Scan one source; returns (scan, fasta path, fai path, gzi path, sha256 of the file bytes)."""
     fs, path = fsspec.core.url_to_fs(uri)
     if not fs.exists(path):
         raise GenomeInputError(f"{uri}: no such file")
@@ -324,7 +331,8 @@ def _ingest_source(uri: str, label: str, work: Path) -> tuple[_SourceScan, str, 
     with fs.open(path, "rb") as f, tqdm(
         total=size, unit="B", unit_scale=True, desc=f"ingest {label}", leave=False, disable=None
     ) as bar:
-        lines = _open_lines(uri, io.BufferedReader(_CountingReader(f, bar), 1 << 20), compressed)
+        counting = _CountingReader(f, bar)
+        lines = _open_lines(uri, io.BufferedReader(counting, 1 << 20), compressed)
         if read_in_place:
             scan = _scan(uri, lines, normalized=None)
         else:
@@ -334,6 +342,7 @@ def _ingest_source(uri: str, label: str, work: Path) -> tuple[_SourceScan, str, 
                 scan = _scan(uri, lines, normalized=writer)
             finally:
                 writer.close()
+        file_sha256 = counting.sha.hexdigest()
 
     if read_in_place and not scan.faidx_clean:
         log.info("%s: line layout pyfaidx cannot index (CRLF, blank lines or ragged widths): normalizing", uri)
@@ -346,15 +355,20 @@ def _ingest_source(uri: str, label: str, work: Path) -> tuple[_SourceScan, str, 
                 writer.close()
         read_in_place = False
 
+    if read_in_place and self_contained:
+        copy = work / "fasta" / (f"{label}.fa.gz" if compressed else f"{label}.fa")
+        copy.parent.mkdir(exist_ok=True)
+        fs.get_file(path, str(copy))
+        path = str(copy)
     if read_in_place:
         (work / "index").mkdir(exist_ok=True)
-        fasta = str(Path(path).absolute())
+        fasta = os.path.relpath(path, work) if self_contained else str(Path(path).absolute())
         fai = f"index/{label}.fai"
         gzi = f"index/{label}.gzi" if compressed else None
     else:
         fasta, fai, gzi = f"fasta/{label}.fa", f"fasta/{label}.fa.fai", None
     _build_index(work, fasta, fai, gzi)
-    return scan, fasta, fai, gzi
+    return scan, fasta, fai, gzi, file_sha256
 
 
 def open_fasta(ingest_dir: Path, fasta: str, fai: str, gzi: str | None):
@@ -440,8 +454,9 @@ def ingest(sources: Sequence[str], cfg: IngestConfig, out_dir: str | os.PathLike
         records: list[RecordInfo] = []
         source_rows = []
         for uri, label in zip(sources, labels):
-            scan, fasta, fai, gzi = _ingest_source(uri, label, work)
-            source_rows.append({"uri": uri, "label": label, "fasta": fasta, "read_in_place": not fasta.startswith("fasta/")})
+            scan, fasta, fai, gzi, file_sha256 = _ingest_source(uri, label, work, cfg.self_contained)
+            source_rows.append({"uri": uri, "label": label, "sha256": file_sha256, "fasta": fasta,
+                                "read_in_place": os.path.isabs(fasta)})
             for r in scan.records:
                 records.append(RecordInfo(
                     source=label, name=r.name, description=r.description,
@@ -460,7 +475,7 @@ def ingest(sources: Sequence[str], cfg: IngestConfig, out_dir: str | os.PathLike
             )
         manifest = {
             "schema": MANIFEST_SCHEMA,
-            "config": {"train": list(cfg.train), "eval": list(cfg.eval), "aliases": dict(cfg.aliases)},
+            "config": asdict(cfg),
             "sources": source_rows,
             "records": [asdict(r) | {"key": r.key} for r in records],
             "selection": {"train": [r.key for r in train], "eval": [r.key for r in held_out]},
@@ -490,3 +505,52 @@ def load_manifest(ingest_dir: str | os.PathLike) -> tuple[dict, dict[str, Record
         r = RecordInfo(**row)
         records[r.key] = r
     return doc, records
+
+
+def fingerprint_sources(sources: Sequence[str]) -> str:
+    """sha256 over the bytes of every source, in order (names excluded: a renamed file matches).
+
+    This is the ingest cache key: computed before ingest runs, so an unchanged genome hits
+    the cache and a one-byte change misses it.
+
+    Raises:
+        GenomeInputError: a source does not exist.
+    """
+    digest = hashlib.sha256()
+    for uri in sources:
+        fs, path = fsspec.core.url_to_fs(uri)
+        if not fs.exists(path):
+            raise GenomeInputError(f"{uri}: no such file")
+        with fs.open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+        digest.update(b"\0source-end\0")
+    return digest.hexdigest()
+
+
+# ---- Flyte task: resources and cache version only; the logic is ingest() above ----------
+
+from flytekit import Cache, task  # noqa: E402
+
+from workflows.caching import HashedDir, as_output, code_version, requests_for, stage_output_dir  # noqa: E402
+from workflows.presets import active_preset  # noqa: E402
+
+INGEST_VERSION = code_version("tasks/ingest.py", "tasks/atomic.py", "tasks/vocab.py")
+
+
+@task(
+    cache=Cache(version=INGEST_VERSION, ignored_inputs=("sources",)),
+    requests=requests_for(active_preset().data_resources),
+)
+def ingest_task(sources: list[str], sources_sha256: str, cfg: IngestConfig) -> HashedDir:
+    """Flyte wrapper of :func:`ingest`; cached on the sources' content (not their paths)."""
+    cfg = IngestConfig(**{**asdict(cfg), "self_contained": True})
+    out = stage_output_dir("ingest", INGEST_VERSION, sources_sha256=sources_sha256, cfg=asdict(cfg))
+    ingest(sources, cfg, out)
+    return as_output(out)
+
+
+@task(requests=requests_for(active_preset().data_resources))
+def fingerprint_task(sources: list[str]) -> str:
+    """Flyte wrapper of :func:`fingerprint_sources` (never cached: it is the cache key)."""
+    return fingerprint_sources(sources)

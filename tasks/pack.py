@@ -70,7 +70,6 @@ import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import pyarrow as pa
@@ -118,7 +117,7 @@ class PackConfig:
     """
 
     shard_tokens: int = MAX_SHARD_TOKENS
-    tail: Literal["short", "join"] = "short"
+    tail: str = "short"
     n_run_split_bases: int = 1000
     reverse_complement: bool = False
     read_block_bases: int = 1 << 20
@@ -440,3 +439,23 @@ def shard_token_stream(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]
     tokens = np.frombuffer(b"".join(table.column("tokens").to_pylist()), dtype=np.uint8)
     mask = np.frombuffer(b"".join(table.column("loss_mask").to_pylist()), dtype=np.uint8).view(bool)
     return tokens, mask
+
+
+# ---- Flyte task: resources and cache version only; the logic is pack() above ------------
+
+from flytekit import Cache, task  # noqa: E402
+
+from workflows.caching import HashedDir, as_output, code_version, requests_for, stage_output_dir  # noqa: E402
+from workflows.presets import active_preset  # noqa: E402
+
+PACK_VERSION = code_version("tasks/pack.py", "tasks/ingest.py", "tasks/atomic.py", "tasks/vocab.py")
+
+
+@task(cache=Cache(version=PACK_VERSION), requests=requests_for(active_preset().data_resources))
+def pack_task(ingest_dir: HashedDir, cfg: PackConfig) -> HashedDir:
+    """Flyte wrapper of :func:`pack`; cached on the ingest output's manifest hash and ``cfg``."""
+    from workflows.caching import manifest_sha256
+
+    out = stage_output_dir("pack", PACK_VERSION, ingest=manifest_sha256(ingest_dir), cfg=asdict(cfg))
+    pack(ingest_dir.download(), cfg, out)
+    return as_output(out)
