@@ -125,7 +125,7 @@ class Glm5NextConfig(TransformerConfig):
     linear_head_dim: int = 16
     linear_conv_kernel_dim: int = 4
     linear_lower_bound: float | None = -5.0
-    kda_chunk_size: int = 64
+    kda_chunk_size: int = 32
     # mHC.
     hc_mult: int = 4
     hc_eps: float = 1e-6

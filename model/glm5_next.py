@@ -1,0 +1,204 @@
+"""The glm5_next text model (GLM-5.3-Flash architecture) as megatron-core ModuleSpecs.
+
+Structure (transformers ``Glm5NextTextModel`` + ``lm_head``): token embedding copied into
+``hc_mult`` residual streams ``[s, b, n, h]``; per layer, an mHC-wrapped token mixer (KDA or DSA,
+by ``layer_types``) and an mHC-wrapped MLP (dense SwiGLU or MoE, by ``mlp_layer_types``);
+the final stream mean, RMSNorm and the output head.
+
+A layer is assembled from a :class:`Glm5NextLayerSubmodules` spec: KDA and DSA layers differ in
+the ``mixer`` entry only, dense and MoE layers in the ``mlp`` entry (megatron's ``MLP`` and
+``MoELayer`` builders from ``get_mlp_module_spec``). The ``[s, b, n, h]`` streams do not fit
+megatron's ``TransformerLayer`` (its residual is one ``[s, b, h]`` tensor), so
+:class:`Glm5NextLayer` is its own module that keeps megatron's hooks:
+
+* recompute: ``recompute_granularity="full"`` checkpoints whole layers
+  (``tensor_parallel.checkpoint``, RNG-tracker aware); ``"selective"`` with ``"mlp"`` / ``"moe"``
+  in ``recompute_modules`` checkpoints the MLP/MoE only;
+* activation offload: ``cpu_offloading=True`` saves the activations of the first
+  ``cpu_offloading_num_layers`` layers to pinned host memory (``torch.autograd.graph.save_on_cpu``);
+* sequence-chunked MLP/MoE: ``mlp_chunk_tokens > 0`` runs the MLP/MoE (router and dispatch
+  included) on chunks of that many tokens, which bounds the dispatch buffers at 1M tokens and
+  balances expert load per chunk.
+
+Packing (``cu_seqlens``): documents joined in one row (``b == 1``) are separated exactly: KDA
+state and convolution restart at each document start and the DSA indexer selects only keys of
+the query's own document; the MLP is per token. Not combined with CP here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+from model.config import DSA, Glm5NextConfig
+from model.layers import DSAMixer, HyperConnection, KDAMixer, RMSNorm, _init_normal
+
+__all__ = ["Glm5NextLayerSubmodules", "Glm5NextLayer", "Glm5NextModel", "layer_spec", "build_model"]
+
+
+@dataclass
+class Glm5NextLayerSubmodules:
+    """Spec of one layer: the token mixer (KDA or DSA) and the MLP builder (dense or MoE)."""
+
+    mixer: ModuleSpec
+    mlp: Any
+
+
+def layer_spec(config: Glm5NextConfig, layer_idx: int) -> ModuleSpec:
+    """The ModuleSpec of layer ``layer_idx`` (0-based) from the config's schedules."""
+    if config.layer_types[layer_idx] == DSA:
+        mixer = ModuleSpec(module=DSAMixer, params={"shared_indexer": config.indexer_types[layer_idx] == "shared"})
+    else:
+        mixer = ModuleSpec(module=KDAMixer)
+    moe = config.mlp_layer_types[layer_idx] == "sparse"
+    mlp = get_mlp_module_spec(use_te=False, num_experts=config.num_moe_experts if moe else None)
+    return ModuleSpec(module=Glm5NextLayer, submodules=Glm5NextLayerSubmodules(mixer=mixer, mlp=mlp))
+
+
+class Glm5NextLayer(MegatronModule):
+    """One decoder layer on ``hc_mult`` residual streams (``Glm5NextTextDecoderLayer``).
+
+    ``forward(streams [s, b, n, h], prev_topk, cu_seqlens) -> (streams, topk)``; ``topk`` is the
+    DSA selection ``[b, s, W]`` of this layer (None for KDA layers), handed to the next layer.
+    """
+
+    def __init__(self, config: Glm5NextConfig, submodules: Glm5NextLayerSubmodules, layer_number: int = 1):
+        super().__init__(config)
+        self.layer_number = layer_number
+        self.attn_hc = HyperConnection(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
+        self.mixer = build_module(submodules.mixer, config=config, layer_number=layer_number)
+        self.ffn_hc = HyperConnection(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
+        self.mlp = submodules.mlp(config=config, pg_collection=get_default_pg_collection(), is_mtp_layer=False)
+        if hasattr(self.mlp, "set_layer_number"):
+            self.mlp.set_layer_number(layer_number)
+        self.is_moe = config.mlp_layer_types[layer_number - 1] == "sparse"
+        self.recompute_mlp = config.recompute_granularity == "selective" and (
+            "mlp" in config.recompute_modules or (self.is_moe and "moe" in config.recompute_modules)
+        )
+
+    @staticmethod
+    def _merge(post, comb, out, streams):
+        dtype = streams.dtype
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        out, bias = self.mlp(x)
+        return out if bias is None else out + bias
+
+    def _chunked_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        chunk = self.config.mlp_chunk_tokens
+        fn = self._mlp
+        if self.recompute_mlp:
+            fn = lambda t: tensor_parallel.checkpoint(self._mlp, False, t)  # noqa: E731
+        if chunk <= 0 or x.shape[0] * x.shape[1] <= chunk:
+            return fn(x)
+        rows = max(1, chunk // x.shape[1])
+        return torch.cat([fn(part) for part in x.split(rows, dim=0)], dim=0)
+
+    def forward(self, streams: torch.Tensor, prev_topk: torch.Tensor | None = None, cu_seqlens=None):
+        post, comb, x = self.attn_hc(streams)
+        x = self.input_layernorm(x)
+        if isinstance(self.mixer, DSAMixer):
+            x, topk = self.mixer(x, prev_topk=prev_topk, cu_seqlens=cu_seqlens)
+        else:
+            x, topk = self.mixer(x, cu_seqlens=cu_seqlens), None
+        streams = self._merge(post, comb, x, streams)
+        post, comb, x = self.ffn_hc(streams)
+        x = self._chunked_mlp(self.post_attention_layernorm(x))
+        return self._merge(post, comb, x, streams), topk
+
+
+class Glm5NextModel(MegatronModule):
+    """glm5_next text model with its output head; megatron layout ``[s, b, ...]`` inside.
+
+    ``forward(input_ids [b, s], labels=None, cu_seqlens=None)``: with ``labels`` returns the
+    per-token cross-entropy ``[b, s]`` (float32, computed ``logits_chunk_tokens`` tokens at a time,
+    each chunk's logits recomputed in backward: full-vocabulary logits never exist for all
+    positions at once); without, the final hidden states ``[s, b, h]``. Under CP, ``input_ids`` and
+    ``labels`` are this rank's contiguous shard.
+    """
+
+    def __init__(self, config: Glm5NextConfig, logits_chunk_tokens: int = 4096):
+        super().__init__(config)
+        init = _init_normal(config.init_method_std)
+        self.embedding = VocabParallelEmbedding(config.vocab_size, config.hidden_size, init_method=init, config=config)
+        self.layers = torch.nn.ModuleList(
+            [build_module(layer_spec(config, i), config=config, layer_number=i + 1) for i in range(config.num_layers)]
+        )
+        self.final_norm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
+        self.output_layer = ColumnParallelLinear(config.hidden_size, config.vocab_size, config=config, init_method=init,
+                                                 bias=False, gather_output=False)
+        self.logits_chunk_tokens = logits_chunk_tokens
+
+    def _layer_call(self, layer: Glm5NextLayer, streams, topk, cu_seqlens):
+        c = self.config
+        offload = c.cpu_offloading and layer.layer_number <= c.cpu_offloading_num_layers
+        ctx = torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else contextlib.nullcontext()
+        with ctx:
+            if c.recompute_granularity == "full" and self.training:
+                if parallel_state.model_parallel_is_initialized() and parallel_state.get_context_parallel_world_size() > 1:
+                    raise ValueError("full-layer recompute with CP>1 would repeat the KDA state hand-off")
+                return tensor_parallel.checkpoint(
+                    lambda s, t: layer(s, t, cu_seqlens), False, streams, topk
+                )
+            return layer(streams, topk, cu_seqlens)
+
+    def hidden_states(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-norm hidden states ``[s, b, h]`` of ``input_ids [b, s]``."""
+        x = self.embedding(input_ids).transpose(0, 1)  # [s, b, h]
+        streams = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        topk = None
+        for layer in self.layers:
+            streams, topk = self._layer_call(layer, streams, topk, cu_seqlens)
+        return self.final_norm(streams.mean(dim=2))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel logits ``[..., vocab / tp]`` of ``hidden [..., h]``."""
+        return self.output_layer(hidden)[0]
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cu_seqlens=None):
+        hidden = self.hidden_states(input_ids, cu_seqlens)
+        if labels is None:
+            return hidden
+        from model.logprobs import chunked_token_nll
+
+        return chunked_token_nll(self, hidden, labels.transpose(0, 1), self.logits_chunk_tokens).transpose(0, 1)
+
+
+def build_model(config: Glm5NextConfig, *, seed: int = 0, logits_chunk_tokens: int = 4096,
+                dtype: torch.dtype | None = None) -> Glm5NextModel:
+    """Build the glm5_next model for this rank (TP/EP/CP from megatron ``parallel_state``).
+
+    Initialises ``parallel_state`` for a single process (gloo) if no one did, enables
+    :mod:`model.cpu_compat` when no GPU is present, seeds megatron's model-parallel RNG with
+    ``seed``. ``dtype`` casts parameters (the router's ``expert_bias`` stays float32).
+    """
+    from model import cpu_compat
+
+    cpu_compat.enable()
+    if not torch.distributed.is_initialized():
+        cpu_compat.init_process_group(0, 1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    model = Glm5NextModel(config, logits_chunk_tokens=logits_chunk_tokens)
+    if dtype is not None:
+        model.to(dtype)
+        for layer in model.layers:
+            if layer.is_moe:
+                layer.mlp.router._maintain_float32_expert_bias()
+    if torch.cuda.is_available():
+        model.cuda()
+    return model

@@ -1,0 +1,353 @@
+"""glm5_next building blocks on megatron-core: norms, mHC, the KDA mixer and the DSA mixer.
+
+Every module takes megatron's ``[s, b, h]`` layout (sequence first) and tensor-parallel linears
+(``ColumnParallelLinear`` / ``RowParallelLinear``): heads are split over TP ranks, the small
+low-rank/gate projections and the DSA indexer are replicated. Numerics follow transformers'
+``modeling_glm5_next.py`` (the reference of the parity tests), module by module as named below.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.transformer.module import MegatronModule
+
+from model.config import Glm5NextConfig
+from model.ops.kda import chunk_kda_torch
+from model.parallel import CPContext, all_gather_seq, recv_from_prev, send_to_next
+
+__all__ = ["RMSNorm", "HyperConnection", "KDAMixer", "DSAMixer"]
+
+
+def _init_normal(std: float):
+    return lambda w: torch.nn.init.normal_(w, mean=0.0, std=std)
+
+
+def _tp_size() -> int:
+    return parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+
+
+def _tp_rank() -> int:
+    return parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+
+
+def _cp_context() -> CPContext:
+    if parallel_state.model_parallel_is_initialized():
+        return CPContext(parallel_state.get_context_parallel_group())
+    return CPContext(None)
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size {d}")
+    return n // d
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm computed in float32, cast back before the weight (``Glm5NextTextRMSNorm``)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class HyperConnection(torch.nn.Module):
+    """Manifold-constrained hyper-connection weights (mHC, Xie et al. 2026; ``Glm5NextTextHyperConnection``).
+
+    From the ``n = hc_mult`` residual streams ``[s, b, n, h]`` it computes ``pre`` (collapse the
+    streams into the block input), ``post`` (expand the block output back into streams) and a
+    doubly-stochastic ``comb`` (mix the residual streams; ``hc_sinkhorn_iters`` Sinkhorn-Knopp
+    normalisations). Parameters ``fn [(2+n)n, n*h]``, ``base [(2+n)n]``, ``scale [3]``; float32.
+
+    Returns ``(post [s, b, n], comb [s, b, n, n], collapsed [s, b, h])`` from ``forward``; the
+    layer output is ``post[..., None] * block_out[..., None, :] + comb^T @ streams``.
+    """
+
+    def __init__(self, config: Glm5NextConfig):
+        super().__init__()
+        n, h = config.hc_mult, config.hidden_size
+        self.n, self.iters, self.hc_eps, self.norm_eps = n, config.hc_sinkhorn_iters, config.hc_eps, config.layernorm_epsilon
+        self.fn = torch.nn.Parameter(torch.empty((2 + n) * n, n * h))
+        self.base = torch.nn.Parameter(torch.zeros((2 + n) * n))
+        self.scale = torch.nn.Parameter(torch.ones(3))
+        torch.nn.init.normal_(self.fn, std=0.02)
+
+    def forward(self, streams: torch.Tensor):
+        n = self.n
+        flat = streams.flatten(-2).float()
+        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
+        mixed = F.linear(flat, self.fn.float())
+        pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        pre_s, post_s, comb_s = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
+        comb = comb / (comb.sum(-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(-2, keepdim=True) + self.hc_eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
+        return post, comb, collapsed
+
+
+def _depthwise_causal_conv(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor | None) -> torch.Tensor:
+    """SiLU(causal depthwise conv) of ``x [b, s, c]`` with ``weight [c, K]``; ``history [b, K-1, c]``
+    holds the inputs before token 0 (zeros if None), as ``causal_conv1d_fn`` with its state."""
+    K = weight.shape[-1]
+    if history is None:
+        history = x.new_zeros(x.shape[0], K - 1, x.shape[-1])
+    xp = torch.cat([history.to(x.dtype), x], dim=1).transpose(1, 2)
+    return F.silu(F.conv1d(xp, weight.unsqueeze(1).to(x.dtype), groups=x.shape[-1]).transpose(1, 2))
+
+
+class KDAMixer(MegatronModule):
+    """Kimi Delta Attention token mixer (``Glm5NextTextLinearAttention``; Kimi Linear, arXiv:2510.26692).
+
+    ``q, k, v = SiLU(causal_conv(W x))`` per channel, ``g = lower_bound * sigmoid(exp(A_log) *
+    (f_b(f_a(x)) + dt_bias))`` (the bound multiplies the sigmoid: ``g`` in ``(lower_bound, 0)``;
+    with ``linear_lower_bound=None`` ``g = -exp(A_log) * softplus(...)``), ``beta = sigmoid(b(x))``,
+    the KDA recurrence with L2-normalised q/k, then a sigmoid-gated RMSNorm per head and ``o_proj``.
+
+    Recurrence: ``fla.ops.kda.chunk_kda`` on CUDA (imported lazily, GPU only), the project's
+    :func:`model.ops.kda.chunk_kda_torch` elsewhere. TP splits heads. CP (contiguous layout, see
+    :mod:`model.parallel`) hands the KDA state and the convolution history from rank r-1 to r.
+    ``cu_seqlens`` (packed documents, ``b == 1``, no CP) restarts state and convolution at each
+    document start.
+    """
+
+    def __init__(self, config: Glm5NextConfig, layer_number: int = 1):
+        super().__init__(config)
+        tp = _tp_size()
+        h, d = config.hidden_size, config.linear_head_dim
+        self.head_dim = d
+        self.heads = _divide(config.linear_num_heads, tp, "linear_num_heads")
+        self.dim = self.heads * d
+        full = config.linear_num_heads * d
+        init = _init_normal(config.init_method_std)
+        col = dict(config=config, init_method=init, bias=False, gather_output=False)
+        self.q_proj = ColumnParallelLinear(h, full, **col)
+        self.k_proj = ColumnParallelLinear(h, full, **col)
+        self.v_proj = ColumnParallelLinear(h, full, **col)
+        self.b_proj = ColumnParallelLinear(h, config.linear_num_heads, **col)
+        self.f_a_proj = torch.nn.Linear(h, d, bias=False)
+        self.f_b_proj = ColumnParallelLinear(d, full, **col)
+        self.g_a_proj = torch.nn.Linear(h, d, bias=False)
+        self.g_b_proj = ColumnParallelLinear(d, full, **col)
+        kernel = config.linear_conv_kernel_dim
+        self.q_conv = torch.nn.Parameter(torch.empty(self.dim, kernel))
+        self.k_conv = torch.nn.Parameter(torch.empty(self.dim, kernel))
+        self.v_conv = torch.nn.Parameter(torch.empty(self.dim, kernel))
+        self.dt_bias = torch.nn.Parameter(torch.empty(self.dim))
+        self.A_log = torch.nn.Parameter(torch.zeros(self.heads))
+        for p in (self.q_conv, self.k_conv, self.v_conv, self.dt_bias, self.A_log):
+            set_tensor_model_parallel_attributes(p, True, 0, 1)
+        self.o_norm_weight = torch.nn.Parameter(torch.ones(d))
+        self.o_proj = RowParallelLinear(full, h, config=config, init_method=init, bias=False,
+                                        input_is_parallel=True, skip_bias_add=False)
+        self.lower_bound = config.linear_lower_bound
+        self.eps = config.layernorm_epsilon
+        self.chunk_size = config.kda_chunk_size
+        with torch.no_grad():
+            for w in (self.f_a_proj.weight, self.g_a_proj.weight):
+                init(w)
+            bound = 1 / math.sqrt(kernel)
+            for w in (self.q_conv, self.k_conv, self.v_conv):
+                w.uniform_(-bound, bound)
+            # fla / transformers init: dt = exp(U(log 1e-3, log 1e-1)), dt_bias = softplus^{-1}(dt).
+            dt = torch.empty(self.dim).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            if self.lower_bound is None:
+                self.A_log.copy_(torch.empty(self.heads).uniform_(1, 16).log())
+
+    def _gate(self, x: torch.Tensor) -> torch.Tensor:
+        f, _ = self.f_b_proj(self.f_a_proj(x))
+        g = (f.float() + self.dt_bias.float()).unflatten(-1, (self.heads, self.head_dim))
+        a = self.A_log.float().exp().view(self.heads, 1)
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(a * g)
+        return -a * F.softplus(g, threshold=20.0)
+
+    def _recurrence(self, q, k, v, g, beta, initial_state):
+        if q.is_cuda:
+            from fla.ops.kda import chunk_kda
+
+            return chunk_kda(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True)
+        return chunk_kda_torch(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True, chunk_size=self.chunk_size)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """``x [s, b, h]`` -> ``[s, b, h]``."""
+        cp = _cp_context()
+        xb = x.transpose(0, 1)  # [b, s, h]
+        b, s, _ = xb.shape
+        qkv_pre = [p(xb)[0] for p in (self.q_proj, self.k_proj, self.v_proj)]
+        pre = torch.cat(qkv_pre, dim=-1)
+        weight = torch.cat([self.q_conv, self.k_conv, self.v_conv], dim=0)
+        kernel = weight.shape[-1]
+        g = self._gate(xb)
+        beta = torch.sigmoid(self.b_proj(xb)[0].float())
+        if cp.size > 1:
+            if cu_seqlens is not None:
+                raise ValueError("cu_seqlens packing with context parallelism is not implemented")
+            history = recv_from_prev(x, (b, kernel - 1, pre.shape[-1]), pre.dtype, cp)
+            # The next rank's convolution history is this rank's last kernel-1 inputs.
+            send_to_next(pre, pre[:, s - (kernel - 1):], cp)
+            qkv = _depthwise_causal_conv(pre, weight, history)
+            state0 = recv_from_prev(x, (b, self.heads, self.head_dim, self.head_dim), torch.float32, cp)
+            o, state = self._kda(qkv, g, beta, state0)
+            o = send_to_next(o, state, cp)
+        elif cu_seqlens is not None:
+            bounds = cu_seqlens.tolist()
+            outs = []
+            for lo, hi in zip(bounds[:-1], bounds[1:]):
+                qkv = _depthwise_causal_conv(pre[:, lo:hi], weight, None)
+                outs.append(self._kda(qkv, g[:, lo:hi], beta[:, lo:hi], None)[0])
+            o = torch.cat(outs, dim=1)
+        else:
+            o, _ = self._kda(_depthwise_causal_conv(pre, weight, None), g, beta, None)
+        gate, _ = self.g_b_proj(self.g_a_proj(xb))
+        o = self._gated_norm(o, gate.unflatten(-1, (self.heads, self.head_dim)))
+        out, _ = self.o_proj(o.flatten(-2).to(x.dtype))
+        return out.transpose(0, 1)
+
+    def _kda(self, qkv, g, beta, state0):
+        q, k, v = (t.unflatten(-1, (self.heads, self.head_dim)) for t in qkv.split(self.dim, dim=-1))
+        return self._recurrence(q, k, v, g, beta, state0)
+
+    def _gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        # Replicated weight, local heads: its gradient is summed over TP ranks by the copy region.
+        w = copy_to_tensor_model_parallel_region(self.o_norm_weight) if _tp_size() > 1 else self.o_norm_weight
+        o = o.float()
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w.float() * o * torch.sigmoid(gate.float())
+
+
+class Indexer(torch.nn.Module):
+    """DSA lightning indexer weights (``Glm5NextTextIndexer``), replicated over TP ranks.
+
+    ``wq_b [H_i*D_i, q_lora]``, ``wk [D_i, h]``, ``k_norm`` (LayerNorm, eps 1e-6), ``weights_proj
+    [H_i, h]``, k-pool compression ``ape [kpool, D_i]`` and ``gate [D_i, h]``. Selection runs under
+    ``no_grad`` (as in transformers): the language-model loss does not train the indexer.
+    """
+
+    def __init__(self, config: Glm5NextConfig):
+        super().__init__()
+        h, d, nh = config.hidden_size, config.index_head_dim, config.index_n_heads
+        self.n_heads, self.head_dim = nh, d
+        self.wq_b = torch.nn.Linear(config.q_lora_rank, nh * d, bias=False)
+        self.wk = torch.nn.Linear(h, d, bias=False)
+        self.k_norm = torch.nn.LayerNorm(d, eps=1e-6)
+        self.weights_proj = torch.nn.Linear(h, nh, bias=False)
+        self.kpool_compress_ape = torch.nn.Parameter(torch.zeros(config.index_kpool, d))
+        self.kpool_compress_gate = torch.nn.Parameter(torch.ones(d, h))
+        init = _init_normal(config.init_method_std)
+        with torch.no_grad():
+            for w in (self.wq_b.weight, self.wk.weight, self.weights_proj.weight):
+                init(w)
+
+
+class DSAMixer(MegatronModule):
+    """DeepSeek Sparse Attention on NoPE MLA (``Glm5NextTextAttention`` with ``Glm5NextTextIndexer``).
+
+    MLA: ``q = q_b(RMSNorm(q_a(x)))`` (``[H, qk_nope]`` per token), latent
+    ``c = RMSNorm(kv_a(x))`` (``kv_lora_rank``), ``kv_b`` maps ``c`` to per-head keys
+    (``W_UK [qk_nope, kv_lora]``) and values (``W_UV [v, kv_lora]``). The attention runs in the
+    absorbed (MQA) form of DeepSeek-V3.2 / FlashMLA sparse: ``q_abs = q W_UK`` against the shared
+    latent, ``out = (softmax . c) W_UV^T``, over the tokens selected by the indexer only
+    (:func:`kernels.dsa.sparse_mla_attention`; blockwise, never ``T x T``). Softmax scale
+    ``qk_nope_head_dim ** -0.5`` (the un-absorbed head width; no RoPE).
+
+    Selection (:func:`kernels.dsa.lightning_indexer_topk`): k-pool scores, top ``index_topk /
+    index_kpool`` complete visible pools, plus the query's incomplete tail pool; ties go to the
+    lower pool index. A ``shared`` layer (``indexer_types``) reuses the indices of the full DSA
+    layer directly before it and has no indexer weights.
+
+    TP splits heads (``q_b``, ``kv_b`` column-parallel, ``o_proj`` row-parallel); ``q_a``,
+    ``kv_a`` and the indexer are replicated. CP all-gathers the latent and the indexer keys
+    (contiguous layout, queries at offset ``cp_rank * s``).
+    """
+
+    def __init__(self, config: Glm5NextConfig, layer_number: int = 1, shared_indexer: bool = False):
+        super().__init__(config)
+        tp = _tp_size()
+        h = config.hidden_size
+        self.heads = _divide(config.num_attention_heads, tp, "num_attention_heads")
+        self.nope, self.v_dim, self.kv_lora = config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
+        init = _init_normal(config.init_method_std)
+        col = dict(config=config, init_method=init, bias=False, gather_output=False)
+        self.q_a_proj = torch.nn.Linear(h, config.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.layernorm_epsilon)
+        self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, config.num_attention_heads * self.nope, **col)
+        self.kv_a_proj_with_mqa = torch.nn.Linear(h, self.kv_lora, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, config.layernorm_epsilon)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora, config.num_attention_heads * (self.nope + self.v_dim), **col)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.v_dim, h, config=config, init_method=init,
+                                        bias=False, input_is_parallel=True, skip_bias_add=False)
+        with torch.no_grad():
+            init(self.q_a_proj.weight)
+            init(self.kv_a_proj_with_mqa.weight)
+        self.indexer = None if shared_indexer else Indexer(config)
+        self.cfg = config
+
+    @torch.no_grad()
+    def select(self, x: torch.Tensor, q_resid: torch.Tensor, cp: CPContext, cu_seqlens=None) -> torch.Tensor:
+        """Indexer top-k: ``x [b, s, h]``, ``q_resid [b, s, q_lora]`` -> int32 ``[b, s, W]`` global key indices."""
+        from kernels.dsa import lightning_indexer_topk
+
+        ix, c = self.indexer, self.cfg
+        b, s, _ = x.shape
+        q = ix.wq_b(q_resid).unflatten(-1, (ix.n_heads, ix.head_dim))
+        k = ix.k_norm(ix.wk(x))
+        gate = F.linear(x, ix.kpool_compress_gate)
+        weights = ix.weights_proj(x).float() * ix.n_heads**-0.5
+        k, gate = all_gather_seq(k, 1, cp), all_gather_seq(gate, 1, cp)
+        return lightning_indexer_topk(
+            q, k, gate, ix.kpool_compress_ape, weights, kpool=c.index_kpool, topk=c.index_topk,
+            select_tail=c.index_kpool_always_select_tail, softmax_scale=ix.head_dim**-0.5,
+            q_offset=cp.rank * s, cu_seqlens=cu_seqlens, block_size=c.dsa_query_block,
+        )
+
+    def forward(self, x: torch.Tensor, prev_topk: torch.Tensor | None = None, cu_seqlens=None, **kwargs):
+        """``x [s, b, h]`` -> ``(out [s, b, h], topk [b, s, W] int32)``."""
+        from kernels.dsa import sparse_mla_attention
+
+        cp = _cp_context()
+        if cu_seqlens is not None and cp.size > 1:
+            raise ValueError("cu_seqlens packing with context parallelism is not implemented")
+        xb = x.transpose(0, 1)
+        q_resid = self.q_a_layernorm(self.q_a_proj(xb))
+        q = self.q_b_proj(q_resid)[0].unflatten(-1, (self.heads, self.nope))
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(xb))
+        if self.indexer is not None:
+            topk = self.select(xb, q_resid, cp, cu_seqlens)
+        elif prev_topk is None:
+            raise ValueError("a shared-indexer DSA layer needs the top-k indices of the full DSA layer before it")
+        else:
+            topk = prev_topk
+        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.kv_lora)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
+        q_abs = torch.einsum("bshd,hdc->bshc", q, w_uk)
+        if _tp_size() > 1:
+            # kv_b's weight is used directly (absorbed form), so sum the latent's gradient over
+            # the TP ranks' heads here, as ColumnParallelLinear does for its input.
+            latent = copy_to_tensor_model_parallel_region(latent)
+        latent_all = all_gather_seq(latent, 1, cp)
+        o_lat, _ = sparse_mla_attention(q_abs, latent_all, topk, self.nope**-0.5, self.kv_lora)
+        o = torch.einsum("bshc,hvc->bshv", o_lat, w_uv)
+        out, _ = self.o_proj(o.flatten(-2))
+        return out.transpose(0, 1), topk

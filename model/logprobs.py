@@ -1,0 +1,61 @@
+"""Per-token log-probabilities and cross-entropy without full-vocabulary logits for all positions.
+
+Vocabulary decision: the output head keeps its full width (a pretrained checkpoint's 154,880-row
+head stays as is; presets use 16 rows for the 9 DNA ids). Memory is bounded instead by chunking
+the sequence: logits exist for ``chunk_tokens`` positions at a time, in float32, and in training
+each chunk is recomputed in backward (``torch.utils.checkpoint``). Under TP the head is
+vocabulary-parallel and megatron's ``vocab_parallel_cross_entropy`` reduces across ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import tensor_parallel
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["chunked_token_nll", "token_logprobs"]
+
+
+def _chunk_nll(model, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = model.logits(hidden).float()
+    return tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+
+
+def chunked_token_nll(model, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 4096) -> torch.Tensor:
+    """Negative log-likelihood of ``labels`` per position, in chunks.
+
+    Args:
+        model: a :class:`model.glm5_next.Glm5NextModel` (its ``logits``).
+        hidden: final hidden states ``[s, b, h]``.
+        labels: ``[s, b]`` int64 target ids (the next tokens).
+        chunk_tokens: positions per chunk (``s``-rows of ``chunk_tokens // b``).
+
+    Returns:
+        ``[s, b]`` float32 NLL in nats.
+    """
+    rows = max(1, chunk_tokens // hidden.shape[1])
+    outs = []
+    for h, y in zip(hidden.split(rows, 0), labels.split(rows, 0)):
+        if torch.is_grad_enabled() and h.requires_grad:
+            outs.append(checkpoint(_chunk_nll, model, h, y, use_reentrant=False))
+        else:
+            outs.append(_chunk_nll(model, h, y))
+    return torch.cat(outs, 0)
+
+
+@torch.no_grad()
+def token_logprobs(model, input_ids: torch.Tensor, chunk_tokens: int = 4096, cu_seqlens=None) -> torch.Tensor:
+    """Forward-only log-probability of each actual next token.
+
+    Args:
+        model: a :class:`model.glm5_next.Glm5NextModel` (eval mode is the caller's choice).
+        input_ids: ``[b, s]`` int64.
+        chunk_tokens: positions whose logits exist at once.
+        cu_seqlens: optional packed-document bounds (``b == 1``).
+
+    Returns:
+        ``[b, s - 1]`` float32: ``log p(input_ids[:, t + 1] | input_ids[:, : t + 1])``.
+    """
+    hidden = model.hidden_states(input_ids, cu_seqlens)[:-1]
+    labels = input_ids[:, 1:].transpose(0, 1)
+    return -chunked_token_nll(model, hidden, labels, chunk_tokens).transpose(0, 1)
