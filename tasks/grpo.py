@@ -1,0 +1,134 @@
+"""GRPO on DNA continuation: reward, group-normalized advantages, clipped objective.
+
+The math of the RL stage, free of models and engines so that it is checked by hand:
+
+* Reward (:func:`continuation_reward`): the policy continues a prompt of ``prompt_len``
+  bases from a training chromosome with ``gen_len`` tokens; the reward compares them with the
+  true continuation in the reference genome. ``"match_fraction"``: fraction of positions
+  whose generated base equals the reference base (N in the reference matches nothing), range
+  [0, 1]. ``"prefix"``: length of the longest exactly matching prefix divided by ``gen_len``,
+  range [0, 1].
+* Advantages (:func:`group_advantages`): GRPO (Shao et al. 2024, DeepSeekMath, arXiv
+  2402.03300, eq. 3): ``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)`` over the
+  ``group_size`` rollouts of one prompt; with ``scale_by_std=False`` the division is dropped
+  (Dr. GRPO, Liu et al. 2025, arXiv 2503.20783).
+* Loss (:func:`grpo_loss`), per generated token ``t`` with ``ratio = exp(logp - logp_old)``:
+  PPO clipped surrogate (Schulman et al. 2017) ``-min(ratio * A, clip(ratio, 1-eps, 1+eps) * A)``,
+  multiplied by the truncated importance weight ``min(exp(logp_old - logp_rollout), C)``
+  between the trainer's and the inference engine's log-probs of the sampled token (TIS, Yao
+  et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"), plus
+  ``beta`` times the k3 KL estimator to the SFT reference, ``exp(ref - logp) - (ref - logp) - 1``
+  (Schulman 2020, "Approximating KL divergence"), averaged over all generated tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tasks import vocab
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """GRPO objective knobs.
+
+    Attributes:
+        clip_eps: PPO ratio clip half-width.
+        kl_coef: weight ``beta`` of the k3 KL to the reference policy.
+        tis_cap: cap ``C`` of the truncated importance weight trainer/engine.
+        scale_by_std: divide advantages by the group's reward std (GRPO) or not (Dr. GRPO).
+        adv_eps: added to the std in the advantage denominator.
+    """
+
+    clip_eps: float = 0.2
+    kl_coef: float = 0.01
+    tis_cap: float = 2.0
+    scale_by_std: bool = True
+    adv_eps: float = 1e-6
+
+
+def continuation_reward(generated: np.ndarray, reference: np.ndarray, kind: str = "match_fraction") -> float:
+    """Reward of one rollout against the reference genome's true continuation.
+
+    Args:
+        generated: token ids ``[gen_len]`` (int) produced by the policy.
+        reference: token ids ``[gen_len]`` of the reference continuation.
+        kind: ``"match_fraction"`` or ``"prefix"`` (see module docstring). Range [0, 1].
+
+    Raises:
+        ValueError: shapes differ or ``kind`` is unknown.
+    """
+    generated, reference = np.asarray(generated), np.asarray(reference)
+    if generated.shape != reference.shape or generated.ndim != 1 or generated.size == 0:
+        raise ValueError(f"generated {generated.shape} and reference {reference.shape} must be equal, 1-D, non-empty")
+    hit = (generated == reference) & (reference >= vocab.A) & (reference <= vocab.T)
+    if kind == "match_fraction":
+        return float(hit.mean())
+    if kind == "prefix":
+        misses = np.flatnonzero(~hit)
+        return float((misses[0] if misses.size else hit.size) / hit.size)
+    raise ValueError(f"unknown reward kind {kind!r}: expected 'match_fraction' or 'prefix'")
+
+
+def group_advantages(rewards: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
+    """Group-normalized advantages.
+
+    Args:
+        rewards: float ``[n_prompts, group_size]``.
+
+    Returns:
+        float ``[n_prompts, group_size]``; the std is the population std (``unbiased=False``).
+    """
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if not cfg.scale_by_std:
+        return centered
+    return centered / (rewards.std(dim=1, unbiased=False, keepdim=True) + cfg.adv_eps)
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    logp_ref: torch.Tensor,
+    logp_rollout: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: GRPOConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO loss over generated tokens, with metrics.
+
+    Args:
+        logp: trainer log-probs of the sampled tokens under the current policy, float
+            ``[n_rollouts, gen_len]`` (requires grad).
+        logp_old: the same under the policy that generated the batch (trainer side), detached.
+        logp_ref: the same under the frozen SFT reference, detached.
+        logp_rollout: the inference engine's log-probs of the sampled tokens, ``[n_rollouts, gen_len]``.
+        advantages: ``[n_rollouts]``, one per rollout (broadcast over its tokens).
+        mask: bool ``[n_rollouts, gen_len]``, True for tokens that count.
+
+    Returns:
+        (scalar loss, metrics: kl, clip_fraction, tis_weight_mean,
+        rollout_train_logprobs_abs_diff_mean/max).
+    """
+    mask = mask.to(logp.dtype)
+    n_tokens = mask.sum().clamp_min(1.0)
+    adv = advantages[:, None].to(logp.dtype)
+    ratio = torch.exp(logp - logp_old)
+    clipped = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps)
+    surrogate = -torch.minimum(ratio * adv, clipped * adv)
+    tis = torch.exp(logp_old - logp_rollout).clamp(max=cfg.tis_cap).detach()
+    log_ratio_ref = logp_ref - logp
+    kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1.0
+    loss = ((tis * surrogate + cfg.kl_coef * kl) * mask).sum() / n_tokens
+    with torch.no_grad():
+        gap = (logp_old - logp_rollout).abs() * mask
+        metrics = {
+            "kl": float((kl * mask).sum() / n_tokens),
+            "clip_fraction": float((((ratio - 1.0).abs() > cfg.clip_eps).to(logp.dtype) * mask).sum() / n_tokens),
+            "tis_weight_mean": float((tis * mask).sum() / n_tokens),
+            "rollout_train_logprobs_abs_diff_mean": float(gap.sum() / n_tokens),
+            "rollout_train_logprobs_abs_diff_max": float(gap.max()),
+        }
+    return loss, metrics
