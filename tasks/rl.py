@@ -1,0 +1,235 @@
+"""RL fine-tuning stage: GRPO on DNA continuation, rollouts from the inference engine.
+
+Continues from the SFT export (Hugging Face layout). Each step:
+
+1. sample ``prompts_per_step`` prompts of ``prompt_len`` bases from the *training* split's
+   shards (held-out chromosomes never reach this stage: the shards' eval split is not read),
+   each followed in the genome by ``gen_len`` bases without a document boundary;
+2. the engine (vLLM in production, the preset names it) generates ``group_size`` rollouts of
+   ``gen_len`` tokens per prompt and returns each sampled token's log-prob;
+3. reward against the reference continuation, group-normalized advantages, and the trainer
+   (the same megatron glm5_next model as SFT) recomputes log-probs of the sampled tokens:
+   policy, old policy (= policy before this step's update) and the frozen SFT reference;
+4. one optimizer step on the GRPO loss (``tasks.grpo``: PPO clip, k3 KL to the reference,
+   truncated importance weight trainer/engine);
+5. the updated weights go to the engine in memory (``InferenceEngine.update_weights`` with
+   the model's HF-named state dict), never by restarting it.
+
+Metrics per step (JSON lines): reward mean/std, KL, clip fraction,
+``rollout_train_logprobs_abs_diff`` mean/max (trainer vs engine on the sampled tokens),
+tokens/s, step time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tasks import vocab
+from tasks.atomic import atomic_output_dir, sha256_file
+from tasks.grpo import GRPOConfig, continuation_reward, group_advantages, grpo_loss
+
+log = logging.getLogger("megabase.rl")
+
+
+class RLError(RuntimeError):
+    """The RL stage cannot run (no usable prompt in the shards, a non-finite loss, ...)."""
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """RL stage knobs (lengths in tokens = bases).
+
+    Attributes:
+        steps: optimizer steps.
+        prompts_per_step: distinct prompts per step.
+        group_size: rollouts per prompt (the GRPO group).
+        prompt_len: bases of genome context given to the policy.
+        gen_len: bases the policy generates (compared with the reference continuation).
+        temperature: sampling temperature of the rollouts.
+        reward: "match_fraction" or "prefix" (``tasks.grpo.continuation_reward``).
+        lr: AdamW learning rate (0 keeps the weights: the weight-sync drift check).
+        weight_decay: AdamW weight decay.
+        grad_clip: max global grad norm.
+        engine: inference engine ("vllm" | "transformers"); no fallback between them.
+        seed: prompt sampling and rollout seeds.
+        grpo: the objective's knobs.
+    """
+
+    steps: int = 4
+    prompts_per_step: int = 2
+    group_size: int = 4
+    prompt_len: int = 256
+    gen_len: int = 16
+    temperature: float = 1.0
+    reward: str = "match_fraction"
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    engine: str = "transformers"
+    seed: int = 0
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+
+
+@dataclass(frozen=True)
+class RLResult:
+    """Where the RL output is: HF export (``hf/``), ``metrics.jsonl``, ``rollouts.jsonl``."""
+
+    out_dir: Path
+    export_dir: Path
+    metrics: list[dict]
+
+
+class PromptSampler:
+    """Prompts + reference continuations from the train split's shards, deterministic by seed.
+
+    Windows of ``prompt_len + gen_len`` tokens are drawn uniformly among positions whose whole
+    window lies inside one document (no ``<sep>``) of one shard.
+    """
+
+    def __init__(self, shards_dir: Path, prompt_len: int, gen_len: int, seed: int):
+        from tasks.pack import shard_token_stream
+
+        manifest = json.loads((shards_dir / "manifest.json").read_text())
+        self.window = prompt_len + gen_len
+        self.prompt_len = prompt_len
+        self.streams, self.starts, self.paths = [], [], []
+        for shard in manifest["splits"]["train"]["shards"]:
+            tokens, _ = shard_token_stream(shards_dir / shard["path"])
+            seps = np.flatnonzero(tokens == vocab.SEP)
+            # window [s, s + window) is valid iff no separator in it
+            bad = np.zeros(len(tokens) + 1, dtype=np.int64)
+            bad[seps + 1] = 1
+            prefix = np.cumsum(bad)
+            last = len(tokens) - self.window
+            if last < 0:
+                continue
+            s = np.arange(last + 1)
+            valid = s[prefix[s + self.window] - prefix[s + 1] == 0] if len(seps) else s
+            valid = valid[tokens[valid] != vocab.SEP]
+            if len(valid):
+                self.streams.append(tokens)
+                self.starts.append(valid)
+                self.paths.append(shard["path"])
+        if not self.streams:
+            raise RLError(f"{shards_dir}: no train window of {self.window} tokens inside one document")
+        self.rng = np.random.default_rng(seed)
+
+    def sample(self, n: int) -> tuple[np.ndarray, np.ndarray, list[tuple[str, int]]]:
+        """``n`` prompts and continuations.
+
+        Returns:
+            (prompts int64 ``[n, prompt_len]``, continuations int64 ``[n, gen_len]``,
+            origins: (shard path, token offset of the prompt in the shard's stream) each).
+        """
+        prompts, continuations, origins = [], [], []
+        for _ in range(n):
+            i = int(self.rng.integers(len(self.streams)))
+            start = int(self.starts[i][self.rng.integers(len(self.starts[i]))])
+            window = self.streams[i][start : start + self.window].astype(np.int64)
+            prompts.append(window[: self.prompt_len])
+            continuations.append(window[self.prompt_len :])
+            origins.append((self.paths[i], start))
+        return np.stack(prompts), np.stack(continuations), origins
+
+
+def _sequence_logprobs(model, sequences: torch.Tensor, gen_len: int) -> torch.Tensor:
+    """Trainer log-probs ``[n, gen_len]`` of the last ``gen_len`` tokens of ``sequences [n, s]``."""
+    nll = model(sequences, labels=torch.roll(sequences, -1, dims=1))  # [n, s]; last column is junk
+    return -nll[:, -gen_len - 1 : -1]
+
+
+def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConfig,
+       out_dir: str | os.PathLike, preset: str = "local-cpu") -> RLResult:
+    """Run GRPO from an SFT export; write the final HF export and per-step metrics.
+
+    Args:
+        sft_export: HF-layout checkpoint directory (``config.json`` + safetensors).
+        shards_dir: pack output (only the train split is read).
+        cfg: RL configuration.
+        out_dir: output directory (atomic): ``hf/`` export, ``metrics.jsonl``, ``config.json``.
+        preset: recorded in the export metadata.
+
+    Raises:
+        RLError: no prompt window in the shards, or a non-finite loss (names the step).
+        tasks.engines.EngineError: the engine cannot be built or rejects a request.
+    """
+    from model.convert import export_metadata, hf_state_dict, hf_to_megatron, load_hf_checkpoint, load_megatron_state, save_hf_checkpoint
+    from model.glm5_next import build_model
+    from tasks.engines import SamplingConfig, make_engine
+
+    sft_export, shards_dir = Path(sft_export), Path(shards_dir)
+    sampler = PromptSampler(shards_dir, cfg.prompt_len, cfg.gen_len, cfg.seed)
+    model_cfg, text_state, vision_state = load_hf_checkpoint(sft_export)
+    policy = build_model(model_cfg, seed=cfg.seed)
+    load_megatron_state(policy, hf_to_megatron(text_state, model_cfg))
+    reference = build_model(model_cfg, seed=cfg.seed)
+    load_megatron_state(reference, hf_to_megatron(text_state, model_cfg))
+    reference.eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    max_len = cfg.prompt_len + cfg.gen_len + 1
+
+    metrics: list[dict] = []
+    with atomic_output_dir(out_dir) as work, make_engine(cfg.engine, sft_export, "float32", max_len) as engine:
+        (work / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+        log_file = open(work / "metrics.jsonl", "w")
+        rollout_file = open(work / "rollouts.jsonl", "w")
+        for step in range(cfg.steps):
+            t0 = time.perf_counter()
+            prompts, truth, origins = sampler.sample(cfg.prompts_per_step)
+            repeated = np.repeat(prompts, cfg.group_size, axis=0)
+            sampling = SamplingConfig(max_new_tokens=cfg.gen_len, temperature=cfg.temperature,
+                                      seed=cfg.seed * 1_000_003 + step * 10_007)
+            rollouts = engine.generate(list(repeated), sampling)
+            generated = np.stack([r.tokens for r in rollouts])
+            rollout_logp = torch.from_numpy(np.stack([r.logprobs for r in rollouts]))
+            rewards = torch.tensor([
+                continuation_reward(g, t, cfg.reward) for g, t in zip(generated, np.repeat(truth, cfg.group_size, 0))
+            ], dtype=torch.float32).view(cfg.prompts_per_step, cfg.group_size)
+            advantages = group_advantages(rewards, cfg.grpo).flatten()
+
+            sequences = torch.from_numpy(np.concatenate([repeated, generated], axis=1))
+            policy.train()
+            logp = _sequence_logprobs(policy, sequences, cfg.gen_len)
+            with torch.no_grad():
+                logp_ref = _sequence_logprobs(reference, sequences, cfg.gen_len)
+            mask = torch.ones_like(logp, dtype=torch.bool)
+            loss, stats = grpo_loss(logp, logp.detach(), logp_ref, rollout_logp, advantages, mask, cfg.grpo)
+            if not torch.isfinite(loss):
+                raise RLError(f"non-finite GRPO loss {loss.item()} at step {step}")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+            optimizer.step()
+            engine.update_weights({**hf_state_dict(policy), **vision_state})
+
+            seconds = time.perf_counter() - t0
+            row = {
+                "step": step, "loss": loss.item(), "reward_mean": rewards.mean().item(),
+                "reward_std": rewards.std(unbiased=False).item(), "grad_norm": float(grad_norm),
+                **stats, "tokens_per_s": sequences.numel() / seconds, "step_time_s": seconds,
+                "engine": engine.description,
+            }
+            metrics.append(row)
+            log_file.write(json.dumps(row) + "\n")
+            for k, (tokens, reward) in enumerate(zip(generated, rewards.flatten().tolist())):
+                shard, offset = origins[k // cfg.group_size]
+                rollout_file.write(json.dumps({"step": step, "shard": shard, "offset": offset,
+                                               "prompt_len": cfg.prompt_len, "generated": tokens.tolist(),
+                                               "reward": reward}) + "\n")
+            log.info("rl step %d: reward %.3f kl %.2e gap %.2e", step, row["reward_mean"], row["kl"],
+                     row["rollout_train_logprobs_abs_diff_mean"])
+        log_file.close()
+        rollout_file.close()
+        meta = export_metadata(preset, sha256_file(shards_dir / "manifest.json"))
+        save_hf_checkpoint(hf_state_dict(policy), model_cfg, work / "hf", meta, vision_state=vision_state,
+                           vision_config=json.loads((sft_export / "config.json").read_text()).get("vision_config"))
+    out_dir = Path(out_dir)
+    return RLResult(out_dir=out_dir, export_dir=out_dir / "hf", metrics=metrics)
