@@ -1,0 +1,190 @@
+"""Triton sparse MLA attention (absorbed / MQA form): forward with log-sum-exp, backward.
+
+One program handles one query and a block of ``BLOCK_H`` heads: it gathers the selected
+latent rows ``kv[idx]`` ``BLOCK_K`` at a time (shared by all heads of the block, as in
+FlashMLA's sparse kernels), runs an online softmax in base 2 and accumulates
+``P @ kv[:, :d_v]`` in float32. The backward recomputes ``P`` from the saved ``lse``,
+accumulates ``dq`` in registers and scatter-adds ``dkv`` with float32 atomics.
+
+Per query (all heads), forward: FLOPs ``2 * H * K * (Dqk + d_v)``, gathered bytes
+``ceil(H / BLOCK_H) * K * (Dqk + d_v) * 2`` (L2 absorbs the repeats across head blocks).
+Backward: FLOPs ``2 * H * K * (2 * Dqk + 2 * d_v)`` (+ the recomputed ``QK``), atomics
+``ceil(H / BLOCK_H) * K * (Dqk + d_v)`` float32 adds.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+__all__ = ["triton_sparse_mla_fwd", "triton_sparse_mla_bwd"]
+
+
+@triton.jit
+def _sparse_mla_fwd_kernel(
+    Q, KV, IDX, OUT, LSE,
+    stride_qb, stride_qt, stride_qh,
+    stride_kvb, stride_kvs,
+    stride_ib, stride_it,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lt,
+    n_heads, n_idx, scale_log2,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_v = tl.arange(0, BLOCK_DV)
+    mask_h = offs_h < n_heads
+    q = tl.load(
+        Q + b * stride_qb + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & (offs_d[None, :] < DQK), other=0.0,
+    )
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    kv_base = KV + b * stride_kvb
+    idx_base = IDX + b * stride_ib + t * stride_it
+    for k0 in range(0, n_idx, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(idx_base + offs_k, mask=offs_k < n_idx, other=-1).to(tl.int64)
+        valid = idx >= 0
+        rows = kv_base + idx[:, None] * stride_kvs
+        kv = tl.load(rows + offs_d[None, :], mask=valid[:, None] & (offs_d[None, :] < DQK), other=0.0)
+        v = tl.load(rows + offs_v[None, :], mask=valid[:, None] & (offs_v[None, :] < DV), other=0.0)
+        s = tl.dot(q, tl.trans(kv)) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    has_any = l_i > 0
+    out = acc / tl.where(has_any, l_i, 1.0)[:, None]
+    lse = tl.where(has_any, (m_i + tl.log2(tl.where(has_any, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+    tl.store(
+        OUT + b * stride_ob + t * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :],
+        out.to(OUT.dtype.element_ty), mask=mask_h[:, None] & (offs_v[None, :] < DV),
+    )
+    tl.store(LSE + b * stride_lb + t * stride_lt + offs_h, lse, mask=mask_h)
+
+
+@triton.jit
+def _sparse_mla_bwd_kernel(
+    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV,
+    stride_qb, stride_qt, stride_qh,
+    stride_kvb, stride_kvs,
+    stride_ib, stride_it,
+    stride_lb, stride_lt,
+    stride_dkb, stride_dks,
+    n_heads, n_idx, scale, scale_log2,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_v = tl.arange(0, BLOCK_DV)
+    mask_h = offs_h < n_heads
+    row_q = b * stride_qb + t * stride_qt + offs_h[:, None] * stride_qh
+    q = tl.load(Q + row_q + offs_d[None, :], mask=mask_h[:, None] & (offs_d[None, :] < DQK), other=0.0)
+    # dO and O share q's [B, T, H, *] layout with their own last dimension d_v (contiguous).
+    row_o = ((b * tl.num_programs(0) + t) * n_heads + offs_h[:, None]) * DV
+    do = tl.load(DO + row_o + offs_v[None, :], mask=mask_h[:, None] & (offs_v[None, :] < DV), other=0.0)
+    lse = tl.load(LSE + b * stride_lb + t * stride_lt + offs_h, mask=mask_h, other=float("-inf"))
+    delta = tl.load(DELTA + b * stride_lb + t * stride_lt + offs_h, mask=mask_h, other=0.0)
+    row_ok = lse > float("-inf")
+    lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
+    dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    kv_base = KV + b * stride_kvb
+    dkv_base = DKV + b * stride_dkb
+    idx_base = IDX + b * stride_ib + t * stride_it
+    for k0 in range(0, n_idx, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(idx_base + offs_k, mask=offs_k < n_idx, other=-1).to(tl.int64)
+        valid = idx >= 0
+        rows = kv_base + idx[:, None] * stride_kvs
+        kv = tl.load(rows + offs_d[None, :], mask=valid[:, None] & (offs_d[None, :] < DQK), other=0.0)
+        v = tl.load(rows + offs_v[None, :], mask=valid[:, None] & (offs_v[None, :] < DV), other=0.0)
+        s = tl.dot(q, tl.trans(kv)) * scale_log2
+        p = tl.exp2(s - lse2[:, None])
+        p = tl.where(valid[None, :] & row_ok[:, None], p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(kv.dtype), kv)
+        dkv = tl.dot(tl.trans(ds).to(q.dtype), q) * scale
+        dv = tl.dot(tl.trans(p).to(do.dtype), do)
+        dk_rows = dkv_base + idx[:, None] * stride_dks
+        tl.atomic_add(dk_rows + offs_d[None, :], dkv, mask=valid[:, None] & (offs_d[None, :] < DQK), sem="relaxed")
+        tl.atomic_add(dk_rows + offs_v[None, :], dv, mask=valid[:, None] & (offs_v[None, :] < DV), sem="relaxed")
+    tl.store(
+        DQ + row_q + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+        mask=mask_h[:, None] & (offs_d[None, :] < DQK),
+    )
+
+
+def _blocks(q: torch.Tensor, kv: torch.Tensor, d_v: int, indices: torch.Tensor):
+    heads = q.shape[2]
+    block_h = max(16, min(32, triton.next_power_of_2(heads)))
+    block_d = triton.next_power_of_2(kv.shape[2])
+    block_dv = triton.next_power_of_2(d_v)
+    block_k = 32 if block_d >= 512 else 64
+    return block_h, block_d, block_dv, block_k
+
+
+def triton_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v):
+    """``out [B, T, H, d_v]`` (q.dtype) and ``lse [B, T, H]`` float32; see ``sparse_mla_attention``."""
+    batch, n_q, heads, dqk = q.shape
+    q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
+    out = torch.empty(batch, n_q, heads, d_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, n_q, heads, dtype=torch.float32, device=q.device)
+    block_h, block_d, block_dv, block_k = _blocks(q, kv, d_v, indices)
+    grid = (n_q, triton.cdiv(heads, block_h), batch)
+    _sparse_mla_fwd_kernel[grid](
+        q, kv, indices, out, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        indices.stride(0), indices.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        heads, indices.shape[2], softmax_scale * _LOG2E,
+        DQK=dqk, DV=d_v, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_H=block_h, BLOCK_K=block_k,
+        num_warps=8 if block_d >= 512 else 4, num_stages=2,
+    )
+    return out, lse
+
+
+def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v):
+    """``dq`` (q.dtype) and ``dkv`` (kv.dtype, accumulated in float32) of ``sparse_mla_attention``."""
+    batch, n_q, heads, dqk = q.shape
+    q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
+    grad_out, lse = grad_out.contiguous(), lse.contiguous()
+    delta = (grad_out.float() * out.float()).sum(-1).contiguous()
+    dq = torch.empty_like(q)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    block_h, block_d, block_dv, block_k = _blocks(q, kv, d_v, indices)
+    grid = (n_q, triton.cdiv(heads, block_h), batch)
+    _sparse_mla_bwd_kernel[grid](
+        q, kv, indices, grad_out, lse, delta, dq, dkv,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        indices.stride(0), indices.stride(1),
+        lse.stride(0), lse.stride(1),
+        dkv.stride(0), dkv.stride(1),
+        heads, indices.shape[2], softmax_scale, softmax_scale * _LOG2E,
+        DQK=dqk, DV=d_v, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_H=block_h, BLOCK_K=block_k,
+        num_warps=8 if block_d >= 512 else 4, num_stages=1,
+    )
+    return dq, dkv.to(kv.dtype)
+
+

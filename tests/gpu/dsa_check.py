@@ -1,0 +1,214 @@
+"""GPU correctness check of the DSA Triton kernels (issue 4). Run on an H200:
+
+    python tests/gpu/dsa_check.py [--seq-lens 4096 16384 65536] [--out results.json]
+
+Per sequence length, with fresh random inputs and the caching allocator's free memory
+filled with NaN before every kernel call (so an unwritten output shows up):
+
+* indexer: Triton path vs the blockwise torch path on the same bf16 inputs (index sets
+  equal per query, modulo near-ties), and score-mass capture against float64 scores:
+  ``sum softmax(I64)[selected] / sum softmax(I64)[true top pools] >= 0.99`` on sampled rows;
+* sparse MLA attention forward on the selected indices: relative Frobenius error of the
+  bf16 output vs float64 (sampled rows) <= 1e-2; backward (dq, dkv) vs float64 at the
+  smallest length;
+* context parallelism (when 2 GPUs are visible): indices computed on each rank from its
+  local queries against all-gathered keys equal the single-GPU result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from kernels.dsa import lightning_indexer_topk, sparse_mla_attention  # noqa: E402
+from kernels.dsa.indexer import _compress_on_grid, _torch_pool_topk, kpool_grid  # noqa: E402
+from kernels.dsa.sparse_attention import torch_sparse_mla_bwd, torch_sparse_mla_fwd  # noqa: E402
+
+SHAPES = {  # model/config.py presets: MLA heads, kv_lora_rank, qk head dim, indexer heads x dim
+    "small": dict(heads=8, dqk=512, qk_head=128, index_heads=16, index_dim=64),
+    "full": dict(heads=64, dqk=512, qk_head=256, index_heads=32, index_dim=128),
+}
+KPOOL, TOPK = 16, 2048
+
+
+def poison() -> None:
+    """Fill the allocator's cached free memory with NaN so torch.empty returns NaN-filled blocks."""
+    free = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    if free > 2**20:
+        torch.empty(free // 4 - 2**18, dtype=torch.float32, device="cuda").fill_(float("nan"))
+
+
+def indexer_inputs(seq_len: int, shape: dict, gen: torch.Generator) -> dict:
+    h, d = shape["index_heads"], shape["index_dim"]
+    dev = "cuda"
+    return dict(
+        q=torch.randn(1, seq_len, h, d, generator=gen, device=dev).bfloat16(),
+        k=torch.nn.functional.layer_norm(torch.randn(1, seq_len, d, generator=gen, device=dev), (d,)).bfloat16(),
+        gate_scores=torch.randn(1, seq_len, d, generator=gen, device=dev).bfloat16(),
+        ape=(0.1 * torch.randn(KPOOL, d, generator=gen, device=dev)).bfloat16(),
+        weights=torch.randn(1, seq_len, h, generator=gen, device=dev) * h**-0.5,
+    )
+
+
+def check_indexer(seq_len: int, shape: dict, gen: torch.Generator, n_rows: int = 1024) -> tuple[dict, torch.Tensor]:
+    inp = indexer_inputs(seq_len, shape, gen)
+    scale = shape["index_dim"] ** -0.5
+    poison()
+    indices = lightning_indexer_topk(**inp, kpool=KPOOL, topk=TOPK, select_tail=True, softmax_scale=scale)
+    torch.cuda.synchronize()
+    grid = kpool_grid(seq_len, KPOOL, None, inp["q"].device)
+    pool_keys = _compress_on_grid(inp["k"], inp["gate_scores"], inp["ape"], grid)
+    n_sel = TOPK // KPOOL
+    ref_pools = _torch_pool_topk(inp["q"], pool_keys, inp["weights"], grid, n_sel, scale, 0, 512)
+    got_pools = torch.where(indices[..., :TOPK:KPOOL] >= 0, indices[..., :TOPK:KPOOL].long() // KPOOL, -1)
+    got_sorted, ref_sorted = got_pools.sort(-1).values, ref_pools.sort(-1).values
+    differing = (got_sorted != ref_sorted).any(-1)[0]
+    # float64 scores on sampled rows (plus every differing row) for ties and mass capture
+    rows = torch.randperm(seq_len, generator=torch.Generator().manual_seed(seq_len))[:n_rows].cuda()
+    rows = torch.unique(torch.cat([rows, differing.nonzero().flatten()]))
+    q64 = inp["q"][0, rows].double()
+    keys64 = _compress_on_grid(inp["k"].double(), inp["gate_scores"].double(), inp["ape"].double(), grid)
+    visible = (grid.end[None, :] <= rows[:, None]) & grid.complete[None, :]
+
+    def scores64(keys: torch.Tensor) -> torch.Tensor:
+        per_head = torch.relu(torch.einsum("thd,pd->thp", q64, keys.double()) * scale)
+        return torch.einsum("thp,th->tp", per_head, inp["weights"][0, rows].double()).masked_fill(~visible, float("-inf"))
+
+    s64 = scores64(keys64[0])  # float64 from the inputs: the mass-capture reference
+    s_same = scores64(pool_keys[0])  # the bf16 pool keys both paths used: the tie reference
+    true_top = s64.topk(n_sel, dim=-1).indices
+    probs = torch.softmax(s64, dim=-1).nan_to_num(0.0)
+    sel = got_pools[0, rows]
+    got_mass = torch.where(sel >= 0, torch.gather(probs, 1, sel.clamp_min(0)), 0.0).sum(-1)
+    true_mass = torch.gather(probs, 1, true_top).masked_fill(~torch.gather(visible, 1, true_top), 0.0).sum(-1)
+    capture = (got_mass / true_mass.clamp_min(1e-300))[true_mass > 0]
+    # a differing pool must be a near-tie in float64 with the boundary
+    max_tie_gap = 0.0
+    for r in differing.nonzero().flatten().tolist()[:256]:
+        i = int((rows == r).nonzero()[0, 0])
+        a, b = set(got_pools[0, r].tolist()) - {-1}, set(ref_pools[0, r].tolist()) - {-1}
+        boundary = min(s_same[i, p].item() for p in a | b)
+        max_tie_gap = max(max_tie_gap, max(abs(s_same[i, p].item() - boundary) for p in a ^ b))
+    result = dict(
+        nan_or_poison=bool((indices < -1).any() or (indices >= seq_len).any()),
+        rows_differing_from_torch_same_precision=int(differing.sum()),
+        max_float64_gap_of_differing_pools=max_tie_gap,
+        mass_capture_min=float(capture.min()), mass_capture_mean=float(capture.mean()),
+    )
+    result["ok"] = (
+        not result["nan_or_poison"] and max_tie_gap <= 1e-3 and result["mass_capture_min"] >= 0.99
+    )
+    return result, indices
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def check_attention(seq_len: int, shape: dict, indices: torch.Tensor, gen: torch.Generator, backward: bool) -> dict:
+    h, dqk = shape["heads"], shape["dqk"]
+    scale = shape["qk_head"] ** -0.5
+    q = torch.randn(1, seq_len, h, dqk, generator=gen, device="cuda").bfloat16()
+    kv = torch.randn(1, seq_len, dqk, generator=gen, device="cuda").bfloat16()
+    q.requires_grad_(backward)
+    kv.requires_grad_(backward)
+    poison()
+    out, lse = sparse_mla_attention(q, kv, indices, scale, dqk)
+    torch.cuda.synchronize()
+    rows = torch.randperm(seq_len, generator=torch.Generator().manual_seed(1))[:1024].cuda()
+    ref_out, ref_lse = torch_sparse_mla_fwd(q.detach()[:, rows].double(), kv.detach().double(), indices[:, rows], scale, dqk, 64)
+    result = dict(
+        out_finite=bool(torch.isfinite(out).all()),
+        out_rel_err=rel_err(out[:, rows], ref_out),
+        lse_max_abs_err=float((lse[:, rows].double() - ref_lse).abs().max()),
+    )
+    ok = result["out_finite"] and result["out_rel_err"] <= 1e-2 and result["lse_max_abs_err"] <= 5e-2
+    if backward:
+        grad = torch.randn(out.shape, generator=gen, device="cuda").bfloat16()
+        poison()
+        out.backward(grad)
+        ref_o64, ref_l64 = torch_sparse_mla_fwd(q.detach().double(), kv.detach().double(), indices, scale, dqk, 64)
+        dq64, dkv64 = torch_sparse_mla_bwd(
+            q.detach().double(), kv.detach().double(), indices, ref_o64, ref_l64, grad.double(), scale, dqk, 64
+        )
+        result.update(dq_rel_err=rel_err(q.grad, dq64), dkv_rel_err=rel_err(kv.grad, dkv64))
+        ok = ok and result["dq_rel_err"] <= 1e-2 and result["dkv_rel_err"] <= 1e-2
+    result["ok"] = ok
+    return result
+
+
+def _cp_worker(rank: int, world: int, seq_len: int, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    shape = SHAPES["full"]
+    gen = torch.Generator(device="cuda").manual_seed(1234)  # same full inputs on every rank
+    inp = indexer_inputs(seq_len, shape, gen)
+    kw = dict(kpool=KPOOL, topk=TOPK, select_tail=True, softmax_scale=shape["index_dim"] ** -0.5)
+    local = seq_len // world
+    sl = slice(rank * local, (rank + 1) * local)
+    # each rank owns its chunk of keys; all-gather them as the CP model does
+    parts = {n: [torch.empty_like(inp[n][:, sl]) for _ in range(world)] for n in ("k", "gate_scores")}
+    for n in parts:
+        dist.all_gather(parts[n], inp[n][:, sl].contiguous())
+    k_all, g_all = torch.cat(parts["k"], 1), torch.cat(parts["gate_scores"], 1)
+    mine = lightning_indexer_topk(
+        inp["q"][:, sl], k_all, g_all, inp["ape"], inp["weights"][:, sl], q_offset=rank * local, **kw
+    )
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    if rank == 0:
+        single = lightning_indexer_topk(**inp, **kw)
+        queue.put(bool(torch.equal(torch.cat(gathered, 1), single)))
+    dist.destroy_process_group()
+
+
+def check_context_parallel(seq_len: int, world: int = 2) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    mp.start_processes(_cp_worker, args=(world, seq_len, 29533, queue), nprocs=world, start_method="spawn")
+    return dict(world=world, seq_len=seq_len, indices_equal_single_gpu=queue.get(), ok=None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    results = []
+    for seq_len in args.seq_lens:
+        for name, shape in SHAPES.items():
+            gen = torch.Generator(device="cuda").manual_seed(seq_len + len(name))
+            idx_res, indices = check_indexer(seq_len, shape, gen)
+            attn_res = check_attention(seq_len, shape, indices, gen, backward=seq_len == min(args.seq_lens))
+            row = dict(seq_len=seq_len, shape=name, indexer=idx_res, attention=attn_res)
+            print(json.dumps(row), flush=True)
+            results.append(row)
+            del indices
+            torch.cuda.empty_cache()
+    if torch.cuda.device_count() >= 2:
+        cp = check_context_parallel(max(args.seq_lens))
+        cp["ok"] = cp["indices_equal_single_gpu"]
+        print(json.dumps(dict(context_parallel=cp)), flush=True)
+        results.append(dict(context_parallel=cp))
+    else:
+        print("context parallel check skipped: fewer than 2 GPUs visible", flush=True)
+    all_ok = all(r.get("indexer", {}).get("ok", True) and r.get("attention", {}).get("ok", True)
+                 and r.get("context_parallel", {}).get("ok", True) for r in results)
+    print(f"ALL OK: {all_ok}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
