@@ -1,0 +1,232 @@
+"""vLLM (vllm-cpu 0.32.0 + the megabase_glm5next_cpu plugin) against transformers' plain-torch
+glm5_next on the same tiny checkpoint: prompt log-probs, greedy decoding, batching, bf16, mHC norm.
+
+The tiny checkpoint has every block kind of GLM-5.3-Flash: KDA layers, a DSA layer with its
+own k-pool indexer and one that shares it, dense MLP and sigmoid MoE with a shared expert,
+mHC with 2 streams, NoPE MLA with kv_lora_rank 512. Weights are re-drawn at unit scale (and
+norm weights away from 1) so that log-probs depend on every part. With ``index_topk=64``,
+``index_kpool=8`` a 4k-token query keeps 8 of up to 512 pools: the selection is sparse.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+
+import pytest
+import torch
+
+for _key, _value in dict(
+    VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS="2", HF_HUB_OFFLINE="1"
+).items():
+    os.environ.setdefault(_key, _value)
+
+vllm = pytest.importorskip("vllm")
+from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration  # noqa: E402
+
+PROMPT_LEN = 4096
+DECODE_LEN = 64
+MAX_BATCHED_TOKENS = 1024  # < PROMPT_LEN: prefill runs in chunks, continuing KDA and DSA caches
+TINY_TEXT_CONFIG = dict(
+    vocab_size=16,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    kv_lora_rank=512,
+    q_lora_rank=32,
+    qk_rope_head_dim=0,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    index_topk=64,
+    index_head_dim=128,
+    index_n_heads=4,
+    index_kpool=8,
+    layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+    indexer_types=["full", "full", "shared", "full"],
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+    linear_head_dim=32,
+    linear_num_heads=2,
+    hc_mult=2,
+    max_position_embeddings=65536,
+    pad_token_id=0,
+)
+TINY_VISION_CONFIG = dict(
+    depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, projection_intermediate_size=64
+)
+
+
+def build_tiny_checkpoint(path, seed: int = 0) -> None:
+    """Save a tiny ``Glm5NextForConditionalGeneration`` with unit-scale random weights to ``path``."""
+    torch.manual_seed(seed)
+    config = Glm5NextConfig(text_config=TINY_TEXT_CONFIG, vision_config=TINY_VISION_CONFIG)
+    model = Glm5NextForConditionalGeneration(config)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "visual" in name:
+                continue
+            noise = torch.randn(param.shape, generator=generator)
+            if "norm" in name and name.endswith("weight"):
+                param.copy_(1 + 0.3 * noise)
+            elif "A_log" in name:
+                param.copy_(2 * torch.rand(param.shape, generator=generator))
+            elif "embed" in name or ("_hc." in name and not name.endswith(".fn")):
+                param.copy_(noise)
+            elif param.dim() >= 2:
+                param.copy_(noise / math.sqrt(param.shape[-1]))
+            else:
+                param.copy_(0.3 * noise)
+    model.save_pretrained(path)
+
+
+def perturb_mhc_norm_weights(src, dst) -> None:
+    """Copy checkpoint ``src`` to ``dst`` with the block-input RMSNorm weights of every layer
+    (applied to the mHC-collapsed input) scaled per channel."""
+    model = Glm5NextForConditionalGeneration.from_pretrained(src, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer in model.model.language_model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.mul_(1 + 0.5 * torch.randn(norm.weight.shape, generator=generator))
+    model.save_pretrained(dst)
+
+
+def prompt_ids(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, TINY_TEXT_CONFIG["vocab_size"], (length,), generator=generator).tolist()
+
+
+def transformers_reference(path, ids: list[int], dtype: torch.dtype, decode_len: int = 0):
+    """Prompt log-probs ``[len(ids) - 1]`` (float32) of transformers' plain-torch forward, and
+    its greedy continuation of ``decode_len`` tokens with the smallest top-1/top-2 logit margin."""
+    model = Glm5NextForConditionalGeneration.from_pretrained(path, dtype=dtype).eval()
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), use_cache=decode_len > 0)
+        logprobs = torch.log_softmax(out.logits[0].float(), dim=-1)
+        prompt = logprobs[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        tokens, margin = [], math.inf
+        logits, cache = out.logits[0, -1].float(), out.past_key_values
+        for _ in range(decode_len):
+            top2 = logits.topk(2).values
+            margin = min(margin, (top2[0] - top2[1]).item())
+            tokens.append(int(logits.argmax()))
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+            logits, cache = out.logits[0, -1].float(), out.past_key_values
+    return prompt, tokens, margin
+
+
+def vllm_prompt_logprobs(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """vLLM's log-prob of every prompt token after the first, per prompt (float32)."""
+    params = vllm.SamplingParams(prompt_logprobs=0, max_tokens=1, detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    return [
+        torch.tensor([entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], ids[1:])])
+        for out, ids in zip(outputs, prompts)
+    ]
+
+
+def make_llm(path, dtype: str, max_model_len: int = PROMPT_LEN + DECODE_LEN + 64):
+    return vllm.LLM(
+        model=str(path),
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        enable_prefix_caching=False,
+        seed=0,
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, plain_torch_transformers):
+    path = tmp_path_factory.mktemp("glm5next_tiny")
+    build_tiny_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def fp32_reference(checkpoint):
+    ids = prompt_ids(PROMPT_LEN, seed=3)
+    prompt, tokens, margin = transformers_reference(checkpoint, ids, torch.float32, DECODE_LEN)
+    return ids, prompt, tokens, margin
+
+
+@pytest.fixture(scope="module")
+def fp32_llm(checkpoint):
+    llm = make_llm(checkpoint, "float32")
+    yield llm
+    del llm
+    gc.collect()
+
+
+def test_prompt_logprobs_match_transformers_fp32(fp32_llm, fp32_reference):
+    ids, reference, _, _ = fp32_reference
+    assert PROMPT_LEN > 8 * TINY_TEXT_CONFIG["index_topk"], "prompt too short for the selection to be sparse"
+    (got,) = vllm_prompt_logprobs(fp32_llm, [ids])
+    diff = (got - reference).abs()
+    assert diff.mean() <= 1e-4 and diff.max() <= 1e-3, (diff.mean().item(), diff.max().item())
+
+
+def test_greedy_decode_matches_transformers_fp32(fp32_llm, fp32_reference):
+    ids, _, reference_tokens, margin = fp32_reference
+    # The test's premise: no near-tie that float32 rounding could flip.
+    assert margin > 1e-4, f"seed gives a near tie (margin {margin}); pick another prompt seed"
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=DECODE_LEN, ignore_eos=True, detokenize=False)
+    (out,) = fp32_llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == reference_tokens
+
+
+def test_batched_requests_match_each_alone(fp32_llm):
+    long_ids, short_ids = prompt_ids(1500, seed=11), prompt_ids(700, seed=12)
+    together = vllm_prompt_logprobs(fp32_llm, [long_ids, short_ids])
+    alone = [vllm_prompt_logprobs(fp32_llm, [ids])[0] for ids in (long_ids, short_ids)]
+    for batched, single in zip(together, alone):
+        assert (batched - single).abs().max() <= 1e-5
+
+
+# The tests below start engines of their own. They must not use ``fp32_llm`` afterwards:
+# shutting an in-process engine down tears down vLLM's global parallel state.
+
+
+def test_prompt_logprobs_bf16_within_model_bf16_spread(checkpoint, fp32_reference):
+    """bf16 vLLM vs float32 transformers, bounded by 2x transformers' own bf16-vs-fp32 spread."""
+    ids, fp32_logprobs, _, _ = fp32_reference
+    ids, fp32_logprobs = ids[:2048], fp32_logprobs[:2047]
+    hf_bf16, _, _ = transformers_reference(checkpoint, ids, torch.bfloat16)
+    spread = (hf_bf16 - fp32_logprobs).abs().mean().item()
+    llm = make_llm(checkpoint, "bfloat16", max_model_len=2048 + 64)
+    try:
+        (got,) = vllm_prompt_logprobs(llm, [ids])
+    finally:
+        del llm
+        gc.collect()
+    error = (got - fp32_logprobs).abs().mean().item()
+    assert error <= 2 * spread, (error, spread)
+
+
+def test_mhc_norm_weight_changes_vllm_output(checkpoint, tmp_path):
+    """vllm-cpu's fused mHC ops ignore norm_weight: the plugin must not. With the block-input
+    norm weights perturbed, vLLM must follow transformers on the perturbed checkpoint, far
+    from the unperturbed model's log-probs (which an ignored weight would reproduce)."""
+    perturbed = tmp_path / "perturbed"
+    perturb_mhc_norm_weights(checkpoint, perturbed)
+    ids = prompt_ids(512, seed=5)
+    base, _, _ = transformers_reference(checkpoint, ids, torch.float32)
+    reference, _, _ = transformers_reference(perturbed, ids, torch.float32)
+    llm = make_llm(perturbed, "float32", max_model_len=1024)
+    try:
+        (got,) = vllm_prompt_logprobs(llm, [ids])
+    finally:
+        del llm
+        gc.collect()
+    assert (reference - base).abs().mean() > 1e-2, "perturbation too small to detect"
+    assert (got - base).abs().mean() > 1e-2
+    assert (got - reference).abs().max() <= 1e-3
