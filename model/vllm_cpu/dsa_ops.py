@@ -106,7 +106,8 @@ def sparse_mla_attention(
         q_nope: queries ``[Q, H, Dqk]``.
         latent: the request's normalised KV latents ``[L, R]`` (``R = kv_lora_rank``).
         token_indices: ``[Q, W]`` positions into ``latent`` each query attends to, -1 = none.
-            Every query must have at least one valid index.
+            Valid indices of a row must be distinct (a repeat would count twice) and every
+            row needs at least one; :func:`select_topk_tokens` guarantees both.
         w_uk: key up-projection ``[H, Dqk, R]``; w_uv: value up-projection ``[H, Dv, R]``
             (the two halves of ``kv_b_proj``).
         scaling: softmax scale (``Dqk ** -0.5``).
