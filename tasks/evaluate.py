@@ -49,8 +49,8 @@ log = logging.getLogger("megabase.evaluate")
 SCHEMA = "megabase.evaluate/1"
 LN2 = math.log(2.0)
 
-__all__ = ["EvalConfig", "EvalError", "EvalResult", "MarkovModel", "Window", "bucket_edges", "evaluate",
-           "eval_windows", "score_windows"]
+__all__ = ["EvalConfig", "EvalError", "EvalResult", "MarkovModel", "ShardStreams", "Window", "bucket_edges",
+           "eval_windows", "evaluate", "score_windows", "split_shards"]
 
 
 class EvalError(ValueError):
@@ -133,8 +133,12 @@ class Window:
                 "start": self.start, "scored_tokens": int(self.loss_mask[1:].sum())}
 
 
-def _split_shards(shards_dir: Path, split: str) -> list[dict]:
-    """The manifest's shard entries (``path``, ``tokens``, ...) of one split."""
+def split_shards(shards_dir: Path, split: str) -> list[dict]:
+    """The manifest's shard entries (``path``, ``tokens``, ...) of one split.
+
+    Raises:
+        EvalError: no manifest, or no such split.
+    """
     manifest_path = shards_dir / "manifest.json"
     if not manifest_path.is_file():
         raise EvalError(f"{shards_dir}: no manifest.json (expected a pack output directory)")
@@ -144,13 +148,28 @@ def _split_shards(shards_dir: Path, split: str) -> list[dict]:
     return splits[split]["shards"]
 
 
-def _shard_streams(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict], np.ndarray]:
-    """Token, loss-mask and soft-mask streams of a shard, its rows and their start offsets."""
-    table = read_shard(path)
-    join = lambda column: np.frombuffer(b"".join(table.column(column).to_pylist()), dtype=np.uint8)  # noqa: E731
-    rows = table.select(["record", "start", "end", "strand", "leading_sep"]).to_pylist()
-    lengths = [len(b) for b in table.column("tokens").to_pylist()]
-    return join("tokens"), join("loss_mask").view(bool), join("soft_mask").view(bool), rows, np.cumsum([0] + lengths)
+class ShardStreams:
+    """One shard's token, loss-mask and soft-mask streams plus its rows, to cut windows from."""
+
+    def __init__(self, shards_dir: Path, shard: str):
+        table = read_shard(shards_dir / shard)
+        join = lambda column: np.frombuffer(b"".join(table.column(column).to_pylist()), dtype=np.uint8)  # noqa: E731
+        self.shard = shard
+        self.tokens = join("tokens")
+        self.loss_mask = join("loss_mask").view(bool)
+        self.soft_mask = join("soft_mask").view(bool)
+        self.rows = table.select(["record", "start", "end", "strand", "leading_sep"]).to_pylist()
+        self.row_starts = np.cumsum([0] + [len(b) for b in table.column("tokens").to_pylist()])
+
+    def window(self, offset: int, length: int) -> Window:
+        """Tokens ``[offset, offset + length)`` of the stream, with the first token's provenance."""
+        row = int(np.searchsorted(self.row_starts, offset, side="right")) - 1
+        info = self.rows[row]
+        into = max(offset - int(self.row_starts[row]) - int(info["leading_sep"]), 0)
+        start = info["start"] + into if info["strand"] == "+" else info["end"] - into
+        sl = slice(offset, offset + length)
+        return Window(self.tokens[sl].copy(), self.loss_mask[sl].copy(), self.soft_mask[sl].copy(), self.shard,
+                      offset, info["record"], info["strand"], int(start))
 
 
 def eval_windows(shards_dir: str | os.PathLike, window_tokens: int, max_windows: int, split: str = "eval") -> list[Window]:
@@ -172,7 +191,7 @@ def eval_windows(shards_dir: str | os.PathLike, window_tokens: int, max_windows:
         EvalError: no shard holds ``window_tokens`` tokens, or the directory is not a pack output.
     """
     shards_dir = Path(shards_dir)
-    shards = _split_shards(shards_dir, split)
+    shards = split_shards(shards_dir, split)
     candidates = [(shard["path"], offset) for shard in shards
                   for offset in range(0, shard["tokens"] - window_tokens + 1, window_tokens)]
     if not candidates:
@@ -180,18 +199,11 @@ def eval_windows(shards_dir: str | os.PathLike, window_tokens: int, max_windows:
         raise EvalError(f"{shards_dir}: no {split} shard holds a {window_tokens}-token window (longest {longest})")
     picks = np.unique(np.linspace(0, len(candidates) - 1, min(max_windows, len(candidates))).round().astype(int))
     windows = []
-    loaded: dict[str, tuple] = {}
+    streams = None
     for shard, offset in (candidates[i] for i in picks):
-        if shard not in loaded:
-            loaded = {shard: _shard_streams(shards_dir / shard)}
-        tokens, loss, soft, rows, row_starts = loaded[shard]
-        row = int(np.searchsorted(row_starts, offset, side="right")) - 1
-        info = rows[row]
-        into = offset - int(row_starts[row]) - int(info["leading_sep"])
-        start = info["start"] + max(into, 0) if info["strand"] == "+" else info["end"] - max(into, 0)
-        sl = slice(offset, offset + window_tokens)
-        windows.append(Window(tokens[sl].copy(), loss[sl].copy(), soft[sl].copy(), shard, offset,
-                              info["record"], info["strand"], int(start)))
+        if streams is None or streams.shard != shard:
+            streams = ShardStreams(shards_dir, shard)
+        windows.append(streams.window(offset, window_tokens))
     return windows
 
 
@@ -324,9 +336,8 @@ class EvalResult:
 
 def _markov_baseline(shards_dir: Path, order: int) -> _MarkovSource:
     model = MarkovModel(order)
-    for shard in _split_shards(shards_dir, "train"):
-        tokens, *_ = _shard_streams(shards_dir / shard["path"])
-        model.fit(tokens)
+    for shard in split_shards(shards_dir, "train"):
+        model.fit(ShardStreams(shards_dir, shard["path"]).tokens)
     return _MarkovSource(model, f"Markov order {order}, add-one smoothing, backoff; fitted on the train split")
 
 

