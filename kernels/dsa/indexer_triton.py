@@ -1,19 +1,18 @@
-"""Triton lightning-indexer scores over k-pools, with a blockwise top-k (CUDA path).
+"""Triton lightning-indexer scores over k-pools, with a streaming top-k (CUDA path).
 
 For a block of ``Tq`` queries one kernel launch writes the fused score
 ``I[t, p] = sum_h w[t, h] * relu(scale * q[t, h] . pool_key[p])`` of every pool the block
 can see into a ``[B, Tq, P_visible]`` float32 buffer (invisible pools -> ``-inf``), without
-the ``[Tq, H, P]`` per-head intermediate a torch implementation materializes; ``torch.topk``
-then keeps the best ``n_select`` pools. Memory: ``O(T * n_select + Tq * P)``.
+the ``[Tq, H, P]`` per-head intermediate a torch implementation materializes. A second
+kernel reads each score row twice: once for a lower bound of its ``n_select``-th value
+(minimum of column maxima), once to keep the entries above it as composite int64 keys
+(score bits, then the complement of the pool index, as the torch path); ``torch.topk``
+over those few keys is exact and applies the tie rule (equal scores: lower pool index
+wins). Memory: ``O(T * n_select + Tq * P)``.
 
-Tie rule (lower pool index wins among equal scores): ``torch.topk`` on CUDA does not
-promise an order among ties, so the rows where a tie straddles the selection boundary
-(more pools score ``>=`` the ``n_select``-th value than there are slots) are re-selected
-with the composite int64 keys of the torch path. Such rows are rare (exactly equal float
-scores) except when every visible pool scores 0 or fewer than ``n_select`` are visible.
-
-FLOPs per launch ``2 * B * Tq * P_visible * H * D`` (+ the ReLU-weighted head sum);
-bytes ``~ B * (Tq * H * D * 2 * ceil(P / BLOCK_N) (L2-served) + Tq * P * 4)``.
+Per launch, scores: FLOPs ``2 * B * Tq * P_visible * H * D``; bytes ``4 * Tq * P_visible``
+written (and read twice by the selection) plus the queries, re-read from L2 once per
+``BLOCK_N`` pools.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dsa.indexer import KPoolGrid, _query_docs, _selection_keys, decode_selection_keys
+from kernels.dsa.indexer import INVALID_KEY, KPoolGrid, _query_docs, _selection_keys, decode_selection_keys
 
 
 @triton.jit
@@ -37,9 +36,10 @@ def _pool_scores_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    b = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    b = tl.program_id(2).to(tl.int64)
+    # int64: at 1M tokens x 32 heads x 128 the query offsets pass 2^31
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     mask_m = offs_m < n_q
     mask_n = offs_n < n_pools
@@ -62,29 +62,75 @@ def _pool_scores_kernel(
         s = tl.dot(q, pk_t)
         acc += tl.maximum(s * scale, 0.0) * w[:, None]
     visible = (pool_doc[None, :] == q_doc[:, None]) & (pool_end[None, :] <= q_pos[:, None])
-    acc = tl.where(visible, acc + 0.0, float("-inf"))
+    acc = tl.where(visible, acc, float("-inf"))
     tl.store(out_ptr, acc, mask=out_mask)
 
 
-def _select_with_tie_rule(scores: torch.Tensor, n_select: int, p_lo: int) -> torch.Tensor:
-    """Best ``n_select`` pools of ``scores`` ``[B, t, P]`` (pool ``p_lo + j`` in column ``j``).
+@triton.jit
+def _candidate_keys_kernel(
+    S, CAND, COUNT, stride_s, stride_c, n_cols, p_lo,
+    N_COLUMNS: tl.constexpr, CHUNK_ROWS: tl.constexpr, CAPACITY: tl.constexpr,
+):
+    """Per score row: a lower bound on its n_select-th value, then the composite keys above it.
 
-    ``torch.topk``, then the rows whose boundary value is tied beyond the slots are
-    re-selected with composite keys, and every row is ordered by (score desc, index asc).
+    The row is viewed as ``[*, N_COLUMNS]``; the minimum over columns of the column maxima
+    is met by ``N_COLUMNS >= n_select`` distinct entries, so it bounds the n_select-th
+    largest value from below. Entries at or above it (about ``n_select * ln(N_COLUMNS)`` for
+    random scores) are written as composite int64 keys, in index order, up to CAPACITY.
     """
-    values, chosen = scores.topk(n_select, dim=-1)
-    boundary = values[..., -1:]
-    ambiguous = ((scores >= boundary).sum(-1) > n_select) & torch.isfinite(boundary[..., 0])
-    if bool(ambiguous.any()):
-        rows = ambiguous.nonzero(as_tuple=True)
-        row_scores = scores[rows]
-        pool_index = torch.arange(scores.shape[-1], device=scores.device)
-        keys = _selection_keys(row_scores, pool_index, torch.isfinite(row_scores))
-        chosen[rows] = decode_selection_keys(keys.topk(n_select, dim=-1).values)[0]
-        values = torch.gather(scores, -1, chosen)
-    keys = _selection_keys(values, chosen + p_lo, torch.isfinite(values))
-    pools, valid = decode_selection_keys(keys.sort(dim=-1, descending=True).values)
-    return torch.where(valid, pools, -1)
+    row = tl.program_id(0).to(tl.int64)
+    base = S + row * stride_s
+    chunk: tl.constexpr = CHUNK_ROWS * N_COLUMNS
+    col_max = tl.full([N_COLUMNS], float("-inf"), tl.float32)
+    grid_offs = tl.arange(0, CHUNK_ROWS)[:, None] * N_COLUMNS + tl.arange(0, N_COLUMNS)[None, :]
+    for c0 in range(0, n_cols, chunk):
+        offs = c0 + grid_offs
+        vals = tl.load(base + offs, mask=offs < n_cols, other=float("-inf"))
+        col_max = tl.maximum(col_max, tl.max(vals, axis=0))
+    bound = tl.min(col_max, axis=0)
+    count = tl.zeros([], tl.int32)
+    flat = tl.arange(0, chunk)
+    for c0 in range(0, n_cols, chunk):
+        offs = c0 + flat
+        vals = tl.load(base + offs, mask=offs < n_cols, other=float("-inf"))
+        keep = (vals >= bound) & (vals > float("-inf"))
+        pos = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        vals = tl.where(vals == 0.0, 0.0, vals)  # -0.0 -> +0.0: equal scores get equal keys
+        bits = vals.to(tl.int32, bitcast=True).to(tl.int64)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        key = (ordered << 32) | (4294967295 - (p_lo + offs).to(tl.int64))
+        tl.store(CAND + row * stride_c + pos, key, mask=keep & (pos < CAPACITY))
+        count += tl.sum(keep.to(tl.int32), axis=0)
+    tl.store(COUNT + row, count)
+
+
+def _select_with_tie_rule(scores: torch.Tensor, n_select: int, p_lo: int, capacity: int = 2048) -> torch.Tensor:
+    """Best ``n_select`` pools of ``scores`` ``[B, t, P]`` (pool ``p_lo + j`` in column ``j``),
+    ordered by (score desc, index asc); -1 where fewer are visible.
+
+    A Triton pass keeps the candidates above a per-row lower bound of the n_select-th value
+    as composite keys (:func:`_candidate_keys_kernel`); ``torch.topk`` over those few keys is
+    exact and applies the tie rule. Rows with more than ``capacity`` candidates (massive
+    ties) are re-selected from their full score row.
+    """
+    batch, n_rows, n_cols = scores.shape
+    flat = scores.view(batch * n_rows, n_cols)
+    candidates = torch.full((batch * n_rows, capacity), INVALID_KEY, dtype=torch.long, device=scores.device)
+    counts = torch.empty(batch * n_rows, dtype=torch.int32, device=scores.device)
+    _candidate_keys_kernel[(batch * n_rows,)](
+        flat, candidates, counts, flat.stride(0), candidates.stride(0), n_cols, p_lo,
+        N_COLUMNS=triton.next_power_of_2(n_select), CHUNK_ROWS=max(1, 2048 // triton.next_power_of_2(n_select)),
+        CAPACITY=capacity, num_warps=4,
+    )
+    keys = candidates.topk(n_select, dim=-1).values
+    overflow = counts > capacity
+    if bool(overflow.any()):
+        rows = overflow.nonzero().flatten()
+        row_scores = flat[rows]
+        pool_index = torch.arange(p_lo, p_lo + n_cols, device=scores.device)
+        keys[rows] = _selection_keys(row_scores, pool_index, torch.isfinite(row_scores)).topk(n_select, dim=-1).values
+    pools, valid = decode_selection_keys(keys)
+    return torch.where(valid, pools, -1).view(batch, n_rows, n_select)
 
 
 def triton_pool_topk(
@@ -97,7 +143,7 @@ def triton_pool_topk(
     q_offset: int,
     query_block: int = 4096,
     block_m: int = 64,
-    block_n: int = 128,
+    block_n: int = 256,
 ) -> torch.Tensor:
     """``[B, T, n_select]`` int64 selected pool indices (-1 = none), best first.
 
@@ -132,7 +178,7 @@ def triton_pool_topk(
             w_blk.stride(0), w_blk.stride(1),
             scores.stride(0), scores.stride(1),
             t1 - t0, n_pools, p_lo, softmax_scale,
-            H=heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=2,
+            H=heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8, num_stages=3,
         )
         k = min(n_select, n_pools)
         selected[:, t0:t1, :k] = _select_with_tie_rule(scores, k, p_lo)

@@ -9,7 +9,8 @@ accumulates ``dq`` in registers and scatter-adds ``dkv`` with float32 atomics.
 Per query (all heads), forward: FLOPs ``2 * H * K * (Dqk + d_v)``, gathered bytes
 ``ceil(H / BLOCK_H) * K * (Dqk + d_v) * 2`` (L2 absorbs the repeats across head blocks).
 Backward: FLOPs ``2 * H * K * (2 * Dqk + 2 * d_v)`` (+ the recomputed ``QK``), atomics
-``ceil(H / BLOCK_H) * K * (Dqk + d_v)`` float32 adds.
+``ceil(H / BLOCK_H) * K * Dqk`` float32 adds when ``d_v == Dqk`` (the value's gradient is
+folded into the key's row), ``* (Dqk + d_v)`` otherwise.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ def _sparse_mla_fwd_kernel(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # at 1M tokens x H x Dqk, offsets pass 2^31
     pid_h = tl.program_id(1)
-    b = tl.program_id(2)
+    b = tl.program_id(2).to(tl.int64)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     offs_v = tl.arange(0, BLOCK_DV)
@@ -89,9 +90,9 @@ def _sparse_mla_bwd_kernel(
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # at 1M tokens x H x Dqk, offsets pass 2^31
     pid_h = tl.program_id(1)
-    b = tl.program_id(2)
+    b = tl.program_id(2).to(tl.int64)
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     offs_v = tl.arange(0, BLOCK_DV)
@@ -99,7 +100,7 @@ def _sparse_mla_bwd_kernel(
     row_q = b * stride_qb + t * stride_qt + offs_h[:, None] * stride_qh
     q = tl.load(Q + row_q + offs_d[None, :], mask=mask_h[:, None] & (offs_d[None, :] < DQK), other=0.0)
     # dO and O share q's [B, T, H, *] layout with their own last dimension d_v (contiguous).
-    row_o = ((b * tl.num_programs(0) + t) * n_heads + offs_h[:, None]) * DV
+    row_o = ((b * tl.num_programs(0).to(tl.int64) + t) * n_heads + offs_h[:, None]) * DV
     do = tl.load(DO + row_o + offs_v[None, :], mask=mask_h[:, None] & (offs_v[None, :] < DV), other=0.0)
     lse = tl.load(LSE + b * stride_lb + t * stride_lt + offs_h, mask=mask_h, other=float("-inf"))
     delta = tl.load(DELTA + b * stride_lb + t * stride_lt + offs_h, mask=mask_h, other=0.0)
@@ -125,8 +126,11 @@ def _sparse_mla_bwd_kernel(
         dkv = tl.dot(tl.trans(ds).to(q.dtype), q) * scale
         dv = tl.dot(tl.trans(p).to(do.dtype), do)
         dk_rows = dkv_base + idx[:, None] * stride_dks
-        tl.atomic_add(dk_rows + offs_d[None, :], dkv, mask=valid[:, None] & (offs_d[None, :] < DQK), sem="relaxed")
-        tl.atomic_add(dk_rows + offs_v[None, :], dv, mask=valid[:, None] & (offs_v[None, :] < DV), sem="relaxed")
+        if DV == DQK:  # absorbed NoPE-MLA: the value is the whole latent, one atomic row
+            tl.atomic_add(dk_rows + offs_d[None, :], dkv + dv, mask=valid[:, None] & (offs_d[None, :] < DQK), sem="relaxed")
+        else:
+            tl.atomic_add(dk_rows + offs_d[None, :], dkv, mask=valid[:, None] & (offs_d[None, :] < DQK), sem="relaxed")
+            tl.atomic_add(dk_rows + offs_v[None, :], dv, mask=valid[:, None] & (offs_v[None, :] < DV), sem="relaxed")
     tl.store(
         DQ + row_q + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
         mask=mask_h[:, None] & (offs_d[None, :] < DQK),

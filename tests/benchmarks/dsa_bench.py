@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from kernels.dsa import lightning_indexer_topk, sparse_mla_attention  # noqa: E402
+from kernels.dsa import indexer_kl_loss, lightning_indexer_topk, sparse_mla_attention  # noqa: E402
 from kernels.dsa.indexer import _compress_on_grid, _torch_pool_topk, kpool_grid  # noqa: E402
 
 SHAPES = {
@@ -107,7 +107,7 @@ def bench_attention(seq_len: int, shape: dict, ceil: dict, reps: int) -> list[di
     fwd_flops = 2 * n_q * h * k_valid * (dqk + dqk)
     fwd_bytes = n_q * k_valid * dqk * 2 * max(1, h // 32) + q.numel() * 2 * 2
     bwd_flops = 2 * n_q * h * k_valid * (dqk + 2 * dqk + 2 * dqk)
-    bwd_bytes = fwd_bytes + n_q * k_valid * 2 * dqk * 4 * max(1, h // 32)  # fp32 atomics
+    bwd_bytes = fwd_bytes + n_q * k_valid * dqk * 4 * max(1, h // 32)  # fp32 atomics, d_v folded in
     pred_f = max(fwd_flops / ceil["matmul_tflops"] / 1e12, fwd_bytes / ceil["copy_tbps"] / 1e12)
     pred_b = max((fwd_flops + bwd_flops) / ceil["matmul_tflops"] / 1e12, (fwd_bytes + bwd_bytes) / ceil["copy_tbps"] / 1e12)
 
@@ -128,6 +128,35 @@ def bench_attention(seq_len: int, shape: dict, ceil: dict, reps: int) -> list[di
     rows.append(dict(op="sparse MLA fwd+bwd" + note, seconds=t_b * factor, predicted=pred_b * factor,
                      peak_gib=peak_b, tflops=(fwd_flops + bwd_flops) / t_b / 1e12))
     return rows
+
+
+def bench_indexer_loss(seq_len: int, shape: dict, ceil: dict, reps: int) -> list[dict]:
+    """KL loss forward+backward (blockwise torch on the GPU): gathers T x topk latents once."""
+    h, dqk, hi, di = shape["heads"], shape["dqk"], shape["index_heads"], shape["index_dim"]
+    dev, bf = "cuda", torch.bfloat16
+    qi = torch.randn(1, seq_len, hi, di, device=dev, dtype=bf, requires_grad=True)
+    ki = torch.randn(1, seq_len, di, device=dev, dtype=bf, requires_grad=True)
+    g = torch.randn(1, seq_len, di, device=dev, dtype=bf, requires_grad=True)
+    ape = torch.randn(KPOOL, di, device=dev, dtype=bf, requires_grad=True)
+    w = torch.randn(1, seq_len, hi, device=dev, requires_grad=True)
+    kw = dict(kpool=KPOOL, topk=TOPK)
+    with torch.no_grad():
+        idx = lightning_indexer_topk(qi, ki, g, ape, w, select_tail=True, softmax_scale=di**-0.5, **kw)
+        q = torch.randn(1, seq_len, h, dqk, device=dev, dtype=bf)
+        kv = torch.randn(1, seq_len, dqk, device=dev, dtype=bf)
+        _, lse = sparse_mla_attention(q, kv, idx, shape["qk_head"] ** -0.5, dqk)
+
+    def run():
+        loss = indexer_kl_loss(qi, ki, g, ape, w, q, kv, lse, idx, index_softmax_scale=di**-0.5,
+                               softmax_scale=shape["qk_head"] ** -0.5, **kw)
+        loss.backward()
+
+    flops = 2 * seq_len * h * TOPK * dqk + 3 * 2 * seq_len * hi * (TOPK // KPOOL) * di
+    bytes_ = seq_len * TOPK * dqk * (2 + 4 * 2)  # gather bf16, float32 copy written and read
+    pred = max(flops / ceil["matmul_tflops"] / 1e12, bytes_ / ceil["copy_tbps"] / 1e12)
+    t, peak = timed(run, reps)
+    return [dict(op="indexer KL loss fwd+bwd (torch blockwise)", seconds=t, predicted=pred, peak_gib=peak,
+                 tflops=flops / t / 1e12)]
 
 
 def bench_sdpa(seq_len: int, shape: dict, ceil: dict, reps: int) -> list[dict]:
@@ -165,6 +194,8 @@ def main() -> None:
             rows += bench_attention(seq_len, shape, ceil, reps)
             if seq_len <= 262144:
                 rows += bench_sdpa(seq_len, shape, ceil, reps)
+            if seq_len <= 65536:
+                rows += bench_indexer_loss(seq_len, shape, ceil, reps)
             for row in rows:
                 row.update(shape=name, seq_len=seq_len)
                 print(json.dumps(row), flush=True)
