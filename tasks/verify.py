@@ -33,6 +33,7 @@ import html
 import json
 import logging
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -299,9 +300,16 @@ class TrainerLogProbs:
     """
 
     def __init__(self, checkpoint_dir: str | os.PathLike, dtype: str = "float32", chunk_tokens: int = 4096):
+        from model import cpu_compat
         from model.convert import hf_to_megatron, load_hf_checkpoint, load_megatron_state
         from model.glm5_next import build_model
 
+        if not torch.distributed.is_initialized() and "MASTER_PORT" not in os.environ:
+            # One process: any free port, not the shared default 29500 another job may hold.
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            cpu_compat.init_process_group(0, 1, port=port)
         self.checkpoint_dir = Path(checkpoint_dir).absolute()
         self.dtype = dtype
         self.chunk_tokens = chunk_tokens
