@@ -13,6 +13,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -25,7 +26,15 @@ from tasks.corpora import CORPORA  # noqa: E402
 from tasks.engines import TransformersEngine, VLLMEngine  # noqa: E402
 from tasks.ingest import IngestConfig, ingest  # noqa: E402
 from tasks.pack import PackConfig, pack  # noqa: E402
-from tasks.verify import VerifyConfig, VerifyError, VerifyGateError, sample_windows, verify  # noqa: E402
+from tasks.verify import (  # noqa: E402
+    VerifyConfig,
+    VerifyError,
+    VerifyGateError,
+    sample_windows,
+    verify,
+    verify_checkpoint,
+)
+from workflows.presets import get_preset  # noqa: E402
 
 LENGTHS = (512, 4096)
 PERTURBED = "model.layers.1.self_attn.o_proj.weight"
@@ -172,3 +181,45 @@ def test_invalid_configurations_raise_verify_error(setup):
         sample_windows(root / "pack", (1 << 20,), 1)
     with pytest.raises(VerifyError, match="unknown legs"):
         VerifyConfig(context_lengths=LENGTHS, leg_max_tokens={"sglang": 1})
+
+
+@pytest.fixture(scope="module")
+def glm5_next_export(tmp_path_factory, plain_torch_transformers):
+    """The tiny glm5_next preset in the published HF layout, weights moved off their init."""
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    from model.config import MINIMAL_VISION_CONFIG, preset_hf
+
+    torch.manual_seed(0)
+    hf = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=preset_hf("tiny"),
+                                                         vision_config=MINIMAL_VISION_CONFIG))
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "visual" not in name:
+                param.add_(0.05 * torch.randn_like(param))
+    path = tmp_path_factory.mktemp("glm5_next_tiny")
+    hf.eval().save_pretrained(path)
+    return path
+
+
+def test_megatron_trainer_matches_transformers_on_tiny_glm5_next(setup, glm5_next_export, tmp_path):
+    root, *_ = setup
+    preset = get_preset("ci-smoke")
+    assert preset.engine == "transformers" and preset.verify.context_lengths == (1024, 4096)
+    report = verify_checkpoint(glm5_next_export, root / "pack", preset, tmp_path / "out").report
+    assert report["passed"] and report["legs"]["trainer"].startswith("megatron glm5_next forward (float32)")
+    assert report["legs"]["engine"].startswith("transformers (float32)")
+    for b in report["pairs"]["trainer vs engine"]:
+        print(f"megatron vs transformers glm5_next, {b['context_tokens']} tokens: mean {b['mean_abs_diff']:.2e} "
+              f"p99 {b['p99_abs_diff']:.2e} max {b['max_abs_diff']:.2e}")
+        assert b["mean_abs_diff"] < 1e-5 and b["max_abs_diff"] < 1e-4
+
+
+def test_transformers_leg_on_glm5_next_is_capped_and_says_so(setup, glm5_next_export, tmp_path):
+    root, *_ = setup
+    preset = get_preset("ci-smoke")
+    capped = dataclasses.replace(preset, verify=dataclasses.replace(preset.verify, context_lengths=(1024,),
+                                                                    transformers_max_tokens=512))
+    # The engine of ci-smoke is transformers: capped below the only length, nothing compares it.
+    with pytest.raises(VerifyError, match=r"no pair of legs runs 1024-token windows \(caps .*'engine': 512"):
+        verify_checkpoint(glm5_next_export, root / "pack", capped, tmp_path / "out")
