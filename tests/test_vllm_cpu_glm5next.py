@@ -5,7 +5,9 @@ The tiny checkpoint has every block kind of GLM-5.3-Flash: KDA layers, a DSA lay
 own k-pool indexer and one that shares it, dense MLP and sigmoid MoE with a shared expert,
 mHC with 2 streams, NoPE MLA with kv_lora_rank 512. Weights are re-drawn at unit scale (and
 norm weights away from 1) so that log-probs depend on every part. With ``index_topk=64``,
-``index_kpool=8`` a 4k-token query keeps 8 of up to 512 pools: the selection is sparse.
+``index_kpool=8`` a 4k-token query keeps 8 of up to 512 pools (16k: of 2048): the selection
+is sparse. Prefill runs in 1024-token chunks, so every long prompt also checks that KDA
+states and the latent / indexer-key caches continue across scheduler steps.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ vllm = pytest.importorskip("vllm")
 from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration  # noqa: E402
 
 PROMPT_LEN = 4096
+LONG_PROMPT_LEN = 16384
 DECODE_LEN = 64
 MAX_BATCHED_TOKENS = 1024  # < PROMPT_LEN: prefill runs in chunks, continuing KDA and DSA caches
 TINY_TEXT_CONFIG = dict(
@@ -132,7 +135,7 @@ def vllm_prompt_logprobs(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
     ]
 
 
-def make_llm(path, dtype: str, max_model_len: int = PROMPT_LEN + DECODE_LEN + 64):
+def make_llm(path, dtype: str, max_model_len: int = LONG_PROMPT_LEN + 64):
     return vllm.LLM(
         model=str(path),
         skip_tokenizer_init=True,
@@ -170,6 +173,14 @@ def fp32_llm(checkpoint):
 def test_prompt_logprobs_match_transformers_fp32(fp32_llm, fp32_reference):
     ids, reference, _, _ = fp32_reference
     assert PROMPT_LEN > 8 * TINY_TEXT_CONFIG["index_topk"], "prompt too short for the selection to be sparse"
+    (got,) = vllm_prompt_logprobs(fp32_llm, [ids])
+    diff = (got - reference).abs()
+    assert diff.mean() <= 1e-4 and diff.max() <= 1e-3, (diff.mean().item(), diff.max().item())
+
+
+def test_prompt_logprobs_match_transformers_fp32_16k(fp32_llm, checkpoint):
+    ids = prompt_ids(LONG_PROMPT_LEN, seed=4)
+    reference, _, _ = transformers_reference(checkpoint, ids, torch.float32)
     (got,) = vllm_prompt_logprobs(fp32_llm, [ids])
     diff = (got - reference).abs()
     assert diff.mean() <= 1e-4 and diff.max() <= 1e-3, (diff.mean().item(), diff.max().item())

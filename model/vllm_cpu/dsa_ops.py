@@ -23,6 +23,9 @@ QUERY_BLOCK = 512
 """Queries processed at once by the sparse attention; bounds the gathered-latent memory
 (``QUERY_BLOCK * topk_width * kv_lora_rank`` elements)."""
 
+SCORE_BUDGET = 1 << 24
+"""Most float32 pool scores (queries x heads x pools) the indexer holds at once (64 MiB)."""
+
 
 def pool_keys(keys: torch.Tensor, gate_scores: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
     """Compress the complete pools of one request's indexer keys.
@@ -68,23 +71,25 @@ def select_topk_tokens(
         ``j`` is eligible for the query at ``p`` when ``(j + 1) * kpool - 1 <= p``; pools are
         ranked by ``sum_h w_h * relu(q_h . k_pool * D ** -0.5)`` (float32).
     """
-    num_queries, _, dim = index_q.shape
+    num_queries, heads, dim = index_q.shape
     num_pools = pooled.shape[0]
     select_k = index_topk // kpool
     selected_tokens = torch.full((num_queries, select_k * kpool), -1, dtype=torch.long)
     if num_pools > 0:
-        scores = torch.einsum("qhd,pd->qhp", index_q.float(), pooled.float())
-        scores = torch.relu(scores * dim**-0.5)
-        index_scores = torch.einsum("qh,qhp->qp", head_weights.float(), scores)
-        pool_end = (torch.arange(num_pools) + 1) * kpool - 1
-        eligible = pool_end[None, :] <= positions[:, None]
-        index_scores = index_scores.masked_fill(~eligible, float("-inf"))
         take = min(select_k, num_pools)
-        best = index_scores.topk(take, dim=-1).indices  # [Q, take]
-        best_ok = eligible.gather(1, best)
-        tokens = best[..., None] * kpool + torch.arange(kpool)  # [Q, take, kpool]
-        tokens = tokens.masked_fill(~best_ok[..., None], -1)
-        selected_tokens[:, : take * kpool] = tokens.flatten(1)
+        pool_end = (torch.arange(num_pools) + 1) * kpool - 1
+        rows = max(1, SCORE_BUDGET // (heads * num_pools))
+        for start in range(0, num_queries, rows):
+            stop = min(start + rows, num_queries)
+            scores = torch.einsum("qhd,pd->qhp", index_q[start:stop].float(), pooled.float())
+            scores = torch.relu(scores * dim**-0.5)
+            index_scores = torch.einsum("qh,qhp->qp", head_weights[start:stop].float(), scores)
+            eligible = pool_end[None, :] <= positions[start:stop, None]
+            index_scores = index_scores.masked_fill(~eligible, float("-inf"))
+            best = index_scores.topk(take, dim=-1).indices  # [q, take]
+            tokens = best[..., None] * kpool + torch.arange(kpool)  # [q, take, kpool]
+            tokens = tokens.masked_fill(~eligible.gather(1, best)[..., None], -1)
+            selected_tokens[start:stop, : take * kpool] = tokens.flatten(1)
     tail_len = (positions + 1) % kpool
     tail_offsets = torch.arange(kpool - 1)
     tail = positions[:, None] + 1 - tail_len[:, None] + tail_offsets
