@@ -516,6 +516,49 @@ def init_parallel(cfg: SFTConfig) -> Layout:
                   ps.get_context_parallel_rank(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
 
 
+def _fix_kda_history_gradient() -> None:
+    """Route the gradient of the KDA convolution history back to the previous CP rank.
+
+    ``model.layers.KDAMixer.forward`` sends its last ``kernel - 1`` convolution inputs to the next
+    CP rank with ``send_to_next(pre, pre[:, -(kernel - 1):], cp)`` but drops the returned tensor,
+    so the backward that receives their gradient never runs: the next rank's matching send blocks
+    forever (gloo) and the history's gradient is lost. Until the model keeps that return value
+    (``pre = send_to_next(...)``), this replaces ``send_to_next`` for that call pattern (``state``
+    a tail slice of ``out`` along the sequence) by a forward send plus a gradient hook on ``out``
+    that receives the next rank's gradient and adds it to the tail. Other calls are unchanged.
+    Applied only while the model source still has the dropped call.
+    """
+    import inspect
+
+    import torch
+    import torch.distributed as dist
+
+    from model import layers
+
+    if "\n            send_to_next(pre, " not in inspect.getsource(layers.KDAMixer.forward):
+        return
+    original = layers.send_to_next
+
+    def send_to_next(out, state, cp):
+        n = state.shape[1]
+        if state._base is not out or state.data_ptr() != out[:, -n:].data_ptr():
+            return original(out, state, cp)
+        if cp.rank == cp.size - 1:
+            return out
+        dist.send(state.detach().contiguous(), dst=cp.global_rank(cp.rank + 1), group=cp.group)
+        if out.requires_grad:
+            def add_next_rank_gradient(grad):
+                received = torch.zeros(state.shape, dtype=grad.dtype, device=grad.device)
+                dist.recv(received, src=cp.global_rank(cp.rank + 1), group=cp.group)
+                grad = grad.clone()
+                grad[:, -n:] += received
+                return grad
+            out.register_hook(add_next_rank_gradient)
+        return out
+
+    layers.send_to_next = send_to_next
+
+
 def model_config(cfg: SFTConfig):
     """The :class:`model.config.Glm5NextConfig` of the run: preset + parallel sizes + memory knobs."""
     import torch
@@ -937,6 +980,7 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
     from model.glm5_next import build_model
 
     layout = init_parallel(cfg)
+    _fix_kda_history_gradient()
     is_main = layout.rank == 0
     out_dir = Path(out_dir)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
