@@ -103,6 +103,28 @@ class VerifySpec:
 
 
 @dataclass(frozen=True)
+class SFTSpec:
+    """SFT stage knobs (``tasks.sft.SFTConfig`` takes the rest from ``train_seq_len``/``train_parallel``)."""
+
+    steps: int = 20
+    lr: float = 3e-3                  # peak; linear warm-up, cosine decay to min_lr
+    min_lr: float = 3e-4
+    warmup_steps: int = 2
+    windows_per_step: int = 1         # per data-parallel rank
+    dtype: str = "float32"            # float32 | bfloat16 (master weights and Adam stay float32)
+    recompute: str = "none"           # none | selective | full
+    recompute_modules: tuple[str, ...] = ("moe",)
+    offload_layers: int = 0           # first N layers' activations to pinned host memory
+    mlp_chunk_tokens: int = 0         # sequence-chunked MLP/MoE (0: whole sequence)
+    indexer_kl_coeff: float = 0.0
+    expert_bias_update_rate: float = 1e-3
+    checkpoint_uri: str = ""          # shared directory for torch_dist checkpoints ("" = $MEGABASE_HOME)
+    checkpoint_every: int = 10        # steps
+    eval_every: int = 10              # steps
+    eval_windows: int = 2
+
+
+@dataclass(frozen=True)
 class Preset:
     """Everything that differs between a laptop run and a cluster run."""
 
@@ -120,6 +142,7 @@ class Preset:
     infer_resources: Resources = field(default_factory=Resources)
     evaluate: EvalSpec = field(default_factory=EvalSpec)
     verify: VerifySpec = field(default_factory=VerifySpec)
+    sft: SFTSpec = field(default_factory=SFTSpec)
 
 
 PRESETS: dict[str, Preset] = {
@@ -138,6 +161,7 @@ PRESETS: dict[str, Preset] = {
         infer_resources=Resources(cpu="2", mem="8Gi"),
         # 65_536 joins once the engine is vllm: transformers' glm5_next stops near 16k on CPU.
         verify=VerifySpec(context_lengths=(4_096, 16_384), windows_per_length=2),
+        sft=SFTSpec(steps=40, checkpoint_every=10, eval_every=10),
     ),
     "ci-smoke": Preset(
         name="ci-smoke",
@@ -154,6 +178,7 @@ PRESETS: dict[str, Preset] = {
         infer_resources=Resources(cpu="2", mem="6Gi"),
         evaluate=EvalSpec(context_buckets=(0, 1_024, 4_096), max_windows=2),
         verify=VerifySpec(context_lengths=(1_024, 4_096), windows_per_length=1),
+        sft=SFTSpec(steps=4, checkpoint_every=2, eval_every=2, eval_windows=1),
     ),
     "h200": Preset(
         name="h200",
@@ -171,6 +196,8 @@ PRESETS: dict[str, Preset] = {
         evaluate=EvalSpec(context_buckets=(0, 1_024, 4_096, 16_384, 65_536, 262_144), max_windows=8),
         verify=VerifySpec(context_lengths=(131_072, 262_144, 524_288, 1_048_576), windows_per_length=2,
                           dtype="bfloat16", mean_abs_diff_max=0.05, p99_abs_diff_max=0.5),
+        sft=SFTSpec(steps=80, lr=1e-4, min_lr=1e-5, warmup_steps=8, dtype="bfloat16", recompute="selective",
+                    recompute_modules=("moe",), mlp_chunk_tokens=65_536, checkpoint_every=20, eval_every=20),
     ),
     "b200-64": Preset(
         name="b200-64",
@@ -190,6 +217,11 @@ PRESETS: dict[str, Preset] = {
         evaluate=EvalSpec(context_buckets=(0, 1_024, 4_096, 16_384, 65_536, 262_144), max_windows=16),
         verify=VerifySpec(context_lengths=(131_072, 262_144, 524_288, 1_048_576), windows_per_length=4,
                           dtype="bfloat16", mean_abs_diff_max=0.05, p99_abs_diff_max=0.5),
+        # Reference run: offload + chunked MoE at 1M tokens, checkpoints to the cluster's shared mount.
+        sft=SFTSpec(steps=80, lr=1e-5, min_lr=1e-6, warmup_steps=8, dtype="bfloat16", recompute="selective",
+                    recompute_modules=("moe",), offload_layers=24, mlp_chunk_tokens=131_072,
+                    indexer_kl_coeff=1.0, checkpoint_uri="/mnt/checkpoints/megabase", checkpoint_every=20,
+                    eval_every=20, eval_windows=4),
     ),
 }
 
