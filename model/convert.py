@@ -215,7 +215,9 @@ def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from megatron.core import parallel_state as ps
 
     cfg = model.config
-    sd = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith("local_tokens_per_expert")}
+    # ``_extra_state`` entries are None (no TransformerEngine FP8 state) and token counters are not weights.
+    sd = {k: v.detach() for k, v in model.state_dict().items()
+          if v is not None and not k.endswith(("local_tokens_per_expert", "_extra_state"))}
     tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     ep = ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     if tp == 1 and ep == 1:
