@@ -28,6 +28,7 @@ the query's own document; the MLP is per token. Not combined with CP here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,10 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -79,10 +84,14 @@ class Glm5NextLayer(MegatronModule):
         self.mixer = build_module(submodules.mixer, config=config, layer_number=layer_number)
         self.ffn_hc = HyperConnection(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
-        self.mlp = submodules.mlp(config=config, pg_collection=get_default_pg_collection(), is_mtp_layer=False)
+        self.is_moe = config.mlp_layer_types[layer_number - 1] == "sparse"
+        # megatron's MoELayer requires sequence parallelism under TP when training; the mixers run
+        # without it, so the MoE alone sees the sequence split over TP ranks (scatter/gather below).
+        self.moe_sequence_parallel = self.is_moe and config.tensor_model_parallel_size > 1
+        mlp_config = dataclasses.replace(config, sequence_parallel=True) if self.moe_sequence_parallel else config
+        self.mlp = submodules.mlp(config=mlp_config, pg_collection=get_default_pg_collection(), is_mtp_layer=False)
         if hasattr(self.mlp, "set_layer_number"):
             self.mlp.set_layer_number(layer_number)
-        self.is_moe = config.mlp_layer_types[layer_number - 1] == "sparse"
         self.recompute_mlp = config.recompute_granularity == "selective" and (
             "mlp" in config.recompute_modules or (self.is_moe and "moe" in config.recompute_modules)
         )
@@ -93,8 +102,14 @@ class Glm5NextLayer(MegatronModule):
         return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.moe_sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x)
         out, bias = self.mlp(x)
-        return out if bias is None else out + bias
+        out = out if bias is None else out + bias
+        if self.moe_sequence_parallel:
+            # Downstream compute is replicated over TP, so each rank already holds the full gradient.
+            out = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False)
+        return out
 
     def _chunked_mlp(self, x: torch.Tensor) -> torch.Tensor:
         chunk = self.config.mlp_chunk_tokens

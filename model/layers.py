@@ -206,7 +206,7 @@ class KDAMixer(MegatronModule):
                 raise ValueError("cu_seqlens packing with context parallelism is not implemented")
             history = recv_from_prev(x, (b, kernel - 1, pre.shape[-1]), pre.dtype, cp)
             # The next rank's convolution history is this rank's last kernel-1 inputs.
-            send_to_next(pre, pre[:, s - (kernel - 1):], cp)
+            pre = send_to_next(pre, pre[:, s - (kernel - 1):], cp)
             qkv = _depthwise_causal_conv(pre, weight, history)
             state0 = recv_from_prev(x, (b, self.heads, self.head_dim, self.head_dim), torch.float32, cp)
             o, state = self._kda(qkv, g, beta, state0)

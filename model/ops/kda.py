@@ -61,7 +61,7 @@ def chunk_kda_torch(
 
     Returns:
         ``(o, final_state)``: ``o`` of shape ``[B, T, H, V]`` in ``q.dtype``; ``final_state`` of
-        shape ``[B, H, K, V]`` (float32) or None.
+        shape ``[B, H, K, V]`` (float32; float64 for float64 inputs) or None.
     """
     dtype = q.dtype
     B, T, H, K = k.shape
@@ -69,7 +69,9 @@ def chunk_kda_torch(
     C = chunk_size
     if scale is None:
         scale = K**-0.5
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    # float32 as fla and transformers; float64 inputs stay float64 (tests against exact references).
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    q, k, v, g, beta = (x.to(compute) for x in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     pad = (-T) % C
@@ -102,7 +104,7 @@ def chunk_kda_torch(
     k_decay = k * (g[..., -1:, :] - g).exp()
     chunk_decay = g[..., -1, :].exp()  # [B, H, N, K]
 
-    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(compute)
     outs = []
     for n in range(N):
         v_new = u[:, :, n] - w[:, :, n] @ S

@@ -1,0 +1,132 @@
+"""TP=2 and CP=2 (2 gloo ranks each) forward+backward equal world size 1: loss and every gradient.
+
+Each rank builds the tiny model from the same HF weights (model.convert shards them), runs the
+same 512 tokens (CP: its contiguous half), and returns its loss and gradients in HF names. The
+world-size-1 run is the reference. Gradients of weights replicated over CP are summed over the
+CP ranks (what megatron's DDP all-reduce does); under TP, sharded gradients are concatenated by
+model.convert and replicated ones must already agree.
+"""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+SEQ = 512
+
+
+def _grads_hf(model, cfg):
+    """Gradients keyed like the megatron state dict (zeros for buffers and weights without one)."""
+    sd = {k: torch.zeros_like(v) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    for k, p in model.named_parameters():
+        if p.grad is not None:
+            sd[k] = p.grad.detach().clone()
+    return sd
+
+
+def _run(rank, world, tp, cp, port, hf_weights, ids, queue):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state as ps
+
+    from model import cpu_compat
+    from model.config import preset
+    from model.convert import hf_to_megatron, load_megatron_state
+    from model.glm5_next import build_model
+
+    cpu_compat.init_process_group(rank, world)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                 expert_tensor_parallel_size=1)
+    cfg = preset("tiny", index_topk=32, tensor_model_parallel_size=tp, context_parallel_size=cp,
+                 expert_tensor_parallel_size=1)
+    model = build_model(cfg)
+    load_megatron_state(model, hf_to_megatron(hf_weights, cfg, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp))
+    cp_rank = ps.get_context_parallel_rank()
+    local = SEQ // cp
+    x = ids[:, cp_rank * local:(cp_rank + 1) * local]
+    y = ids[:, cp_rank * local + 1:(cp_rank + 1) * local + 1]
+    loss = model(x, labels=y).sum()
+    loss.backward()
+    # What megatron's finalize_model_grads does under DDP: weights that saw only this rank's
+    # sequence part (router under the MoE's sequence parallelism, experts replicated over TP with
+    # expert TP 1) are summed over the TP ranks.
+    for p in model.parameters():
+        if p.grad is not None and (getattr(p, "sequence_parallel", False) or not getattr(p, "allreduce", True)):
+            torch.distributed.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+    # numpy arrays travel by value; torch tensors would be shared memory that dies with this process.
+    grads = {k: v.numpy() for k, v in _grads_hf(model, cfg).items()}
+    queue.put((rank, ps.get_tensor_model_parallel_rank(), cp_rank, loss.item(), grads))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _spawn(tp, cp, hf_weights, ids):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_run, args=(r, 2, tp, cp, port, hf_weights, ids, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted((queue.get(timeout=600) for _ in procs), key=lambda r: r[0])
+    results = [r[:4] + ({k: torch.from_numpy(v) for k, v in r[4].items()},) for r in results]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from model.config import preset
+    from model.convert import megatron_to_hf
+    from model.glm5_next import build_model
+
+    cfg = preset("tiny", index_topk=32)
+    model = build_model(cfg, seed=7)
+    with torch.no_grad():  # move norms/biases off their init so every weight matters
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    hf = megatron_to_hf([[model.state_dict()]], cfg)
+    ids = torch.randint(4, 9, (1, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    loss = model(ids[:, :SEQ], labels=ids[:, 1:]).sum()
+    loss.backward()
+    grads = megatron_to_hf([[_grads_hf(model, cfg)]], cfg)
+    return cfg, hf, ids, loss.item(), grads
+
+
+def _compare(grads, ref, label):
+    worst = 0.0
+    for k, g in ref.items():
+        d = (grads[k] - g).abs().max().item()
+        scale = g.abs().max().item() + 1e-6
+        worst = max(worst, d / scale)
+        assert d <= 1e-4 * scale + 1e-6, f"{label}: {k} max|diff| {d:.2e} (grad scale {scale:.2e})"
+    print(f"{label}: worst relative grad diff {worst:.2e}")
+
+
+def test_tensor_parallel_2_equals_world_size_1(reference):
+    cfg, hf, ids, ref_loss, ref_grads = reference
+    from model.convert import megatron_to_hf
+
+    results = _spawn(2, 1, hf, ids)
+    losses = [r[3] for r in results]
+    print(f"TP=2 loss {losses} vs {ref_loss}")
+    assert all(abs(l - ref_loss) <= 1e-4 * abs(ref_loss) for l in losses)
+    by_tp = [r[4] for r in sorted(results, key=lambda r: r[1])]
+    _compare(megatron_to_hf([by_tp], cfg), ref_grads, "TP=2")
+
+
+def test_context_parallel_2_equals_world_size_1(reference):
+    cfg, hf, ids, ref_loss, ref_grads = reference
+    from model.convert import megatron_to_hf
+
+    results = _spawn(1, 2, hf, ids)
+    loss = sum(r[3] for r in results)
+    print(f"CP=2 loss {loss} vs {ref_loss}")
+    assert abs(loss - ref_loss) <= 1e-4 * abs(ref_loss)
+    summed = {k: results[0][4][k] + results[1][4][k] for k in results[0][4]}
+    _compare(megatron_to_hf([[summed]], cfg), ref_grads, "CP=2")
