@@ -252,6 +252,8 @@ def lightning_indexer_topk(
         raise DSAInputError(f"cu_seqlens needs batch size 1 (packed documents), got batch {q.shape[0]}")
     if block_size < 1:
         raise DSAInputError(f"block_size must be >= 1, got {block_size}")
+    if not softmax_scale > 0:
+        raise DSAInputError(f"softmax_scale must be positive (ReLU commutes with it), got {softmax_scale}")
     grid = kpool_grid(k.shape[1], kpool, cu_seqlens, q.device)
     pool_keys = _compress_on_grid(k, gate_scores, ape, grid)
     if q.is_cuda:
@@ -313,15 +315,27 @@ def _torch_pool_topk(
 
 
 def _expand_selection(
-    pools: torch.Tensor, grid: KPoolGrid, n_q: int, q_offset: int, topk: int, select_tail: bool
+    pools: torch.Tensor, grid: KPoolGrid, n_q: int, q_offset: int, topk: int, select_tail: bool,
+    query_block: int = 65536,
 ) -> torch.Tensor:
-    """Pool indices ``[B, T, topk // kpool]`` (-1 = none) -> token indices ``[B, T, W]`` int32."""
-    kpool = grid.kpool
-    valid = pools >= 0
-    tokens = grid.start[pools.clamp_min(0)][..., None] + torch.arange(kpool, device=pools.device)
-    tokens = tokens.masked_fill(~valid[..., None], -1).flatten(-2)
-    if select_tail:
-        q_pos, q_doc = _query_docs(grid, n_q, q_offset, pools.device)
-        tail = tail_indices(q_pos, grid.doc_bounds[q_doc], kpool)
-        tokens = torch.cat([tokens, tail[None].expand(pools.shape[0], -1, -1)], dim=-1)
-    return tokens.to(torch.int32)
+    """Pool indices ``[B, T, topk // kpool]`` (-1 = none) -> token indices ``[B, T, W]`` int32.
+
+    Filled ``query_block`` rows at a time in int32: the output itself (``T x W x 4`` bytes)
+    is the only full-size tensor.
+    """
+    batch, kpool = pools.shape[0], grid.kpool
+    width = topk + (kpool - 1 if select_tail else 0)
+    out = torch.full((batch, n_q, width), -1, dtype=torch.int32, device=pools.device)
+    offsets = torch.arange(kpool, dtype=torch.int32, device=pools.device)
+    q_pos, q_doc = _query_docs(grid, n_q, q_offset, pools.device)
+    n_pools = pools.shape[-1]
+    for t0 in range(0, n_q, query_block):
+        t1 = min(t0 + query_block, n_q)
+        blk = pools[:, t0:t1]
+        tokens = grid.start[blk.clamp_min(0)].to(torch.int32)[..., None] + offsets
+        tokens = tokens.masked_fill((blk < 0)[..., None], -1)
+        out[:, t0:t1, : n_pools * kpool] = tokens.flatten(-2)
+        if select_tail:
+            tail = tail_indices(q_pos[t0:t1], grid.doc_bounds[q_doc[t0:t1]], kpool)
+            out[:, t0:t1, topk:] = tail.to(torch.int32)
+    return out

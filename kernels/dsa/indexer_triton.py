@@ -6,8 +6,8 @@ can see into a ``[B, Tq, P_visible]`` float32 buffer (invisible pools -> ``-inf`
 the ``[Tq, H, P]`` per-head intermediate a torch implementation materializes. A second
 kernel reads each score row twice: once for a lower bound of its ``n_select``-th value
 (minimum of column maxima), once to keep the entries above it as composite int64 keys
-(score bits, then the complement of the pool index, as the torch path); ``torch.topk``
-over those few keys is exact and applies the tie rule (equal scores: lower pool index
+(score bits, then the complement of the pool index, as the torch path) and sorts those few
+keys in registers: exact, and it applies the tie rule (equal scores: lower pool index
 wins). Memory: ``O(T * n_select + Tq * P)``.
 
 Per launch, scores: FLOPs ``2 * B * Tq * P_visible * H * D``; bytes ``4 * Tq * P_visible``
@@ -31,7 +31,7 @@ def _pool_scores_kernel(
     stride_pb, stride_pp,
     stride_wb, stride_wt,
     stride_ob, stride_ot,
-    n_q, n_pools, p_lo, scale,
+    n_q, n_pools, p_lo,
     H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -59,8 +59,8 @@ def _pool_scores_kernel(
     for h in range(H):
         q = tl.load(q_base + h * stride_qh, mask=mask_m[:, None], other=0.0)
         w = tl.load(w_base + h, mask=mask_m, other=0.0).to(tl.float32)
-        s = tl.dot(q, pk_t)
-        acc += tl.maximum(s * scale, 0.0) * w[:, None]
+        # relu(scale * s) * w == relu(s) * (scale * w) for scale > 0: W arrives pre-scaled
+        acc += tl.maximum(tl.dot(q, pk_t), 0.0) * w[:, None]
     visible = (pool_doc[None, :] == q_doc[:, None]) & (pool_end[None, :] <= q_pos[:, None])
     acc = tl.where(visible, acc, float("-inf"))
     tl.store(out_ptr, acc, mask=out_mask)
@@ -68,15 +68,17 @@ def _pool_scores_kernel(
 
 @triton.jit
 def _candidate_keys_kernel(
-    S, CAND, COUNT, stride_s, stride_c, n_cols, p_lo,
-    N_COLUMNS: tl.constexpr, CHUNK_ROWS: tl.constexpr, CAPACITY: tl.constexpr,
+    S, CAND, COUNT, OUT, stride_s, stride_c, stride_o, n_cols, p_lo,
+    N_SELECT: tl.constexpr, N_COLUMNS: tl.constexpr, CHUNK_ROWS: tl.constexpr, CAPACITY: tl.constexpr,
 ):
     """Per score row: a lower bound on its n_select-th value, then the composite keys above it.
 
     The row is viewed as ``[*, N_COLUMNS]``; the minimum over columns of the column maxima
     is met by ``N_COLUMNS >= n_select`` distinct entries, so it bounds the n_select-th
     largest value from below. Entries at or above it (about ``n_select * ln(N_COLUMNS)`` for
-    random scores) are written as composite int64 keys, in index order, up to CAPACITY.
+    random scores) are written as composite int64 keys, in index order, up to CAPACITY, then
+    sorted in registers; the best N_SELECT keys go to OUT (rows over CAPACITY are redone
+    by the caller).
     """
     row = tl.program_id(0).to(tl.int64)
     base = S + row * stride_s
@@ -102,6 +104,10 @@ def _candidate_keys_kernel(
         tl.store(CAND + row * stride_c + pos, key, mask=keep & (pos < CAPACITY))
         count += tl.sum(keep.to(tl.int32), axis=0)
     tl.store(COUNT + row, count)
+    slots = tl.arange(0, CAPACITY)
+    cand = tl.load(CAND + row * stride_c + slots, mask=slots < count, other=-9223372036854775808)
+    cand = tl.sort(cand, descending=True)
+    tl.store(OUT + row * stride_o + slots, cand, mask=slots < N_SELECT)
 
 
 def _select_with_tie_rule(scores: torch.Tensor, n_select: int, p_lo: int, capacity: int = 2048) -> torch.Tensor:
@@ -109,20 +115,20 @@ def _select_with_tie_rule(scores: torch.Tensor, n_select: int, p_lo: int, capaci
     ordered by (score desc, index asc); -1 where fewer are visible.
 
     A Triton pass keeps the candidates above a per-row lower bound of the n_select-th value
-    as composite keys (:func:`_candidate_keys_kernel`); ``torch.topk`` over those few keys is
-    exact and applies the tie rule. Rows with more than ``capacity`` candidates (massive
-    ties) are re-selected from their full score row.
+    as composite keys and sorts them (:func:`_candidate_keys_kernel`); sorting distinct
+    composite keys is exact and applies the tie rule. Rows with more than ``capacity``
+    candidates (massive ties) are re-selected from their full score row.
     """
     batch, n_rows, n_cols = scores.shape
     flat = scores.view(batch * n_rows, n_cols)
-    candidates = torch.full((batch * n_rows, capacity), INVALID_KEY, dtype=torch.long, device=scores.device)
+    candidates = torch.empty((batch * n_rows, capacity), dtype=torch.long, device=scores.device)
     counts = torch.empty(batch * n_rows, dtype=torch.int32, device=scores.device)
+    keys = torch.empty((batch * n_rows, n_select), dtype=torch.long, device=scores.device)
     _candidate_keys_kernel[(batch * n_rows,)](
-        flat, candidates, counts, flat.stride(0), candidates.stride(0), n_cols, p_lo,
-        N_COLUMNS=triton.next_power_of_2(n_select), CHUNK_ROWS=max(1, 2048 // triton.next_power_of_2(n_select)),
-        CAPACITY=capacity, num_warps=4,
+        flat, candidates, counts, keys, flat.stride(0), candidates.stride(0), keys.stride(0), n_cols, p_lo,
+        N_SELECT=n_select, N_COLUMNS=triton.next_power_of_2(n_select),
+        CHUNK_ROWS=max(1, 2048 // triton.next_power_of_2(n_select)), CAPACITY=capacity, num_warps=4,
     )
-    keys = candidates.topk(n_select, dim=-1).values
     overflow = counts > capacity
     if bool(overflow.any()):
         rows = overflow.nonzero().flatten()
@@ -141,7 +147,7 @@ def triton_pool_topk(
     n_select: int,
     softmax_scale: float,
     q_offset: int,
-    query_block: int = 4096,
+    query_block: int = 8192,
     block_m: int = 64,
     block_n: int = 256,
 ) -> torch.Tensor:
@@ -155,7 +161,7 @@ def triton_pool_topk(
         raise ValueError(f"the Triton indexer needs a power-of-two head_dim >= 16, got {dim}")
     q = q.contiguous()
     pool_keys = pool_keys.to(q.dtype).contiguous()
-    weights = weights.float().contiguous()
+    weights = (weights.float() * softmax_scale).contiguous()
     q_pos, q_doc = _query_docs(grid, n_q, q_offset, q.device)
     pool_end = grid.end.masked_fill(~grid.complete, 2**62).contiguous()
     pool_doc = grid.doc.contiguous()
@@ -177,7 +183,7 @@ def triton_pool_topk(
             pool_keys.stride(0), pool_keys.stride(1),
             w_blk.stride(0), w_blk.stride(1),
             scores.stride(0), scores.stride(1),
-            t1 - t0, n_pools, p_lo, softmax_scale,
+            t1 - t0, n_pools, p_lo,
             H=heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8, num_stages=3,
         )
         k = min(n_select, n_pools)

@@ -24,15 +24,23 @@ _EPS = 1e-10
 
 
 @torch.no_grad()
-def _pool_target(q_blk, kv, lse_blk, starts, pool_ok, kpool, softmax_scale):
-    """``[B, t, Kp]`` main-attention mass per selected pool, summed over heads, L1-normalized."""
-    batch = kv.shape[0]
-    tokens = (starts.clamp_min(0)[..., None] + torch.arange(kpool, device=kv.device)).flatten(-2)
-    kv_sel = kv[torch.arange(batch, device=kv.device)[:, None, None], tokens].float()
-    scores = torch.einsum("bthd,btkd->bthk", q_blk.float(), kv_sel) * softmax_scale
-    lse_blk = lse_blk.float().masked_fill(torch.isinf(lse_blk), 0.0)
-    probs = torch.exp(scores - lse_blk[..., None]).sum(dim=2)  # [B, t, Kp * kpool]
-    target = probs.view(*starts.shape, kpool).sum(-1).masked_fill(~pool_ok, 0.0)
+def _pool_target(q_blk, kv, lse_blk, pool_indices, pool_ok, kpool, softmax_scale):
+    """``[B, t, Kp]`` main-attention mass per selected pool, summed over heads, L1-normalized.
+
+    ``pool_indices`` ``[B, t, Kp * kpool]`` are the pool part of the indexer's output.
+    """
+    if kv.is_cuda:
+        from kernels.dsa.sparse_attention_triton import triton_sparse_mla_mass
+
+        probs = triton_sparse_mla_mass(q_blk, kv, pool_indices, lse_blk, softmax_scale)
+    else:
+        batch = kv.shape[0]
+        tokens = pool_indices.long().clamp_min(0)
+        kv_sel = kv[torch.arange(batch, device=kv.device)[:, None, None], tokens].float()
+        scores = torch.einsum("bthd,btkd->bthk", q_blk.float(), kv_sel) * softmax_scale
+        lse_safe = lse_blk.float().masked_fill(torch.isinf(lse_blk), 0.0)
+        probs = torch.exp(scores - lse_safe[..., None]).sum(dim=2)  # [B, t, Kp * kpool]
+    target = probs.view(*pool_ok.shape, kpool).sum(-1).masked_fill(~pool_ok, 0.0)
     return target / target.sum(-1, keepdim=True).clamp_min(_EPS)
 
 
@@ -63,7 +71,7 @@ def indexer_kl_loss(
     index_softmax_scale: float,
     softmax_scale: float,
     cu_seqlens: torch.Tensor | None = None,
-    block_size: int = 256,
+    block_size: int | None = None,
 ) -> torch.Tensor:
     """KL divergence of the indexer's pool distribution from the main attention's.
 
@@ -94,7 +102,8 @@ def indexer_kl_loss(
         kpool, topk: as given to the indexer. index_softmax_scale: the indexer's score
             scale. softmax_scale: the main attention's.
         cu_seqlens: the document bounds given to the indexer (``B == 1``).
-        block_size: queries per block.
+        block_size: queries per block (default 4096 on CUDA, where the target comes from
+            the Triton kernel ``triton_sparse_mla_mass``, 256 elsewhere).
 
     Returns:
         Scalar float32 loss (multiply by the loss coefficient outside).
@@ -118,11 +127,13 @@ def indexer_kl_loss(
     pool_ok = starts >= 0
     pool_row = grid.pool_of_start(starts.clamp_min(0))
     q, kv, lse = q.detach(), kv.detach(), lse.detach()
+    if block_size is None:
+        block_size = 4096 if kv.is_cuda else 256
     total = q_index.new_zeros((), dtype=torch.float32)
     for t0 in range(0, n_q, block_size):
         t1 = min(t0 + block_size, n_q)
         ok = pool_ok[:, t0:t1]
-        target = _pool_target(q[:, t0:t1], kv, lse[:, t0:t1], starts[:, t0:t1], ok, kpool, softmax_scale)
+        target = _pool_target(q[:, t0:t1], kv, lse[:, t0:t1], indices[:, t0:t1, :topk], ok, kpool, softmax_scale)
         row_kl = checkpoint(
             _block_kl,
             q_index[:, t0:t1],

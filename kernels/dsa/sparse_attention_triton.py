@@ -21,7 +21,7 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 
-__all__ = ["triton_sparse_mla_fwd", "triton_sparse_mla_bwd"]
+__all__ = ["triton_sparse_mla_fwd", "triton_sparse_mla_bwd", "triton_sparse_mla_mass"]
 
 
 @triton.jit
@@ -80,7 +80,7 @@ def _sparse_mla_fwd_kernel(
 
 @triton.jit
 def _sparse_mla_bwd_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV,
+    Q, KV, IDX, O, DO, LSE, DQ, DKV,
     stride_qb, stride_qt, stride_qh,
     stride_kvb, stride_kvs,
     stride_ib, stride_it,
@@ -99,11 +99,13 @@ def _sparse_mla_bwd_kernel(
     mask_h = offs_h < n_heads
     row_q = b * stride_qb + t * stride_qt + offs_h[:, None] * stride_qh
     q = tl.load(Q + row_q + offs_d[None, :], mask=mask_h[:, None] & (offs_d[None, :] < DQK), other=0.0)
-    # dO and O share q's [B, T, H, *] layout with their own last dimension d_v (contiguous).
+    # dO and O are contiguous [B, T, H, d_v].
     row_o = ((b * tl.num_programs(0).to(tl.int64) + t) * n_heads + offs_h[:, None]) * DV
-    do = tl.load(DO + row_o + offs_v[None, :], mask=mask_h[:, None] & (offs_v[None, :] < DV), other=0.0)
+    o_mask = mask_h[:, None] & (offs_v[None, :] < DV)
+    do = tl.load(DO + row_o + offs_v[None, :], mask=o_mask, other=0.0)
+    o = tl.load(O + row_o + offs_v[None, :], mask=o_mask, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
     lse = tl.load(LSE + b * stride_lb + t * stride_lt + offs_h, mask=mask_h, other=float("-inf"))
-    delta = tl.load(DELTA + b * stride_lb + t * stride_lt + offs_h, mask=mask_h, other=0.0)
     row_ok = lse > float("-inf")
     lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
     dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -135,6 +137,44 @@ def _sparse_mla_bwd_kernel(
         DQ + row_q + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
         mask=mask_h[:, None] & (offs_d[None, :] < DQK),
     )
+
+
+@triton.jit
+def _sparse_mla_mass_kernel(
+    Q, KV, IDX, LSE, MASS,
+    stride_qb, stride_qt, stride_qh,
+    stride_kvb, stride_kvs,
+    stride_ib, stride_it,
+    stride_lb, stride_lt,
+    stride_mb, stride_mt,
+    n_heads, n_idx, scale_log2,
+    DQK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < n_heads
+    q = tl.load(
+        Q + b * stride_qb + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & (offs_d[None, :] < DQK), other=0.0,
+    )
+    lse = tl.load(LSE + b * stride_lb + t * stride_lt + offs_h, mask=mask_h, other=float("-inf"))
+    row_ok = lse > float("-inf")
+    lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
+    kv_base = KV + b * stride_kvb
+    idx_base = IDX + b * stride_ib + t * stride_it
+    mass_base = MASS + b * stride_mb + t * stride_mt
+    for k0 in range(0, n_idx, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(idx_base + offs_k, mask=offs_k < n_idx, other=-1).to(tl.int64)
+        valid = idx >= 0
+        kv = tl.load(kv_base + idx[:, None] * stride_kvs + offs_d[None, :],
+                     mask=valid[:, None] & (offs_d[None, :] < DQK), other=0.0)
+        p = tl.exp2(tl.dot(q, tl.trans(kv)) * scale_log2 - lse2[:, None])
+        p = tl.where(valid[None, :] & row_ok[:, None], p, 0.0)
+        tl.atomic_add(mass_base + offs_k, tl.sum(p, axis=0), mask=offs_k < n_idx, sem="relaxed")
 
 
 def _blocks(q: torch.Tensor, kv: torch.Tensor, d_v: int, indices: torch.Tensor):
@@ -172,14 +212,13 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     """``dq`` (q.dtype) and ``dkv`` (kv.dtype, accumulated in float32) of ``sparse_mla_attention``."""
     batch, n_q, heads, dqk = q.shape
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
-    grad_out, lse = grad_out.contiguous(), lse.contiguous()
-    delta = (grad_out.float() * out.float()).sum(-1).contiguous()
+    grad_out, lse, out = grad_out.contiguous(), lse.contiguous(), out.contiguous()
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     block_h, block_d, block_dv, block_k = _blocks(q, kv, d_v, indices)
     grid = (n_q, triton.cdiv(heads, block_h), batch)
     _sparse_mla_bwd_kernel[grid](
-        q, kv, indices, grad_out, lse, delta, dq, dkv,
+        q, kv, indices, out, grad_out, lse, dq, dkv,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
         indices.stride(0), indices.stride(1),
@@ -192,3 +231,27 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     return dq, dkv.to(kv.dtype)
 
 
+
+
+def triton_sparse_mla_mass(q, kv, indices, lse, softmax_scale):
+    """``[B, T, K]`` float32: attention probability of each selected token summed over heads,
+    ``sum_h exp(softmax_scale * q[t, h] . kv[idx] - lse[t, h])`` (0 where ``idx == -1``).
+
+    The target of the indexer KL loss (:mod:`kernels.dsa.loss`); FLOPs ``2 H K Dqk`` per query.
+    """
+    batch, n_q, heads, dqk = q.shape
+    q, kv, indices, lse = q.contiguous(), kv.contiguous(), indices.contiguous(), lse.contiguous()
+    mass = torch.zeros(indices.shape, dtype=torch.float32, device=q.device)
+    block_h, block_d, _, block_k = _blocks(q, kv, dqk, indices)
+    _sparse_mla_mass_kernel[(n_q, triton.cdiv(heads, block_h), batch)](
+        q, kv, indices, lse, mass,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        indices.stride(0), indices.stride(1),
+        lse.stride(0), lse.stride(1),
+        mass.stride(0), mass.stride(1),
+        heads, indices.shape[2], softmax_scale * _LOG2E,
+        DQK=dqk, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_K=block_k,
+        num_warps=8 if block_d >= 512 else 4, num_stages=2,
+    )
+    return mass
