@@ -175,12 +175,39 @@ def _hf_to_dict(hf: Any) -> dict:
     return d
 
 
+HF_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=154880, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=2048,
+    num_hidden_layers=45, num_attention_heads=64, num_key_value_heads=64, n_shared_experts=1,
+    n_routed_experts=288, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+    qk_rope_head_dim=0, v_head_dim=256, qk_nope_head_dim=256, n_group=1, topk_group=1,
+    num_experts_per_tok=8, norm_topk_prob=True, hidden_act="silu", max_position_embeddings=1048576,
+    initializer_range=0.02, rms_norm_eps=1e-5, pad_token_id=154820, bos_token_id=None, eos_token_id=None,
+    tie_word_embeddings=False, attention_bias=False, index_topk=2048, index_head_dim=128,
+    index_n_heads=32, swiglu_limit=10.0, linear_head_dim=128, linear_num_heads=64,
+    linear_conv_kernel_dim=4, linear_lower_bound=-5.0, hc_mult=4, hc_eps=1e-6, hc_sinkhorn_iters=20,
+    router_aux_loss_coef=0.001, index_kpool=16, index_kpool_always_select_tail=True,
+)
+"""transformers 5.19's ``Glm5NextTextConfig()`` defaults (the published GLM-5.3-Flash shape), for
+machines whose transformers predates glm5_next (the GPU image has 5.17); a test pins them to
+transformers'. Schedules (``layer_types`` ...) follow its ``__post_init__`` rules."""
+
+
 def _normalised_hf(hf: Any) -> dict:
     """Full text-config dict with transformers' defaults and ``__post_init__`` schedules filled in."""
-    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
-
     d = _hf_to_dict(hf)
     d = {k: v for k, v in d.items() if k not in ("model_type", "transformers_version", "architectures")}
+    try:
+        from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
+    except ImportError:
+        h = {**HF_TEXT_DEFAULTS, **{k: v for k, v in d.items() if k in _HF_FIELDS}}
+        n = h["num_hidden_layers"]
+        if h.get("mlp_layer_types") is None:
+            h["mlp_layer_types"] = ["dense"] * min(3, n) + ["sparse"] * (n - 3)
+        if h.get("layer_types") is None:
+            h["layer_types"] = [DSA if i % 4 == 3 else KDA for i in range(n)]
+        if h.get("indexer_types") is None:
+            h["indexer_types"] = ["full"] * n
+        return h
     cfg = Glm5NextTextConfig(**d)
     return {k: getattr(cfg, k) for k in _HF_FIELDS}
 
@@ -460,9 +487,7 @@ def _small() -> dict:
 
 
 def _full() -> dict:
-    from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
-
-    return {k: getattr(Glm5NextTextConfig(), k) for k in _HF_FIELDS}
+    return dict(HF_TEXT_DEFAULTS)
 
 
 PRESETS = {"tiny": _tiny, "small": _small, "full": _full}

@@ -185,7 +185,7 @@ class KDAMixer(MegatronModule):
         if q.is_cuda:
             from fla.ops.kda import chunk_kda
 
-            return chunk_kda(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
+            return chunk_kda(q, k, v, g=g, beta=beta.to(q.dtype), initial_state=initial_state, output_final_state=True,
                              use_qk_l2norm_in_kernel=True)
         return chunk_kda_torch(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
                                use_qk_l2norm_in_kernel=True, chunk_size=self.chunk_size)
