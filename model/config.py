@@ -208,7 +208,10 @@ def _normalised_hf(hf: Any) -> dict:
         if h.get("indexer_types") is None:
             h["indexer_types"] = ["full"] * n
         return h
-    cfg = Glm5NextTextConfig(**d)
+    try:
+        cfg = Glm5NextTextConfig(**d)
+    except Exception as err:  # transformers' strict-dataclass validation errors share no base class
+        raise ConfigError(f"transformers rejects this glm5_next text config: {err}") from err
     return {k: getattr(cfg, k) for k in _HF_FIELDS}
 
 
