@@ -30,6 +30,9 @@ Semantics shared by both (what a test compares):
   the new weights. Partial updates are refused: vLLM's layerwise reload leaves a fused layer
   (``qkv_proj``) half-written when only some of its sources arrive.
 
+:class:`TrainerLogProbs` gives the same ``prompt_logprobs`` from the trainer's Megatron forward
+(the :class:`LogProbSource` protocol is all verify and evaluate need).
+
 No silent fallback: :func:`make_engine` builds exactly the engine it is asked for, and every
 engine's :attr:`InferenceEngine.description` (engine, checkpoint, dtype) goes into the reports.
 
@@ -46,6 +49,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +70,7 @@ __all__ = [
     "InferenceEngine",
     "LogProbSource",
     "SamplingConfig",
+    "TrainerLogProbs",
     "TransformersEngine",
     "VLLMEngine",
     "make_engine",
@@ -549,6 +554,63 @@ def _sample(logp: torch.Tensor, sampling: SamplingConfig, generator: torch.Gener
         drop = cumulative - sorted_scores.softmax(-1) >= sampling.top_p
         scores = scores.scatter(0, order[drop], float("-inf"))
     return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
+
+
+class TrainerLogProbs:
+    """A :class:`LogProbSource` from the trainer's side: the Megatron glm5_next forward (the SFT
+    code) on an HF export; verify's trainer leg and evaluate's scorer on CPU presets.
+
+    Loads the export with :func:`model.convert.load_hf_checkpoint`, builds the model with
+    :func:`model.glm5_next.build_model` (one process: ``parallel_state`` of a single rank; if
+    ``torch.distributed`` is not up and ``MASTER_PORT`` is unset, gloo on a free local port)
+    and scores with :func:`model.logprobs.token_logprobs` (log-softmax over ``chunk_tokens``
+    positions at a time, float32). Windows longer than one device holds need the trainer's
+    context parallelism, which this single-process source does not set up.
+
+    Args:
+        checkpoint_dir: HF export of a glm5_next checkpoint.
+        dtype: "float32" or "bfloat16" parameters.
+        chunk_tokens: positions whose logits exist at once.
+
+    Raises:
+        EngineError: unknown dtype.
+        model.convert.ConversionError: the export does not match the glm5_next layout.
+    """
+
+    def __init__(self, checkpoint_dir: str | os.PathLike, dtype: str = "float32", chunk_tokens: int = 4096):
+        from model import cpu_compat
+        from model.convert import hf_to_megatron, load_hf_checkpoint, load_megatron_state
+        from model.glm5_next import build_model
+
+        if dtype not in ("float32", "bfloat16"):
+            raise EngineError(f"TrainerLogProbs dtype={dtype!r}: choose float32 or bfloat16")
+        if not torch.distributed.is_initialized() and "MASTER_PORT" not in os.environ:
+            # One process: any free port, not the shared default 29500 another job may hold.
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            cpu_compat.init_process_group(0, 1, port=port)
+        self.checkpoint_dir = Path(checkpoint_dir).absolute()
+        self.dtype = dtype
+        self.chunk_tokens = chunk_tokens
+        config, text_state, _ = load_hf_checkpoint(self.checkpoint_dir)
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        self.model = build_model(config, dtype=torch_dtype)
+        load_megatron_state(self.model, hf_to_megatron(text_state, config))
+        self.model.eval()
+        self.description = f"megatron glm5_next forward ({dtype}) on {self.checkpoint_dir}"
+
+    @torch.no_grad()
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int] | np.ndarray]) -> list[np.ndarray]:
+        """float32 ``[T_i - 1]`` per prompt: ``log p(x[t + 1] | x[: t + 1])`` in nats."""
+        from model.logprobs import token_logprobs
+
+        device = next(self.model.parameters()).device
+        return [token_logprobs(self.model, torch.as_tensor(np.asarray(p), dtype=torch.int64, device=device)[None],
+                               self.chunk_tokens)[0].float().cpu().numpy() for p in prompts]
+
+    def close(self) -> None:
+        self.model = None
 
 
 def make_engine(name: str, checkpoint_dir: str | os.PathLike, dtype: str = "float32",

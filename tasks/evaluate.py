@@ -50,7 +50,7 @@ SCHEMA = "megabase.evaluate/1"
 LN2 = math.log(2.0)
 
 __all__ = ["EvalConfig", "EvalError", "EvalResult", "MarkovModel", "ShardStreams", "Window", "bucket_edges",
-           "eval_windows", "evaluate", "score_windows", "split_shards"]
+           "eval_windows", "evaluate", "evaluate_checkpoints", "score_windows", "split_shards"]
 
 
 class EvalError(ValueError):
@@ -495,21 +495,54 @@ from workflows.caching import HashedDir, as_output, manifest_sha256, requests_fo
 from workflows.presets import active_preset  # noqa: E402
 
 
+def evaluate_checkpoints(checkpoints: Mapping[str, str | os.PathLike], shards_dir: str | os.PathLike, preset,
+                         out_dir: str | os.PathLike) -> EvalResult:
+    """Evaluate HF exports with a preset's window, buckets and scorer (the Flyte task's body).
+
+    Args:
+        checkpoints: label -> export directory, in report order (first = baseline).
+        shards_dir: pack output directory.
+        preset: a :class:`workflows.presets.Preset`; ``preset.evaluate.scorer`` picks the
+            trainer's forward or ``preset.engine``; dtype is ``preset.verify.dtype``.
+        out_dir: output directory.
+
+    Raises:
+        EvalError: unknown scorer, or see :func:`evaluate`.
+    """
+    from tasks.engines import TrainerLogProbs, make_engine
+
+    spec = preset.evaluate
+    if spec.scorer not in ("trainer", "engine"):
+        raise EvalError(f"preset {preset.name}: evaluate.scorer={spec.scorer!r}; choose 'trainer' or 'engine'")
+    cfg = EvalConfig(window_tokens=preset.eval_seq_len, context_buckets=spec.context_buckets,
+                     max_windows=spec.max_windows, markov_order=spec.markov_order,
+                     reverse_complement=spec.reverse_complement)
+    if spec.scorer == "trainer":
+        build = lambda path: functools.partial(TrainerLogProbs, path, preset.verify.dtype)  # noqa: E731
+    else:
+        build = lambda path: functools.partial(make_engine, preset.engine, path, preset.verify.dtype,  # noqa: E731
+                                               preset.eval_seq_len)
+    return evaluate({label: build(path) for label, path in checkpoints.items()}, shards_dir, cfg, out_dir)
+
+
+# ---- Flyte task: resources only; the logic is evaluate_checkpoints() / evaluate() above -----
+
+from flytekit import Deck, task  # noqa: E402
+from flytekit.types.directory import FlyteDirectory  # noqa: E402
+
+from workflows.caching import HashedDir, as_output, manifest_sha256, requests_for, stage_output_dir  # noqa: E402
+from workflows.presets import active_preset  # noqa: E402
+
+
 # Not cached: checkpoints are plain directories (keyed by path, not content), and the nightly
 # held-out evaluation exists to re-run.
 @task(requests=requests_for(active_preset().infer_resources), enable_deck=True)
 def evaluate_task(shards: HashedDir, checkpoints: list[FlyteDirectory], labels: list[str]) -> FlyteDirectory:
-    """Flyte wrapper of :func:`evaluate`: the active preset's engine, window and buckets."""
-    from tasks.engines import make_engine
-
+    """Flyte wrapper of :func:`evaluate_checkpoints` (labels name the checkpoints, first = baseline)."""
     preset = active_preset()
-    cfg = EvalConfig(window_tokens=preset.eval_seq_len, context_buckets=preset.evaluate.context_buckets,
-                     max_windows=preset.evaluate.max_windows)
-    sources = {label: functools.partial(make_engine, preset.engine, ckpt.download(), preset.verify.dtype,
-                                        preset.eval_seq_len)
-               for label, ckpt in zip(labels, checkpoints, strict=True)}
     out = stage_output_dir("evaluate", "uncached", shards=manifest_sha256(shards), labels=labels,
-                           checkpoints=[c.path for c in checkpoints], cfg=asdict(cfg))
-    result = evaluate(sources, shards.download(), cfg, out)
+                           checkpoints=[c.path for c in checkpoints], preset=preset.name)
+    paths = {label: ckpt.download() for label, ckpt in zip(labels, checkpoints, strict=True)}
+    result = evaluate_checkpoints(paths, shards.download(), preset, out)
     Deck("evaluate", (result.out_dir / "deck.html").read_text())
     return as_output(result.out_dir)

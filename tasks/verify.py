@@ -33,16 +33,14 @@ import html
 import json
 import logging
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from tasks.atomic import atomic_output_dir
-from tasks.engines import LogProbSource
+from tasks.engines import LogProbSource, TrainerLogProbs
 from tasks.evaluate import ShardStreams, Window, split_shards
 
 log = logging.getLogger("megabase.verify")
@@ -51,7 +49,7 @@ SCHEMA = "megabase.verify/1"
 LEGS = ("trainer", "engine", "reference")
 PAIRS = (("trainer", "engine"), ("trainer", "reference"), ("engine", "reference"))
 
-__all__ = ["TrainerLogProbs", "VerifyConfig", "VerifyError", "VerifyGateError", "VerifyResult", "format_table",
+__all__ = ["VerifyConfig", "VerifyError", "VerifyGateError", "VerifyResult", "format_table",
            "sample_windows", "verify", "verify_checkpoint"]
 
 
@@ -284,52 +282,6 @@ def deck_html(report: dict, table: str, png: Path) -> str:
     verdict = "passed" if report["passed"] else "FAILED"
     return (f"<h3>verify {verdict}</h3><img src=\"data:image/png;base64,{image}\" style=\"max-width:100%\">"
             f"<pre>{html.escape(table)}</pre>")
-
-
-class TrainerLogProbs:
-    """The trainer's side: the Megatron glm5_next forward (the SFT code) on an HF export.
-
-    Loads the export with :func:`model.convert.load_hf_checkpoint`, builds the model with
-    :func:`model.glm5_next.build_model` (single process; ``parallel_state`` for one rank) and
-    scores with :func:`model.logprobs.token_logprobs` (chunked log-softmax, float32).
-
-    Args:
-        checkpoint_dir: HF export of a glm5_next checkpoint.
-        dtype: "float32" or "bfloat16" parameters.
-        chunk_tokens: positions whose logits exist at once.
-    """
-
-    def __init__(self, checkpoint_dir: str | os.PathLike, dtype: str = "float32", chunk_tokens: int = 4096):
-        from model import cpu_compat
-        from model.convert import hf_to_megatron, load_hf_checkpoint, load_megatron_state
-        from model.glm5_next import build_model
-
-        if not torch.distributed.is_initialized() and "MASTER_PORT" not in os.environ:
-            # One process: any free port, not the shared default 29500 another job may hold.
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                port = probe.getsockname()[1]
-            cpu_compat.init_process_group(0, 1, port=port)
-        self.checkpoint_dir = Path(checkpoint_dir).absolute()
-        self.dtype = dtype
-        self.chunk_tokens = chunk_tokens
-        config, text_state, _ = load_hf_checkpoint(self.checkpoint_dir)
-        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-        self.model = build_model(config, dtype=torch_dtype)
-        load_megatron_state(self.model, hf_to_megatron(text_state, config))
-        self.model.eval()
-        self.description = f"megatron glm5_next forward ({dtype}) on {self.checkpoint_dir}"
-
-    @torch.no_grad()
-    def prompt_logprobs(self, prompts) -> list[np.ndarray]:
-        from model.logprobs import token_logprobs
-
-        device = next(self.model.parameters()).device
-        return [token_logprobs(self.model, torch.as_tensor(np.asarray(p), dtype=torch.int64, device=device)[None],
-                               self.chunk_tokens)[0].float().cpu().numpy() for p in prompts]
-
-    def close(self) -> None:
-        self.model = None
 
 
 def verify_checkpoint(checkpoint_dir: str | os.PathLike, shards_dir: str | os.PathLike, preset,

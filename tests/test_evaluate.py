@@ -7,6 +7,7 @@ Markov model, never with the code under test.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -19,9 +20,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tasks.corpora import CORPORA
 from tasks.engines import TransformersEngine
-from tasks.evaluate import EvalConfig, EvalError, MarkovModel, evaluate
+from tasks.evaluate import EvalConfig, EvalError, MarkovModel, evaluate, evaluate_checkpoints
 from tasks.ingest import IngestConfig, ingest
 from tasks.pack import PackConfig, pack
+from workflows.presets import get_preset
 
 WINDOW = 2048
 BUCKETS = (0, 256, 1024)
@@ -222,3 +224,17 @@ def test_markov_model_backs_off_at_n_and_window_start():
     assert lp[1] == pytest.approx(math.log((2 + 1) / (2 + 4)))      # G | AC (order 2)
     assert lp[2] == 0                                               # N target: not scored
     assert lp[3] == pytest.approx(math.log((3 + 1) / (8 + 4)))      # A after N: order 0
+
+
+def test_evaluate_checkpoints_uses_the_preset_window_buckets_and_scorer(setup, tmp_path):
+    root, _, result = setup
+    preset = get_preset("ci-smoke")
+    small = dataclasses.replace(preset, eval_seq_len=WINDOW, evaluate=dataclasses.replace(
+        preset.evaluate, context_buckets=BUCKETS, max_windows=3, scorer="engine", markov_order=3))
+    assert small.engine == "transformers"
+    report = evaluate_checkpoints({"base": root / "base"}, root / "pack", small, tmp_path / "out").report
+    assert report["checkpoints"]["base"]["source"].startswith("transformers (float32)")
+    assert report["checkpoints"]["base"]["buckets"] == result.report["checkpoints"]["base"]["buckets"]
+    with pytest.raises(EvalError, match="evaluate.scorer='sglang'"):
+        evaluate_checkpoints({"base": root / "base"}, root / "pack", dataclasses.replace(
+            small, evaluate=dataclasses.replace(small.evaluate, scorer="sglang")), tmp_path / "bad")

