@@ -69,7 +69,12 @@ class SFTConfig:
     """Every knob of one SFT run (units in names or comments).
 
     Attributes:
-        model: model preset of :mod:`model.config` (``tiny``, ``small``, ``full``).
+        model: model preset of :mod:`model.config` (``tiny``, ``small``, ``full``); the export's
+            metadata names it.
+        init_hf: HF checkpoint directory (GLM-5.3-Flash layout, :mod:`model.convert`) to start
+            from: its ``config.json`` replaces the preset's shapes and its weights the random
+            init ("" = the preset, randomly initialised from ``seed``). Its vision tower is
+            passed through to the export.
         seq_len: tokens per training window (divisible by ``context_parallel``).
         windows_per_step: windows per data-parallel rank per optimizer step (gradient
             accumulation over micro-batches of one window).
@@ -94,11 +99,13 @@ class SFTConfig:
         eval_every: validation every N steps (and at the end); 0: only at the end.
         eval_windows, eval_seq_len: held-out windows per validation and their length.
         peak_tflops_per_device: dense bf16 peak for MFU; 0: from the device name (None on CPU).
-        inject_nan_at_step, inject_crash_at_step: fault injection for tests (-1: off); a crash
-            is ``os._exit(1)`` after the step, as a killed worker.
+        inject_nan_at_step, inject_crash_at_step: fault injection for tests (-1: off; steps count
+            from 1): the NaN multiplies step k's loss; the crash is ``os._exit(1)`` after step k
+            (and its checkpoint), as a killed worker.
     """
 
     model: str = "tiny"
+    init_hf: str = ""
     seq_len: int = 4096
     windows_per_step: int = 1
     steps: int = 20
@@ -151,8 +158,8 @@ class SFTConfig:
             if getattr(self, name) % self.context_parallel:
                 raise SFTConfigError(f"{name}={getattr(self, name)} is not divisible by "
                                      f"context_parallel={self.context_parallel}")
-        if not 0 <= self.warmup_steps <= self.steps:
-            raise SFTConfigError(f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps}]")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise SFTConfigError(f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps})")
         if not 0 <= self.min_lr <= self.lr:
             raise SFTConfigError(f"min_lr={self.min_lr} must be in [0, lr={self.lr}]")
         if self.indexer_kl_coeff and self.tensor_parallel > 1:
@@ -316,8 +323,8 @@ def _activation_elements_per_token(mcfg, layer: int, tp: int) -> tuple[int, int]
     return hc + mixer, mlp
 
 
-def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int,
-                device_limit: int | None = None, host_limit: int | None = None) -> MemoryPlan:
+def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int, device_limit: int | None = None,
+                host_limit: int | None = None, on_gpu: bool | None = None) -> MemoryPlan:
     """Per-device memory of one rank for model ``mcfg`` under ``cfg``, checked against the limits.
 
     Weights in ``cfg.dtype`` (experts divided by EP, TP-split matrices by TP), float32 gradient
@@ -335,7 +342,8 @@ def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int,
         world_size: ranks of the job; procs_per_node: ranks sharing one host's memory.
         device_limit: bytes of one device (default: free CUDA memory, or on CPU the host
             limit shared by the node's ranks); host_limit: bytes of the host (default:
-            :func:`host_memory_limit_bytes`).
+            :func:`host_memory_limit_bytes`); on_gpu: plan for GPUs (default: whether CUDA is
+            available here; pass True to plan a GPU preset from another machine).
 
     Raises:
         SFTConfigError: the parallel sizes do not divide the world size.
@@ -381,12 +389,13 @@ def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int,
     workspace = int(layer_max * tokens * width + chunk * mcfg.vocab_size / tp * 4 * 3)
     device_total = weights + grads + optimizer + activations + workspace
     host_limit = host_limit or host_memory_limit_bytes()
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     if device_limit is None:
-        if torch.cuda.is_available():
+        if on_gpu:
             device_limit = torch.cuda.mem_get_info()[0]
         else:
             device_limit = host_limit // procs_per_node
-    on_host = 0 if torch.cuda.is_available() else device_total   # on CPU the "device" is host memory
+    on_host = 0 if on_gpu else device_total   # on CPU the "device" is host memory
     host_total = procs_per_node * (pinned + on_host)
     plan = MemoryPlan(weights, grads, optimizer, activations, workspace, pinned, device_total, device_limit,
                       host_total, host_limit)
@@ -509,9 +518,11 @@ def init_parallel(cfg: SFTConfig) -> Layout:
     if not torch.distributed.is_initialized():
         cpu_compat.init_process_group(rank, world)
     if not ps.model_parallel_is_initialized():
+        # Experts are whole on their EP rank (expert TP = 1): the layout model.convert reads/writes.
         ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel,
                                      context_parallel_size=cfg.context_parallel,
-                                     expert_model_parallel_size=cfg.expert_parallel)
+                                     expert_model_parallel_size=cfg.expert_parallel,
+                                     expert_tensor_parallel_size=1)
     return Layout(rank, world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), ps.get_tensor_model_parallel_rank(),
                   ps.get_context_parallel_rank(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
 
@@ -571,10 +582,16 @@ def model_config(cfg: SFTConfig):
         "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     }[cfg.recompute]
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    mcfg = preset(cfg.model, tensor_model_parallel_size=cfg.tensor_parallel,
-                  context_parallel_size=cfg.context_parallel, expert_model_parallel_size=cfg.expert_parallel,
-                  mlp_chunk_tokens=cfg.mlp_chunk_tokens, moe_router_bias_update_rate=cfg.expert_bias_update_rate,
-                  params_dtype=dtype, bf16=dtype == torch.bfloat16, calculate_per_token_loss=True, **recompute)
+    overrides = dict(tensor_model_parallel_size=cfg.tensor_parallel, context_parallel_size=cfg.context_parallel,
+                     expert_model_parallel_size=cfg.expert_parallel, expert_tensor_parallel_size=1, mlp_chunk_tokens=cfg.mlp_chunk_tokens,
+                     moe_router_bias_update_rate=cfg.expert_bias_update_rate, params_dtype=dtype,
+                     bf16=dtype == torch.bfloat16, calculate_per_token_loss=True, **recompute)
+    if cfg.init_hf:
+        from model.config import from_hf
+
+        mcfg = from_hf(json.loads((Path(cfg.init_hf) / "config.json").read_text()), **overrides)
+    else:
+        mcfg = preset(cfg.model, **overrides)
     if not 0 <= cfg.offload_layers <= mcfg.num_layers:
         raise SFTConfigError(f"offload_layers={cfg.offload_layers} must be in [0, num_layers={mcfg.num_layers}]")
     # TransformerConfig rejects cpu_offloading together with recompute because TE's offload
@@ -976,7 +993,8 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from model.convert import export_metadata, hf_state_dict, save_hf_checkpoint
+    from model.convert import (export_metadata, hf_state_dict, hf_to_megatron, load_hf_checkpoint,
+                               load_megatron_state, save_hf_checkpoint)
     from model.glm5_next import build_model
 
     layout = init_parallel(cfg)
@@ -997,6 +1015,13 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     module = build_model(mcfg, seed=cfg.seed, logits_chunk_tokens=cfg.logits_chunk_tokens,
                          dtype=dtype if dtype != torch.float32 else None)
+    vision_state = vision_config = None
+    if cfg.init_hf:
+        _, text, vision_state = load_hf_checkpoint(Path(cfg.init_hf))
+        vision_config = json.loads((Path(cfg.init_hf) / "config.json").read_text()).get("vision_config")
+        load_megatron_state(module, hf_to_megatron(
+            text, mcfg, ps.get_tensor_model_parallel_rank(), cfg.tensor_parallel,
+            ps.get_expert_model_parallel_rank(), cfg.expert_parallel))
     model = DistributedDataParallel(mcfg, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True), module)
     with _megatron_optimizer_on_cpu():
@@ -1080,7 +1105,7 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
                                          cfg.context_parallel, device)
             nll = model(ids, labels)                                         # [1, s / cp] float32 nats
             masked = (nll * target).sum()
-            if step == cfg.inject_nan_at_step:
+            if step + 1 == cfg.inject_nan_at_step:
                 masked = masked * float("nan")
             indexer_kl = kl.pop()
             n_targets = target.sum()
@@ -1092,8 +1117,8 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
         loss = float(sums[0] / sums[1].clamp_min(1))
         if not math.isfinite(loss):
             last = ckpt.pointer("latest") if ckpt else None
-            emit({"event": "diverged", "step": step, "loss": str(loss)})
-            raise TrainingDivergedError(f"non-finite training loss {loss} at step {step}; stopped before the "
+            emit({"event": "diverged", "step": step + 1, "loss": str(loss)})
+            raise TrainingDivergedError(f"non-finite training loss {loss} at step {step + 1}; stopped before the "
                                         f"optimizer update; last good checkpoint: {last or 'none'}")
         overload, expert_imbalance = _moe_overload(module, cfg.expert_parallel)
         # Grads are of the summed NLL: finalize divides them by the global number of target tokens.
@@ -1102,7 +1127,7 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
         with _megatron_optimizer_on_cpu():
             _, grad_norm, _ = optimizer.step()
         if grad_norm is not None and not math.isfinite(grad_norm):
-            raise TrainingDivergedError(f"non-finite gradient norm {grad_norm} at step {step}; the update was "
+            raise TrainingDivergedError(f"non-finite gradient norm {grad_norm} at step {step + 1}; the update was "
                                         f"applied: resume from {ckpt.pointer('latest') if ckpt else 'none'}")
         consumed += cfg.windows_per_step * layout.dp_size
         step += 1
@@ -1141,7 +1166,8 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
     result = SFTResult(out_dir, hf_dir, metrics_path, str(ckpt.pointer("latest") or "") if ckpt else "",
                        str(ckpt.pointer("best") or "") if ckpt else "", loss, best_eval)
     if is_main:
-        save_hf_checkpoint(hf, mcfg, hf_dir, export_metadata(cfg.model, manifest_sha))
+        save_hf_checkpoint(hf, mcfg, hf_dir, export_metadata(cfg.model, manifest_sha), vision_state=vision_state,
+                           vision_config=vision_config)
         summary = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
         summary["config"] = asdict(cfg)
         summary["memory_plan_bytes"] = asdict(plan)
@@ -1172,6 +1198,72 @@ def _sha256(path: Path) -> str:
     from tasks.atomic import sha256_file
 
     return sha256_file(path)
+
+
+# ---- Flyte task: resources, Elastic layout and cache version only; the logic is train() ----
+
+from flytekit import Cache, task  # noqa: E402
+from flytekit.extras.accelerators import GPUAccelerator  # noqa: E402
+from flytekitplugins.kfpytorch import Elastic  # noqa: E402
+
+from workflows.caching import REPO_ROOT, HashedDir, as_output, code_version, megabase_home, requests_for  # noqa: E402
+from workflows.caching import stage_output_dir  # noqa: E402
+from workflows.presets import Preset, active_preset  # noqa: E402
+
+SFT_VERSION = code_version(
+    "tasks/sft.py", "tasks/pack.py", "tasks/atomic.py",
+    *sorted(str(p.relative_to(REPO_ROOT)) for d in ("model", "model/ops", "kernels/dsa") for p in (REPO_ROOT / d).glob("*.py")),
+)
+
+
+def preset_sft_config(preset: Preset) -> SFTConfig:
+    """The :class:`SFTConfig` a preset asks for (windows, parallel sizes, :class:`workflows.presets.SFTSpec`)."""
+    spec, par = preset.sft, preset.train_parallel
+    return SFTConfig(
+        model=preset.model, seq_len=preset.train_seq_len, eval_seq_len=preset.eval_seq_len, steps=spec.steps,
+        lr=spec.lr, min_lr=spec.min_lr, warmup_steps=spec.warmup_steps, windows_per_step=spec.windows_per_step,
+        dtype=spec.dtype, tensor_parallel=par.tensor_parallel, context_parallel=par.context_parallel,
+        expert_parallel=par.expert_parallel, recompute=spec.recompute, recompute_modules=tuple(spec.recompute_modules),
+        offload_layers=spec.offload_layers, mlp_chunk_tokens=spec.mlp_chunk_tokens,
+        indexer_kl_coeff=spec.indexer_kl_coeff, expert_bias_update_rate=spec.expert_bias_update_rate,
+        checkpoint_dir=spec.checkpoint_uri, checkpoint_every=spec.checkpoint_every, eval_every=spec.eval_every,
+        eval_windows=spec.eval_windows,
+    )
+
+
+_PRESET = active_preset()
+_TRAIN = _PRESET.train_resources
+
+
+@task(
+    task_config=Elastic(nnodes=_PRESET.train_parallel.nnodes, nproc_per_node=_PRESET.train_parallel.nproc_per_node),
+    cache=Cache(version=SFT_VERSION),
+    requests=requests_for(_TRAIN),
+    accelerator=GPUAccelerator(_TRAIN.accelerator) if _TRAIN.accelerator else None,
+    shared_memory=_TRAIN.shared_memory or False,
+)
+def sft_task(shards: HashedDir, cfg: SFTConfig) -> HashedDir:
+    """Flyte wrapper of :func:`train` on every Elastic worker; rank 0's output directory comes back.
+
+    The output holds ``hf/`` (HF export), ``metrics.jsonl``, ``summary.json`` (with the checkpoint
+    directory's path) and ``manifest.json``; checkpoints stay in ``cfg.checkpoint_dir`` (default
+    ``$MEGABASE_HOME/checkpoints/<key>``, a path every worker derives identically: on a cluster
+    it must be a shared mount). megatron is imported inside :func:`train` (workers are spawned
+    with the task function cloudpickled).
+    """
+    import hashlib
+
+    from workflows.caching import manifest_sha256
+
+    identity = dict(shards=manifest_sha256(shards), cfg=asdict(cfg))
+    key = hashlib.sha256(json.dumps([SFT_VERSION, identity], sort_keys=True, default=str).encode()).hexdigest()[:20]
+    if not cfg.checkpoint_dir:
+        cfg = dataclasses.replace(cfg, checkpoint_dir=str(megabase_home() / "checkpoints" / key))
+    elif not cfg.checkpoint_dir.rstrip("/").endswith(key):
+        cfg = dataclasses.replace(cfg, checkpoint_dir=f"{cfg.checkpoint_dir.rstrip('/')}/{key}")
+    out = stage_output_dir("sft", SFT_VERSION, **identity)
+    train(shards.download(), cfg, out)
+    return as_output(out)
 
 
 def main(argv: list[str] | None = None) -> None:
