@@ -1236,7 +1236,8 @@ _TRAIN = _PRESET.train_resources
 
 
 @task(
-    task_config=Elastic(nnodes=_PRESET.train_parallel.nnodes, nproc_per_node=_PRESET.train_parallel.nproc_per_node),
+    task_config=Elastic(nnodes=_PRESET.train_parallel.nnodes, nproc_per_node=_PRESET.train_parallel.nproc_per_node,
+                        increase_shared_mem=False),
     cache=Cache(version=SFT_VERSION),
     requests=requests_for(_TRAIN),
     accelerator=GPUAccelerator(_TRAIN.accelerator) if _TRAIN.accelerator else None,

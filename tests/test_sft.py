@@ -233,3 +233,21 @@ def test_window_order_is_deterministic_resumable_and_reads_the_shard_bytes(shard
         np.testing.assert_array_equal(target[:-1], mask[offset + 1: offset + seq].astype(bool))
         assert not target[-1]
         assert set(np.unique(ids[target[:-1].nonzero()[0] + 1])) <= {4, 5, 6, 7}
+
+
+def test_flyte_task_runs_two_elastic_ranks_and_returns_export_not_checkpoint(shards, tmp_path, monkeypatch):
+    from flytekit.types.directory import FlyteDirectory
+
+    from tasks.sft import sft_task
+
+    monkeypatch.setenv("MEGABASE_HOME", str(tmp_path))
+    cfg = SFTConfig(seq_len=1024, eval_seq_len=1024, eval_windows=1, steps=2, warmup_steps=1, context_parallel=2,
+                    checkpoint_every=1)
+    out = Path(sft_task(shards=FlyteDirectory(str(shards)), cfg=cfg).path)
+    summary = json.loads((out / "summary.json").read_text())
+    checkpoint = Path(summary["checkpoint"])
+    assert checkpoint.parent.parent == tmp_path / "checkpoints" and checkpoint.name == "step-0000002"
+    assert (checkpoint / "metadata.json").exists() and not any(p.suffix == ".distcp" for p in out.rglob("*"))
+    assert (out / "hf" / "model.safetensors").exists()
+    assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "event" not in r] == [1, 2]
