@@ -231,9 +231,11 @@ def score_windows(source: LogProbSource, windows: list[Window]) -> list[np.ndarr
 
 
 def _summary(nll: np.ndarray) -> dict:
-    tokens = int(nll.size)
-    nats = float(nll.mean()) if tokens else float("nan")
-    return {"tokens": tokens, "nats_per_token": nats, "bits_per_base": nats / LN2}
+    """Token count and mean loss; None for an empty selection (strict JSON has no NaN)."""
+    if not nll.size:
+        return {"tokens": 0, "nats_per_token": None, "bits_per_base": None}
+    nats = float(nll.mean())
+    return {"tokens": int(nll.size), "nats_per_token": nats, "bits_per_base": nats / LN2}
 
 
 def _bucket_stats(windows: list[Window], logprobs: list[np.ndarray], edges: np.ndarray) -> dict:
@@ -374,6 +376,8 @@ def evaluate(sources: Mapping[str, LogProbSource | Callable[[], LogProbSource]],
     shards_dir = Path(shards_dir)
     edges = bucket_edges(cfg.context_buckets, cfg.window_tokens)
     windows = eval_windows(shards_dir, cfg.window_tokens, cfg.max_windows, cfg.split)
+    if not any(w.loss_mask[1:].any() for w in windows):
+        raise EvalError(f"{shards_dir}: the {len(windows)} {cfg.split} windows hold no A/C/G/T target to score")
     rc_windows = [w.reverse_complement() for w in windows] if cfg.reverse_complement else []
     log.info("evaluate: %d windows of %d tokens from %s/%s", len(windows), cfg.window_tokens, shards_dir, cfg.split)
 
@@ -386,7 +390,7 @@ def evaluate(sources: Mapping[str, LogProbSource | Callable[[], LogProbSource]],
             stats = _bucket_stats(windows, score_windows(source, windows), edges)
             rc = _bucket_stats(rc_windows, score_windows(source, rc_windows), edges)["overall"] if rc_windows else None
         entry = {"source": source.description, **stats}
-        if rc is not None:
+        if rc is not None and rc["tokens"]:
             forward = stats["overall"]["bits_per_base"]
             entry["reverse_complement"] = {"bits_per_base": rc["bits_per_base"], "forward_bits_per_base": forward,
                                            "relative_gap": (rc["bits_per_base"] - forward) / forward}
@@ -443,7 +447,8 @@ def plot_loss_by_context(report: dict, path: Path) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, entry in {**report["checkpoints"], **report["baselines"]}.items():
         style = "--" if name in report["baselines"] else "-"
-        left.plot(x, [b["bits_per_base"] for b in entry["buckets"]], style, marker="o", label=name)
+        left.plot(x, [np.nan if b["bits_per_base"] is None else b["bits_per_base"] for b in entry["buckets"]],
+                  style, marker="o", label=name)
     left.set(xticks=x, xticklabels=labels, xlabel="prior context (tokens)", ylabel="bits per base",
              title="held-out loss by prior context")
     left.legend(fontsize=8)
@@ -464,6 +469,10 @@ def plot_loss_by_context(report: dict, path: Path) -> Path:
     return path
 
 
+def _fmt(bits: float | None) -> str:
+    return "n/a" if bits is None else f"{bits:.4f}"
+
+
 def deck_html(report: dict, png: Path) -> str:
     """HTML snippet for a Flyte Deck: the plot (inline PNG) and the bits/base table."""
     image = base64.b64encode(png.read_bytes()).decode()
@@ -472,11 +481,10 @@ def deck_html(report: dict, png: Path) -> str:
     rows = []
     for name, entry in {**report["checkpoints"], **report["baselines"]}.items():
         cells = "".join(
-            f"<td>{b['bits_per_base']:.4f}" + (f" ({100 * b['relative_change']:+.1f}%)" if b.get("relative_change") else "")
+            f"<td>{_fmt(b['bits_per_base'])}" + (f" ({100 * b['relative_change']:+.1f}%)" if b.get("relative_change") else "")
             + f"<br><small>{b['tokens']:,} tok</small></td>" for b in entry["buckets"])
-        overall = entry["overall"]["bits_per_base"]
         rows.append(f"<tr><td><b>{html.escape(name)}</b><br><small>{html.escape(entry['source'])}</small></td>"
-                    f"{cells}<td>{overall:.4f}</td></tr>")
+                    f"{cells}<td>{_fmt(entry['overall']['bits_per_base'])}</td></tr>")
     windows = report["windows"]
     return (
         f"<h3>Held-out loss (bits per base) by prior context: {len(windows)} windows of "
