@@ -197,6 +197,12 @@ def _normalised_hf(hf: Any) -> dict:
     d = _hf_to_dict(hf)
     d = {k: v for k, v in d.items() if k not in ("model_type", "transformers_version", "architectures")}
     try:
+        import transformers
+        from packaging.version import Version
+
+        if Version(transformers.__version__) < Version("5.19"):
+            # Older releases with a glm5_next do not know "indexed_attention" layers.
+            raise ImportError(f"transformers {transformers.__version__} predates glm5_next 5.19")
         from transformers.models.glm5_next.configuration_glm5_next import Glm5NextTextConfig
     except ImportError:
         h = {**HF_TEXT_DEFAULTS, **{k: v for k, v in d.items() if k in _HF_FIELDS}}

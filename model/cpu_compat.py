@@ -29,6 +29,11 @@ Calls covered (each met on CPU, see /work/shared/FINDINGS.md, "megatron-core on 
     ``.cuda()`` on buffers (DDP grad buffers, RoPE utils). Mapped to identity (the tensor stays on
     CPU).
 
+:func:`cpu_reference` is the one mapping used on a GPU host: for the span of a ``with`` block it
+maps ``torch.cuda.current_device()`` to the CPU, so a float32 CPU copy of the model can run as a
+reference next to the GPU model (megatron's router otherwise moves its CPU weight to the current
+CUDA device in ``gating``).
+
 Not covered here: ``Tensor.type() == "torch.cuda.FloatTensor"`` assertions in megatron's
 distributed optimizer / grad clipping (patching ``Tensor.type`` globally would change its meaning
 for every library); the training stage uses megatron's optimizer wrappers that avoid them.
@@ -41,7 +46,7 @@ import os
 
 import torch
 
-__all__ = ["enable", "is_active", "init_process_group"]
+__all__ = ["enable", "is_active", "init_process_group", "cpu_reference"]
 
 _ACTIVE = False
 
@@ -139,3 +144,14 @@ def init_process_group(rank: int = 0, world_size: int = 1, port: int | None = No
     if not torch.distributed.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
+
+
+@contextlib.contextmanager
+def cpu_reference():
+    """Within the block, ``torch.cuda.current_device()`` is the CPU (also on a GPU host); restored after."""
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original

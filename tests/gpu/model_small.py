@@ -35,7 +35,7 @@ def _report(rows, row):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small")
-    parser.add_argument("--seq", type=int, nargs="+", default=[16384, 65536])
+    parser.add_argument("--seq", type=int, nargs="*", default=[16384, 65536])
     parser.add_argument("--check-seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--mlp-chunk-tokens", type=int, default=16384)
@@ -60,9 +60,11 @@ def main() -> None:
     try:
         # Megatron modules hold process groups and cannot be deep-copied: rebuild and load.
         state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-        ref_model = Glm5NextModel(cfg).cpu().float().eval()
-        ref_model.load_state_dict(state, strict=False)
-        with torch.no_grad():
+        from model.cpu_compat import cpu_reference
+
+        with cpu_reference(), torch.no_grad():
+            ref_model = Glm5NextModel(cfg).cpu().float().eval()
+            ref_model.load_state_dict(state, strict=False)
             ref_logits = ref_model.logits(ref_model.hidden_states(ids)).float()
             ref_lp = token_logprobs(ref_model, ids)
         del ref_model
