@@ -24,6 +24,13 @@ import triton.language as tl
 from kernels.dsa.indexer import INVALID_KEY, KPoolGrid, _query_docs, _selection_keys, decode_selection_keys
 
 
+@triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+        for bm, bn, w, st in [(64, 256, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 256, 8, 2)]
+    ],
+    key=["H", "D", "size_class"],
+)
 @triton.jit
 def _pool_scores_kernel(
     Q, PK, W, OUT, POOL_END, POOL_DOC, Q_POS, Q_DOC,
@@ -31,7 +38,7 @@ def _pool_scores_kernel(
     stride_pb, stride_pp,
     stride_wb, stride_wt,
     stride_ob, stride_ot,
-    n_q, n_pools, p_lo,
+    n_q, n_pools, p_lo, size_class,
     H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -66,9 +73,13 @@ def _pool_scores_kernel(
     tl.store(out_ptr, acc, mask=out_mask)
 
 
+@triton.autotune(
+    configs=[triton.Config({"CHUNK_ROWS": r}, num_warps=w) for r in (8, 16, 32) for w in (4, 8)],
+    key=["N_COLUMNS", "CAPACITY", "size_class"],
+)
 @triton.jit
 def _candidate_keys_kernel(
-    S, CAND, COUNT, OUT, stride_s, stride_c, stride_o, n_cols, p_lo,
+    S, CAND, COUNT, OUT, stride_s, stride_c, stride_o, n_cols, p_lo, size_class,
     N_SELECT: tl.constexpr, N_COLUMNS: tl.constexpr, CHUNK_ROWS: tl.constexpr, CAPACITY: tl.constexpr,
 ):
     """Per score row: a lower bound on its n_select-th value, then the composite keys above it.
@@ -110,6 +121,11 @@ def _candidate_keys_kernel(
     tl.store(OUT + row * stride_o + slots, cand, mask=slots < N_SELECT)
 
 
+def _size_class(n_pools: int) -> int:
+    """Autotuning bucket: the first query blocks see few pools, later ones up to ``T / kpool``."""
+    return min(3, n_pools.bit_length() // 4)
+
+
 def _select_with_tie_rule(scores: torch.Tensor, n_select: int, p_lo: int, capacity: int = 2048) -> torch.Tensor:
     """Best ``n_select`` pools of ``scores`` ``[B, t, P]`` (pool ``p_lo + j`` in column ``j``),
     ordered by (score desc, index asc); -1 where fewer are visible.
@@ -126,8 +142,7 @@ def _select_with_tie_rule(scores: torch.Tensor, n_select: int, p_lo: int, capaci
     keys = torch.empty((batch * n_rows, n_select), dtype=torch.long, device=scores.device)
     _candidate_keys_kernel[(batch * n_rows,)](
         flat, candidates, counts, keys, flat.stride(0), candidates.stride(0), keys.stride(0), n_cols, p_lo,
-        N_SELECT=n_select, N_COLUMNS=triton.next_power_of_2(n_select),
-        CHUNK_ROWS=max(1, 2048 // triton.next_power_of_2(n_select)), CAPACITY=capacity, num_warps=4,
+        _size_class(n_cols), N_SELECT=n_select, N_COLUMNS=triton.next_power_of_2(n_select), CAPACITY=capacity,
     )
     overflow = counts > capacity
     if bool(overflow.any()):
@@ -148,8 +163,6 @@ def triton_pool_topk(
     softmax_scale: float,
     q_offset: int,
     query_block: int = 8192,
-    block_m: int = 64,
-    block_n: int = 256,
 ) -> torch.Tensor:
     """``[B, T, n_select]`` int64 selected pool indices (-1 = none), best first.
 
@@ -174,7 +187,11 @@ def triton_pool_topk(
             continue
         n_pools = p_hi - p_lo
         scores = torch.empty(batch, t1 - t0, n_pools, dtype=torch.float32, device=q.device)
-        launch = (triton.cdiv(n_pools, block_n), triton.cdiv(t1 - t0, block_m), batch)
+        n_rows = t1 - t0
+
+        def launch(meta, n_pools=n_pools, n_rows=n_rows):
+            return (triton.cdiv(n_pools, meta["BLOCK_N"]), triton.cdiv(n_rows, meta["BLOCK_M"]), batch)
+
         q_blk = q[:, t0:t1]
         w_blk = weights[:, t0:t1]
         _pool_scores_kernel[launch](
@@ -183,8 +200,7 @@ def triton_pool_topk(
             pool_keys.stride(0), pool_keys.stride(1),
             w_blk.stride(0), w_blk.stride(1),
             scores.stride(0), scores.stride(1),
-            t1 - t0, n_pools, p_lo,
-            H=heads, D=dim, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8, num_stages=3,
+            t1 - t0, n_pools, p_lo, _size_class(n_pools), H=heads, D=dim,
         )
         k = min(n_select, n_pools)
         selected[:, t0:t1, :k] = _select_with_tie_rule(scores, k, p_lo)

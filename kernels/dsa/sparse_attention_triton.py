@@ -1,6 +1,7 @@
 """Triton sparse MLA attention (absorbed / MQA form): forward with log-sum-exp, backward.
 
-One program handles one query and a block of ``BLOCK_H`` heads: it gathers the selected
+One program handles one query and a block of ``BLOCK_H`` heads (autotuned per head count
+and widths, together with ``BLOCK_K``, warps and stages): it gathers the selected
 latent rows ``kv[idx]`` ``BLOCK_K`` at a time (shared by all heads of the block, as in
 FlashMLA's sparse kernels), runs an online softmax in base 2 and accumulates
 ``P @ kv[:, :d_v]`` in float32. The backward recomputes ``P`` from the saved ``lse``,
@@ -24,6 +25,24 @@ _LOG2E = 1.4426950408889634
 __all__ = ["triton_sparse_mla_fwd", "triton_sparse_mla_bwd", "triton_sparse_mla_mass"]
 
 
+def _attention_configs():
+    """Head-block x key-block tilings; BLOCK_H 64 lets wgmma use full 64-row tiles for 64 heads."""
+    return [
+        triton.Config({"BLOCK_H": bh, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+        for bh, bk, w, st in [(16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 32, 8, 1)]
+    ]
+
+
+def _prune_head_blocks(configs, named_args, **kwargs):
+    """Drop head blocks larger than the (power-of-two rounded, >= 16) head count."""
+    limit = max(16, triton.next_power_of_2(named_args["n_heads"]))
+    return [c for c in configs if c.kwargs["BLOCK_H"] <= limit]
+
+
+_TUNE = dict(key=["n_heads", "DQK", "DV"], prune_configs_by={"early_config_prune": _prune_head_blocks})
+
+
+@triton.autotune(configs=_attention_configs(), **_TUNE)
 @triton.jit
 def _sparse_mla_fwd_kernel(
     Q, KV, IDX, OUT, LSE,
@@ -78,6 +97,7 @@ def _sparse_mla_fwd_kernel(
     tl.store(LSE + b * stride_lb + t * stride_lt + offs_h, lse, mask=mask_h)
 
 
+@triton.autotune(configs=_attention_configs(), reset_to_zero=["DKV"], **_TUNE)
 @triton.jit
 def _sparse_mla_bwd_kernel(
     Q, KV, IDX, O, DO, LSE, DQ, DKV,
@@ -139,6 +159,7 @@ def _sparse_mla_bwd_kernel(
     )
 
 
+@triton.autotune(configs=_attention_configs(), reset_to_zero=["MASS"], **_TUNE)
 @triton.jit
 def _sparse_mla_mass_kernel(
     Q, KV, IDX, LSE, MASS,
@@ -148,7 +169,7 @@ def _sparse_mla_mass_kernel(
     stride_lb, stride_lt,
     stride_mb, stride_mt,
     n_heads, n_idx, scale_log2,
-    DQK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
@@ -177,13 +198,8 @@ def _sparse_mla_mass_kernel(
         tl.atomic_add(mass_base + offs_k, tl.sum(p, axis=0), mask=offs_k < n_idx, sem="relaxed")
 
 
-def _blocks(q: torch.Tensor, kv: torch.Tensor, d_v: int, indices: torch.Tensor):
-    heads = q.shape[2]
-    block_h = max(16, min(32, triton.next_power_of_2(heads)))
-    block_d = triton.next_power_of_2(kv.shape[2])
-    block_dv = triton.next_power_of_2(d_v)
-    block_k = 32 if block_d >= 512 else 64
-    return block_h, block_d, block_dv, block_k
+def _grid(n_q: int, heads: int, batch: int):
+    return lambda meta: (n_q, triton.cdiv(heads, meta["BLOCK_H"]), batch)
 
 
 def triton_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v):
@@ -192,9 +208,7 @@ def triton_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v):
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
     out = torch.empty(batch, n_q, heads, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, n_q, heads, dtype=torch.float32, device=q.device)
-    block_h, block_d, block_dv, block_k = _blocks(q, kv, d_v, indices)
-    grid = (n_q, triton.cdiv(heads, block_h), batch)
-    _sparse_mla_fwd_kernel[grid](
+    _sparse_mla_fwd_kernel[_grid(n_q, heads, batch)](
         q, kv, indices, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
@@ -202,8 +216,7 @@ def triton_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v):
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         heads, indices.shape[2], softmax_scale * _LOG2E,
-        DQK=dqk, DV=d_v, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_H=block_h, BLOCK_K=block_k,
-        num_warps=8 if block_d >= 512 else 4, num_stages=2,
+        DQK=dqk, DV=d_v, BLOCK_D=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(d_v),
     )
     return out, lse
 
@@ -215,9 +228,7 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     grad_out, lse, out = grad_out.contiguous(), lse.contiguous(), out.contiguous()
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    block_h, block_d, block_dv, block_k = _blocks(q, kv, d_v, indices)
-    grid = (n_q, triton.cdiv(heads, block_h), batch)
-    _sparse_mla_bwd_kernel[grid](
+    _sparse_mla_bwd_kernel[_grid(n_q, heads, batch)](
         q, kv, indices, out, grad_out, lse, dq, dkv,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
@@ -225,8 +236,7 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
         lse.stride(0), lse.stride(1),
         dkv.stride(0), dkv.stride(1),
         heads, indices.shape[2], softmax_scale, softmax_scale * _LOG2E,
-        DQK=dqk, DV=d_v, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_H=block_h, BLOCK_K=block_k,
-        num_warps=8 if block_d >= 512 else 4, num_stages=1,
+        DQK=dqk, DV=d_v, BLOCK_D=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(d_v),
     )
     return dq, dkv.to(kv.dtype)
 
@@ -242,8 +252,7 @@ def triton_sparse_mla_mass(q, kv, indices, lse, softmax_scale):
     batch, n_q, heads, dqk = q.shape
     q, kv, indices, lse = q.contiguous(), kv.contiguous(), indices.contiguous(), lse.contiguous()
     mass = torch.zeros(indices.shape, dtype=torch.float32, device=q.device)
-    block_h, block_d, _, block_k = _blocks(q, kv, dqk, indices)
-    _sparse_mla_mass_kernel[(n_q, triton.cdiv(heads, block_h), batch)](
+    _sparse_mla_mass_kernel[_grid(n_q, heads, batch)](
         q, kv, indices, lse, mass,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
@@ -251,7 +260,6 @@ def triton_sparse_mla_mass(q, kv, indices, lse, softmax_scale):
         lse.stride(0), lse.stride(1),
         mass.stride(0), mass.stride(1),
         heads, indices.shape[2], softmax_scale * _LOG2E,
-        DQK=dqk, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_K=block_k,
-        num_warps=8 if block_d >= 512 else 4, num_stages=2,
+        DQK=dqk, DV=dqk, BLOCK_D=triton.next_power_of_2(dqk),
     )
     return mass

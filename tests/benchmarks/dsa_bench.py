@@ -187,6 +187,7 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[65536, 262144, 1048576])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--no-torch-indexer", action="store_true", help="skip the torch blockwise indexer rows")
     args = parser.parse_args()
     ceil = ceilings()
     print(json.dumps(dict(ceilings=ceil)), flush=True)
@@ -195,7 +196,7 @@ def main() -> None:
         shape = SHAPES[name]
         for seq_len in args.seq_lens:
             reps = 3 if seq_len <= 65536 else 1
-            rows = bench_indexer(seq_len, shape, ceil, reps, torch_path=seq_len <= 262144,
+            rows = bench_indexer(seq_len, shape, ceil, reps, torch_path=seq_len <= 262144 and not args.no_torch_indexer,
                                  profile=seq_len == max(args.seq_lens))
             rows += bench_attention(seq_len, shape, ceil, reps)
             if seq_len <= 262144:
@@ -211,9 +212,18 @@ def main() -> None:
     for r in table:
         print(f"| {r['shape']} | {r['seq_len'] // 1024}k | {r['op']} | {r['predicted']:.4f} | {r['seconds']:.4f} "
               f"| {r['peak_gib']:.1f} | {r['tflops']:.0f} |")
+    from kernels.dsa import indexer_triton, sparse_attention_triton
+
+    tuned = {}
+    for module, names in [(indexer_triton, ["_pool_scores_kernel", "_candidate_keys_kernel"]),
+                          (sparse_attention_triton, ["_sparse_mla_fwd_kernel", "_sparse_mla_bwd_kernel",
+                                                     "_sparse_mla_mass_kernel"])]:
+        for name in names:
+            tuned[name] = {str(key): str(cfg) for key, cfg in getattr(module, name).cache.items()}
+    print(json.dumps(dict(autotuned=tuned), indent=1), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(ceilings=ceil, rows=table), f, indent=1)
+            json.dump(dict(ceilings=ceil, rows=table, autotuned=tuned), f, indent=1)
 
 
 if __name__ == "__main__":
