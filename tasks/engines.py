@@ -107,8 +107,9 @@ class SamplingConfig:
         temperature: softmax temperature; 0 means greedy (argmax).
         top_k: keep the k most likely tokens; 0 keeps all.
         top_p: nucleus sampling mass in (0, 1]; 1 keeps all.
-        seed: per-request seed (reproducible within one engine; the two engines' random
-            streams differ, so only greedy outputs are comparable across engines).
+        seed: base seed; request ``i`` of a call is seeded with ``seed + i`` (reproducible
+            within one engine; the two engines' random streams differ, so only greedy outputs
+            are comparable across engines).
         stop_token_ids: generation ends after sampling one of these ids (it is returned).
     """
 
@@ -380,7 +381,6 @@ class VLLMEngine(InferenceEngine):
             temperature=sampling.temperature,
             top_k=sampling.top_k,
             top_p=sampling.top_p,
-            seed=sampling.seed,
             stop_token_ids=list(sampling.stop_token_ids),
             # The export's generation_config may name an EOS id; DNA rollouts stop only on the
             # ids the caller gives.
@@ -389,8 +389,14 @@ class VLLMEngine(InferenceEngine):
             detokenize=False,
             flat_logprobs=True,
         )
+        # One seed per request (seed + i, as the transformers engine does): a shared seed would
+        # make the repeated prompts of a GRPO group sample identical rollouts.
+        per_request = [params if sampling.seed is None else params.clone() for _ in prompts]
+        if sampling.seed is not None:
+            for i, p in enumerate(per_request):
+                p.seed = sampling.seed + i
         generations = []
-        for result in self._run(prompts, params):
+        for result in self._run(prompts, per_request):
             completion = result.outputs[0]
             tokens = np.asarray(completion.token_ids, dtype=np.int64)
             flat = completion.logprobs
@@ -509,15 +515,20 @@ class TransformersEngine(InferenceEngine):
 
     @torch.no_grad()
     def _update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
-        for name, value in state_dict.items():
-            target = params.get(name)
-            if target is None:
-                raise EngineError(f"update_weights: {name!r} is not a parameter of {type(self.model).__name__}")
-            if target.shape != value.shape:
-                raise EngineError(f"update_weights: {name!r} has shape {tuple(value.shape)}, model has {tuple(target.shape)}")
-            target.copy_(value)
+        # Checkpoint names are not module names for every architecture (glm5_next renames
+        # hc_attn_fn -> attn_hc.fn and merges per-expert and q/k/v conv weights): load through
+        # the same conversion mapping from_pretrained applies, in place.
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        config = LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(self.model),
+                                     dtype=next(self.model.parameters()).dtype)
+        info, _ = convert_and_load_state_dict_in_model(self.model, dict(state_dict), config)
+        problems = {name: sorted(map(str, getattr(info, name, ())))[:5]
+                    for name in ("missing_keys", "unexpected_keys", "mismatched_keys", "conversion_errors")}
+        if any(problems.values()):
+            raise EngineError(f"update_weights into {type(self.model).__name__}: {problems}")
 
     def close(self) -> None:
         self.model = self.head = None

@@ -141,9 +141,16 @@ class PromptSampler:
 
 
 def _sequence_logprobs(model, sequences: torch.Tensor, gen_len: int) -> torch.Tensor:
-    """Trainer log-probs ``[n, gen_len]`` of the last ``gen_len`` tokens of ``sequences [n, s]``."""
-    nll = model(sequences, labels=torch.roll(sequences, -1, dims=1))  # [n, s]; last column is junk
-    return -nll[:, -gen_len - 1 : -1]
+    """Trainer log-probs ``[n, gen_len]`` of the last ``gen_len`` tokens of ``sequences [n, s]``.
+
+    Only the positions that predict generated tokens reach the output head (chunked NLL of
+    ``model.logprobs``); the prompt's hidden states are not projected to the vocabulary.
+    """
+    from model.logprobs import chunked_token_nll
+
+    hidden = model.hidden_states(sequences)[-gen_len - 1 : -1]          # [gen_len, n, h]
+    labels = sequences[:, -gen_len:].transpose(0, 1).contiguous()       # [gen_len, n]
+    return -chunked_token_nll(model, hidden, labels, model.logits_chunk_tokens).transpose(0, 1)
 
 
 def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConfig,

@@ -73,9 +73,9 @@ def reference_continuation(pack_dir: Path, shard: str, offset: int, prompt_len: 
 
 
 def run_rl(shards, tiny_export, out, **overrides):
-    engine = get_preset("local-cpu").engine
-    cfg = RLConfig(steps=3, prompts_per_step=2, group_size=4, prompt_len=192, gen_len=12, lr=3e-3,
-                   engine=engine, **overrides)
+    settings = dict(steps=3, prompts_per_step=2, group_size=4, prompt_len=192, gen_len=12, lr=3e-3,
+                    engine=get_preset("local-cpu").engine)
+    cfg = RLConfig(**{**settings, **overrides})
     return rl(tiny_export, shards, cfg, out)
 
 
@@ -100,7 +100,7 @@ def test_grpo_steps_rewards_gap_and_policy_change(shards, tiny_export, tmp_path)
 
 
 def test_learning_rate_zero_keeps_the_gap_flat(shards, tiny_export, tmp_path):
-    result = run_rl(shards, tiny_export, tmp_path / "rl0", lr=0.0)
+    result = run_rl(shards, tiny_export, tmp_path / "rl0", lr=0.0, steps=3)
     gaps = [row["rollout_train_logprobs_abs_diff_mean"] for row in result.metrics]
     assert max(gaps) < 1e-4
     assert gaps[-1] <= 2 * gaps[0] + 1e-6, gaps
