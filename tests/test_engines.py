@@ -176,3 +176,48 @@ def test_invalid_requests_raise_engine_error(checkpoint, engines):
             engine.prompt_logprobs([np.full(LONG + 1, 4)])
         with pytest.raises(EngineError, match="exceed max_model_len"):
             engine.generate([np.full(LONG, 4)], SamplingConfig(max_new_tokens=1))
+
+
+def test_repeated_prompts_get_their_own_seed(engines):
+    # A GRPO group repeats one prompt: each copy must sample its own continuation.
+    (prompt,) = prompts(5, (64,))
+    sampling = SamplingConfig(max_new_tokens=16, temperature=1.0, seed=11)
+    for engine in engines:
+        group = engine.generate([prompt] * 3, sampling)
+        assert len({tuple(g.tokens) for g in group}) == 3, engine.name
+        assert [list(g.tokens) for g in group] == [list(g.tokens) for g in engine.generate([prompt] * 3, sampling)]
+
+
+def test_transformers_update_weights_on_glm5_next_equals_loading_the_new_export(tmp_path, plain_torch_transformers):
+    """glm5_next checkpoint names differ from its module names (renamed and merged tensors)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    from model.config import MINIMAL_VISION_CONFIG, preset_hf
+
+    torch.manual_seed(0)
+    hf = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=preset_hf("tiny"),
+                                                         vision_config=MINIMAL_VISION_CONFIG))
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "visual" not in name:
+                param.add_(0.05 * torch.randn_like(param))
+    hf.eval().save_pretrained(tmp_path / "old")
+    (weights,) = (tmp_path / "old").glob("*.safetensors")
+    state = load_file(weights)
+    scaled = "model.language_model.layers.1.mlp.experts.0.down_proj.weight"
+    assert scaled in state and scaled not in dict(hf.named_parameters())
+    new_state = {**state, scaled: state[scaled] * 3}
+    (tmp_path / "new").mkdir()
+    for f in (tmp_path / "old").iterdir():
+        (tmp_path / "new" / f.name).write_bytes(f.read_bytes())
+    save_file(new_state, tmp_path / "new" / weights.name, metadata={"format": "pt"})
+
+    (prompt,) = prompts(6, (700,))
+    with TransformersEngine(tmp_path / "old", max_model_len=1024) as engine, \
+            TransformersEngine(tmp_path / "new", max_model_len=1024) as reloaded:
+        before = engine.prompt_logprobs([prompt])[0]
+        engine.update_weights(new_state)
+        after = engine.prompt_logprobs([prompt])[0]
+        assert np.abs(after - before).mean() > 1e-3
+        assert np.array_equal(after, reloaded.prompt_logprobs([prompt])[0])
