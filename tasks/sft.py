@@ -546,7 +546,8 @@ def _fix_kda_history_gradient() -> None:
 
     from model import layers
 
-    if "\n            send_to_next(pre, " not in inspect.getsource(layers.KDAMixer.forward):
+    if (getattr(layers.send_to_next, "routes_history_gradient", False)
+            or "\n            send_to_next(pre, " not in inspect.getsource(layers.KDAMixer.forward)):
         return
     original = layers.send_to_next
 
@@ -567,6 +568,7 @@ def _fix_kda_history_gradient() -> None:
             out.register_hook(add_next_rank_gradient)
         return out
 
+    send_to_next.routes_history_gradient = True
     layers.send_to_next = send_to_next
 
 
@@ -1071,16 +1073,14 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
             log.info("resumed from %s at step %d (%d windows consumed)", resume_from, step, consumed)
 
     metrics_path = out_dir / "metrics.jsonl"
-    records: list[dict] = []
     if is_main and metrics_path.exists():      # a restarted run keeps the history up to its checkpoint
-        records = [r for r in map(json.loads, metrics_path.read_text().splitlines()) if r["step"] <= step]
-        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        kept = [r for r in map(json.loads, metrics_path.read_text().splitlines()) if r["step"] <= step]
+        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def emit(record: dict) -> None:
         if is_main:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            records.append(record)
 
     def save(step_done: int, best: bool) -> None:
         path = ckpt.save(checkpoint_state(False, step_done, consumed, best_eval), step_done, best, cfg.keep_checkpoints)

@@ -7,8 +7,10 @@ for the resumed one, the Parquet bytes (read with pyarrow here) for the windows.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -42,15 +44,29 @@ def _free_port() -> int:
 
 
 def run_sft(shards: Path, out: Path, nproc: int, **fields) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """Launch ``tasks.sft`` on ``nproc`` gloo ranks; returns the process and its metrics records."""
+    """Launch ``tasks.sft`` on ``nproc`` gloo ranks; returns the process and its metrics records.
+
+    The launch gets its own process group, removed afterwards: a rank killed by
+    ``inject_crash_at_step`` leaves megatron's checkpoint-writer Manager process behind.
+    """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(_free_port()), "-m", "tasks.sft", str(shards), str(out),
            "--config", json.dumps({**BASE, **fields})]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    log = out.parent / f"{out.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        launcher = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env,
+                                    start_new_session=True)
+        try:
+            returncode = launcher.wait(timeout=600)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launcher.pid, signal.SIGKILL)
+    text = log.read_text()
     metrics = out / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    return proc, records
+    return subprocess.CompletedProcess(cmd, returncode, text, text), records
 
 
 def losses(records: list[dict]) -> list[float]:
@@ -251,3 +267,55 @@ def test_flyte_task_runs_two_elastic_ranks_and_returns_export_not_checkpoint(sha
     assert (out / "hf" / "model.safetensors").exists()
     assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
             if "event" not in r] == [1, 2]
+
+
+MEMORY_KNOBS_SCRIPT = r"""
+import json, sys
+import torch
+from tasks.sft import SFTConfig, train
+
+offloaded = []
+
+class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
+    # Counts the bytes the model's activation offload copies to host memory.
+    def __init__(self, pin_memory=False, device_type="cuda"):
+        super().__init__(pin_memory, device_type)
+        pack = self.pack_hook
+        def counting_pack(tensor):
+            offloaded[-1] += tensor.numel() * tensor.element_size()
+            return pack(tensor)
+        self.pack_hook = counting_pack
+
+torch.autograd.graph.save_on_cpu = CountingSaveOnCpu
+base = json.loads(sys.argv[2])
+results = {}
+for name, knobs in [("plain", {}), ("selective_recompute", {"recompute": "selective", "recompute_modules": ("mlp",)}),
+                    ("offload", {"offload_layers": 2}), ("indexer_kl", {"indexer_kl_coeff": 1.0})]:
+    offloaded.append(0)
+    out = f"{sys.argv[3]}/{name}"
+    train(sys.argv[1], SFTConfig(**base, **knobs), out)
+    records = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
+    results[name] = {"losses": [r["loss"] for r in records if "event" not in r],
+                     "indexer_kl": [r["indexer_kl"] for r in records if "event" not in r],
+                     "offloaded_bytes": offloaded[-1]}
+print("RESULTS" + json.dumps(results))
+"""
+
+
+def test_recompute_and_offload_change_memory_not_losses_and_indexer_kl_trains(shards, tmp_path):
+    base = dict(seq_len=1024, eval_seq_len=1024, eval_windows=1, steps=3, warmup_steps=1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
+    proc = subprocess.run([sys.executable, "-c", MEMORY_KNOBS_SCRIPT, str(shards), json.dumps(base), str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.split("RESULTS", 1)[1])
+    plain = results["plain"]
+    assert results["selective_recompute"]["losses"] == plain["losses"]
+    assert results["offload"]["losses"] == plain["losses"]
+    assert plain["offloaded_bytes"] == 0
+    # Layers 1-2 save at least their inputs: 4 mHC streams x hidden 64 x 1024 tokens x float32, per layer.
+    assert results["offload"]["offloaded_bytes"] >= 2 * 4 * 64 * 1024 * 4 * base["steps"]
+    kl = results["indexer_kl"]
+    assert all(v > 0 for v in kl["indexer_kl"]) and all(v == 0 for v in plain["indexer_kl"])
+    # The KL loss trains the indexer only; the first step's LM loss is computed before any update.
+    assert kl["losses"][0] == plain["losses"][0]
