@@ -109,8 +109,9 @@ def sparse_mla_attention(
 
     Args:
         q_nope: queries ``[Q, H, Dqk]``.
-        latent: the request's normalised KV latents ``[L, R]`` (``R = kv_lora_rank``).
-        token_indices: ``[Q, W]`` positions into ``latent`` each query attends to, -1 = none.
+        latent: normalised KV latents ``[N, R]`` (``R = kv_lora_rank``): a request's tokens
+            or a whole paged cache viewed as rows.
+        token_indices: ``[Q, W]`` rows of ``latent`` each query attends to, -1 = none.
             Valid indices of a row must be distinct (a repeat would count twice) and every
             row needs at least one; :func:`select_topk_tokens` guarantees both.
         w_uk: key up-projection ``[H, Dqk, R]``; w_uv: value up-projection ``[H, Dv, R]``

@@ -266,7 +266,7 @@ class KdaMixer(nn.Module, MambaBase):
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         conv_weight = torch.cat([c.weight for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]).squeeze(1)
         g = self._gate(x)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        beta = torch.sigmoid(self.b_proj(x)).float()
         core = torch.zeros(num_tokens, heads, head_dim, dtype=x.dtype)
         metadata = _layer_metadata(self.prefix)
         if metadata is not None:
@@ -293,7 +293,7 @@ class KdaMixer(nn.Module, MambaBase):
             start, stop = starts[req], starts[req + 1]
             if stop == start:
                 continue
-            cached = has_state[req] if req < len(has_state) else True
+            cached = has_state[req]
             qkv, new_conv = causal_conv1d_with_state(
                 mixed[start:stop], conv_weight, conv_states[slot] if cached else None
             )
@@ -347,13 +347,17 @@ class LatentCache(nn.Module, AttentionLayerBase):
         """Store ``values [num_actual_tokens, <= head_size]`` at this step's slots."""
         self.kv_cache[metadata.slot_mapping, : values.shape[-1]] = values.to(self.kv_cache.dtype)
 
+    def rows(self, metadata: CpuSparseMlaMetadata, req: int, positions: torch.Tensor) -> torch.Tensor:
+        """Cache rows of request ``req``'s tokens at ``positions`` (any shape, int64); -1 stays -1."""
+        block_size = self.cache_config.block_size
+        safe = positions.clamp(min=0)
+        rows = metadata.block_table[req, safe // block_size].long() * block_size + safe % block_size
+        return rows.masked_fill(positions < 0, -1)
+
     def read(self, metadata: CpuSparseMlaMetadata, req: int, width: int) -> torch.Tensor:
         """The first ``width`` values of every token of request ``req``: ``[seq_len, width]``."""
-        seq_len = int(metadata.seq_lens[req])
-        block_size = self.cache_config.block_size
-        pos = torch.arange(seq_len)
-        rows = metadata.block_table[req, pos // block_size].long() * block_size + pos % block_size
-        return self.kv_cache[rows, :width]
+        positions = torch.arange(int(metadata.seq_lens[req]))
+        return self.kv_cache[self.rows(metadata, req, positions), :width]
 
 
 class LightningIndexer(nn.Module):
@@ -448,8 +452,9 @@ class SparseMLA(nn.Module):
         starts = metadata.query_start_loc.tolist()
         for req in range(len(starts) - 1):
             start, stop = starts[req], starts[req + 1]
-            latent = self.latent_cache.read(metadata, req, self.kv_rank)
+            # Attend straight from the paged cache: only the selected latents are gathered.
+            rows = self.latent_cache.rows(metadata, req, selection[start:stop])
             out[start:stop] = sparse_mla_attention(
-                q[start:stop], latent, selection[start:stop], w_uk, w_uv, self.scaling
+                q[start:stop], self.latent_cache.kv_cache, rows, w_uk, w_uv, self.scaling
             )
         return self.o_proj(out.view(num_tokens, -1)), selection
