@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dsa.indexer import INVALID_KEY, KPoolGrid, _query_docs, _selection_keys, decode_selection_keys
+from kernels.dsa.errors import DSAInputError
+from kernels.dsa.indexer import KPoolGrid, _query_docs, _selection_keys, decode_selection_keys
 
 
 @triton.autotune(
@@ -116,6 +117,7 @@ def _candidate_keys_kernel(
         count += tl.sum(keep.to(tl.int32), axis=0)
     tl.store(COUNT + row, count)
     slots = tl.arange(0, CAPACITY)
+    # empty slots get INVALID_KEY (int64 min), which sorts last
     cand = tl.load(CAND + row * stride_c + slots, mask=slots < count, other=-9223372036854775808)
     cand = tl.sort(cand, descending=True)
     tl.store(OUT + row * stride_o + slots, cand, mask=slots < N_SELECT)
@@ -171,7 +173,7 @@ def triton_pool_topk(
     """
     batch, n_q, heads, dim = q.shape
     if dim & (dim - 1) or dim < 16:
-        raise ValueError(f"the Triton indexer needs a power-of-two head_dim >= 16, got {dim}")
+        raise DSAInputError(f"the Triton indexer needs a power-of-two index head_dim >= 16, got {dim}")
     q = q.contiguous()
     pool_keys = pool_keys.to(q.dtype).contiguous()
     weights = (weights.float() * softmax_scale).contiguous()

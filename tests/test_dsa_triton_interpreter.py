@@ -1,0 +1,75 @@
+"""The DSA Triton kernels, run by Triton's CPU interpreter at tiny sizes, equal the torch paths.
+
+The interpreter must be chosen before the kernels are defined and has no benchmarker for
+the autotuner, so the check runs in a subprocess with ``TRITON_INTERPRET=1`` and one
+config per kernel. float32 only (the interpreter computes through numpy, which has no
+bfloat16); the bf16 behaviour on an H200 is checked by tests/gpu/dsa_check.py.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    import kernels.dsa.indexer_triton as it
+    import kernels.dsa.sparse_attention_triton as st
+    from kernels.dsa.indexer import _compress_on_grid, _torch_pool_topk, kpool_grid
+    from kernels.dsa.sparse_attention import torch_sparse_mla_bwd, torch_sparse_mla_fwd
+
+    for kernel, cfg in [(it._pool_scores_kernel, dict(BLOCK_M=16, BLOCK_N=32)),
+                        (it._candidate_keys_kernel, dict(CHUNK_ROWS=2)),
+                        (st._sparse_mla_fwd_kernel, dict(BLOCK_H=16, BLOCK_K=16)),
+                        (st._sparse_mla_bwd_kernel, dict(BLOCK_H=16, BLOCK_K=16)),
+                        (st._sparse_mla_mass_kernel, dict(BLOCK_H=16, BLOCK_K=16))]:
+        kernel.configs = [c for c in kernel.configs[:1]]
+        kernel.configs[0].kwargs.update(cfg)
+    select = it._select_with_tie_rule
+    it._select_with_tie_rule = lambda scores, n, p_lo: select(scores, n, p_lo, capacity=16)
+
+    gen = torch.Generator().manual_seed(0)
+    # sparse MLA: 20 heads (two head blocks, masked rows), d_v < Dqk and d_v == Dqk, empty rows
+    for d_v in (16, 32):
+        q, kv = torch.randn(2, 5, 20, 32, generator=gen), torch.randn(2, 40, 32, generator=gen)
+        idx = torch.stack([torch.randperm(40, generator=gen)[:20] for _ in range(10)]).view(2, 5, 20).int()
+        idx[0, 1, ::3] = -1
+        idx[1, 2] = -1
+        out, lse = torch_sparse_mla_fwd(q, kv, idx, 0.3, d_v)
+        t_out, t_lse = st.triton_sparse_mla_fwd(q, kv, idx, 0.3, d_v)
+        assert torch.allclose(t_out, out, atol=1e-5), (t_out - out).abs().max()
+        assert torch.equal(torch.isinf(t_lse), torch.isinf(lse))
+        assert torch.allclose(t_lse[~torch.isinf(lse)], lse[~torch.isinf(lse)], atol=1e-5)
+        grad = torch.randn(out.shape, generator=gen)
+        for a, b in zip(st.triton_sparse_mla_bwd(q, kv, idx, out, lse, grad, 0.3, d_v),
+                        torch_sparse_mla_bwd(q, kv, idx, out, lse, grad, 0.3, d_v)):
+            assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+        scores = torch.einsum("bthd,btkd->bthk", q, kv[torch.arange(2)[:, None, None], idx.long().clamp_min(0)]) * 0.3
+        mass = torch.where(idx[:, :, None] >= 0, torch.exp(scores - lse[..., None]), 0.0).sum(2).nan_to_num(0.0)
+        assert torch.allclose(st.triton_sparse_mla_mass(q, kv, idx, lse, 0.3), mass, atol=1e-5)
+
+    # indexer: random scores, packed documents, and all-equal scores (the overflow path)
+    n, kpool, n_select = 96, 4, 3
+    q, w = torch.randn(1, n, 2, 16, generator=gen), torch.randn(1, n, 2, generator=gen)
+    k, g, ape = torch.randn(1, n, 16, generator=gen), torch.randn(1, n, 16, generator=gen), torch.randn(kpool, 16, generator=gen)
+    for cu, queries in [(None, q), (torch.tensor([0, 30, 96]), q), (None, torch.zeros_like(q))]:
+        grid = kpool_grid(n, kpool, cu)
+        keys = _compress_on_grid(k, g, ape, grid)
+        got = it.triton_pool_topk(queries, keys, w, grid, n_select, 0.25, 0, query_block=40)
+        ref = _torch_pool_topk(queries, keys, w, grid, n_select, 0.25, 0, 32)
+        assert torch.equal(got, ref), (got != ref).nonzero()
+    print("TRITON_INTERPRETER_OK")
+    """
+)
+
+
+def test_triton_kernels_under_the_interpreter_equal_the_torch_paths():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "TRITON_INTERPRETER_OK" in result.stdout, result.stderr[-3000:]
