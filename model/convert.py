@@ -39,6 +39,8 @@ __all__ = [
     "save_hf_checkpoint",
     "load_hf_checkpoint",
     "export_metadata",
+    "load_hf_into_model",
+    "load_megatron_state",
 ]
 
 HF_PREFIX = "model.language_model."
@@ -323,3 +325,19 @@ def load_megatron_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor
     missing = [k for k in result.missing_keys if not k.endswith(("_extra_state", "local_tokens_per_expert"))]
     if missing or result.unexpected_keys:
         raise ConversionError(f"missing {missing[:5]} ({len(missing)}), unexpected {result.unexpected_keys[:5]}")
+
+
+def load_hf_into_model(model: torch.nn.Module, hf: Mapping[str, torch.Tensor]) -> None:
+    """Load HF-named tensors into this rank's model, sharded by megatron ``parallel_state`` (TP, EP).
+
+    Raises:
+        ConversionError: as :func:`hf_to_megatron` and :func:`load_megatron_state`.
+    """
+    from megatron.core import parallel_state as ps
+
+    init = ps.model_parallel_is_initialized()
+    tp_rank, tp = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()) if init else (0, 1)
+    ep_rank, ep = (ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()) if init else (0, 1)
+    state = hf_to_megatron(hf, model.config, tp_rank=tp_rank, tp_size=tp, ep_rank=ep_rank, ep_size=ep)
+    current = model.state_dict()
+    load_megatron_state(model, {k: v.to(device=current[k].device, dtype=current[k].dtype) for k, v in state.items()})

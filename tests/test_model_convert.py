@@ -33,6 +33,9 @@ def test_in_memory_hf_state_dict_matches_conversion():
     cfg = preset("tiny")
     model = build_model(cfg, seed=12)
     sd = convert.hf_state_dict(model)
+    other = build_model(cfg, seed=13)
+    convert.load_hf_into_model(other, sd)
+    assert convert.state_sha256(convert.hf_state_dict(other)) == convert.state_sha256(sd)
     assert "lm_head.weight" in sd and "model.language_model.layers.1.mlp.experts.7.up_proj.weight" in sd
     assert convert.state_sha256(sd) == convert.state_sha256(convert.megatron_to_hf([[model.state_dict()]], cfg))
 

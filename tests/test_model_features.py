@@ -49,3 +49,9 @@ def test_cu_seqlens_packing_equals_separate_documents():
         packed = model.logits(model.hidden_states(torch.cat([a, b], 1), cu_seqlens=torch.tensor([0, 200, 384])))
         sep = torch.cat([model.logits(model.hidden_states(a)), model.logits(model.hidden_states(b))], 0)
     assert (packed - sep).abs().max() <= 1e-5
+
+
+def test_activation_offload_equals_no_offload():
+    ids = _ids(seed=4)
+    _assert_same(_loss_and_grads(preset("tiny", index_topk=32), ids),
+                 _loss_and_grads(preset("tiny", index_topk=32, cpu_offloading=True, cpu_offloading_num_layers=2), ids))
