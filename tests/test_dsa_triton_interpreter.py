@@ -63,6 +63,11 @@ SCRIPT = textwrap.dedent(
         got = it.triton_pool_topk(queries, keys, w, grid, n_select, 0.25, 0, query_block=40)
         ref = _torch_pool_topk(queries, keys, w, grid, n_select, 0.25, 0, 32)
         assert torch.equal(got, ref), (got != ref).nonzero()
+    # context-parallel call: the last 46 queries against all 96 keys, packed documents
+    grid = kpool_grid(n, kpool, torch.tensor([0, 30, 96]))
+    keys = _compress_on_grid(k, g, ape, grid)
+    got = it.triton_pool_topk(q[:, 50:], keys, w[:, 50:], grid, n_select, 0.25, 50, query_block=40)
+    assert torch.equal(got, _torch_pool_topk(q[:, 50:], keys, w[:, 50:], grid, n_select, 0.25, 50, 32))
     print("TRITON_INTERPRETER_OK")
     """
 )

@@ -237,7 +237,8 @@ def lightning_indexer_topk(
         softmax_scale: score scale, ``D ** -0.5`` in glm5_next.
         q_offset: global position of the first query (context parallelism).
         cu_seqlens: ``[n_docs + 1]`` int document bounds over the ``S`` keys (``B == 1``).
-        block_size: queries per block.
+        block_size: queries per block of the torch path (the Triton path on CUDA scores
+            8192 queries per launch).
 
     Returns:
         ``[B, T, W]`` int32 token indices into the ``S`` keys, ``-1`` = none,
