@@ -248,3 +248,24 @@ def test_prompt_logprobs_bf16_within_model_bf16_spread(checkpoint, fp32_referenc
         gc.collect()
     error = (got - fp32_logprobs).abs().mean().item()
     assert error <= 2 * spread, (error, spread)
+
+
+def test_rms_norm_eps_is_honoured(checkpoint, tmp_path):
+    """The other half of the fused-mHC defect (``norm_eps`` ignored): with ``rms_norm_eps``
+    raised to a value that moves every norm, vLLM must still follow transformers."""
+    model = Glm5NextForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32)
+    model.config.text_config.rms_norm_eps = 0.5
+    large_eps = tmp_path / "large_eps"
+    model.save_pretrained(large_eps)
+    ids = prompt_ids(512, seed=6)
+    base, _, _ = transformers_reference(checkpoint, ids, torch.float32)
+    reference, _, _ = transformers_reference(large_eps, ids, torch.float32)
+    assert (reference - base).abs().mean() > 1e-2, "eps change too small to detect"
+    llm = make_llm(large_eps, "float32", max_model_len=1024)
+    try:
+        (got,) = vllm_prompt_logprobs(llm, [ids])
+    finally:
+        del llm
+        gc.collect()
+    assert (got - reference).abs().max() <= 1e-3
+
