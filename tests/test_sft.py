@@ -311,7 +311,9 @@ def test_recompute_and_offload_change_memory_not_losses_and_indexer_kl_trains(sh
     results = json.loads(proc.stdout.split("RESULTS", 1)[1])
     plain = results["plain"]
     assert results["selective_recompute"]["losses"] == plain["losses"]
-    assert results["offload"]["losses"] == plain["losses"]
+    # save_on_cpu hands backward contiguous copies of strided activations: same math, other
+    # float32 rounding in the kernels that read them.
+    np.testing.assert_allclose(results["offload"]["losses"], plain["losses"], rtol=1e-6)
     assert plain["offloaded_bytes"] == 0
     # Layers 1-2 save at least their inputs: 4 mHC streams x hidden 64 x 1024 tokens x float32, per layer.
     assert results["offload"]["offloaded_bytes"] >= 2 * 4 * 64 * 1024 * 4 * base["steps"]
@@ -319,3 +321,10 @@ def test_recompute_and_offload_change_memory_not_losses_and_indexer_kl_trains(sh
     assert all(v > 0 for v in kl["indexer_kl"]) and all(v == 0 for v in plain["indexer_kl"])
     # The KL loss trains the indexer only; the first step's LM loss is computed before any update.
     assert kl["losses"][0] == plain["losses"][0]
+    from safetensors import safe_open
+
+    name = "model.language_model.layers.1.self_attn.indexer.wq_b.weight"
+    with safe_open(str(tmp_path / "plain/hf/model.safetensors"), "pt") as a, \
+            safe_open(str(tmp_path / "indexer_kl/hf/model.safetensors"), "pt") as b:
+        # Without the KL term the indexer gets no gradient (selection is under no_grad).
+        assert (a.get_tensor(name) - b.get_tensor(name)).abs().max() > 1e-4
