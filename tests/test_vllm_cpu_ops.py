@@ -190,3 +190,28 @@ def test_upstream_cpu_fused_mhc_still_ignores_norm_weight():
         plain = MHCPreOp()(**kwargs)[2]
         weighted = MHCPreOp()(**kwargs, norm_weight=torch.full((dim,), 3.0, dtype=torch.bfloat16), norm_eps=1e-5)[2]
     assert torch.equal(plain, weighted)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (dict(index_topk=60), "index_topk=60"),
+        (dict(index_head_dim=320), "2 \\* index_head_dim=640"),
+        (dict(index_kpool_always_select_tail=False), "index_kpool_always_select_tail"),
+    ],
+)
+def test_unsupported_config_is_refused_by_name(override, message):
+    from types import SimpleNamespace
+
+    from transformers import Glm5NextTextConfig
+
+    from model.vllm_cpu.model import Glm5NextCpuConfigError, validate_config
+
+    config = Glm5NextTextConfig(num_hidden_layers=4, index_topk=64, index_kpool=8, kv_lora_rank=512)
+    for key, value in override.items():
+        setattr(config, key, value)
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1), speculative_config=None
+    )
+    with pytest.raises(Glm5NextCpuConfigError, match=message):
+        validate_config(config, vllm_config)

