@@ -132,15 +132,24 @@ def enable() -> bool:
     return True
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_process_group(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
     """Initialise ``torch.distributed`` with gloo on CPU (nccl on GPU) and enable the CPU mapping.
 
     Reads ``MASTER_ADDR``/``MASTER_PORT`` from the environment, defaulting to 127.0.0.1 and
-    ``port`` (or 29500).
+    ``port`` (or a free port for a single process, 29500 for several).
     """
     enable()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port or 29500))
+    # A single process needs no agreed port: take a free one (29500 is often held by another job).
+    os.environ.setdefault("MASTER_PORT", str(port or (_free_port() if world_size == 1 else 29500)))
     if not torch.distributed.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
