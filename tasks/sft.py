@@ -527,51 +527,6 @@ def init_parallel(cfg: SFTConfig) -> Layout:
                   ps.get_context_parallel_rank(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
 
 
-def _fix_kda_history_gradient() -> None:
-    """Route the gradient of the KDA convolution history back to the previous CP rank.
-
-    ``model.layers.KDAMixer.forward`` sends its last ``kernel - 1`` convolution inputs to the next
-    CP rank with ``send_to_next(pre, pre[:, -(kernel - 1):], cp)`` but drops the returned tensor,
-    so the backward that receives their gradient never runs: the next rank's matching send blocks
-    forever (gloo) and the history's gradient is lost. Until the model keeps that return value
-    (``pre = send_to_next(...)``), this replaces ``send_to_next`` for that call pattern (``state``
-    a tail slice of ``out`` along the sequence) by a forward send plus a gradient hook on ``out``
-    that receives the next rank's gradient and adds it to the tail. Other calls are unchanged.
-    Applied only while the model source still has the dropped call.
-    """
-    import inspect
-
-    import torch
-    import torch.distributed as dist
-
-    from model import layers
-
-    if (getattr(layers.send_to_next, "routes_history_gradient", False)
-            or "\n            send_to_next(pre, " not in inspect.getsource(layers.KDAMixer.forward)):
-        return
-    original = layers.send_to_next
-
-    def send_to_next(out, state, cp):
-        n = state.shape[1]
-        if state._base is not out or state.data_ptr() != out[:, -n:].data_ptr():
-            return original(out, state, cp)
-        if cp.rank == cp.size - 1:
-            return out
-        dist.send(state.detach().contiguous(), dst=cp.global_rank(cp.rank + 1), group=cp.group)
-        if out.requires_grad:
-            def add_next_rank_gradient(grad):
-                received = torch.zeros(state.shape, dtype=grad.dtype, device=grad.device)
-                dist.recv(received, src=cp.global_rank(cp.rank + 1), group=cp.group)
-                grad = grad.clone()
-                grad[:, -n:] += received
-                return grad
-            out.register_hook(add_next_rank_gradient)
-        return out
-
-    send_to_next.routes_history_gradient = True
-    layers.send_to_next = send_to_next
-
-
 def model_config(cfg: SFTConfig):
     """The :class:`model.config.Glm5NextConfig` of the run: preset + parallel sizes + memory knobs."""
     import torch
@@ -995,12 +950,10 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from model.convert import (export_metadata, hf_state_dict, hf_to_megatron, load_hf_checkpoint,
-                               load_megatron_state, save_hf_checkpoint)
+    from model.convert import export_metadata, hf_state_dict, load_hf_checkpoint, load_hf_into_model, save_hf_checkpoint
     from model.glm5_next import build_model
 
     layout = init_parallel(cfg)
-    _fix_kda_history_gradient()
     is_main = layout.rank == 0
     out_dir = Path(out_dir)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -1021,9 +974,7 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
     if cfg.init_hf:
         _, text, vision_state = load_hf_checkpoint(Path(cfg.init_hf))
         vision_config = json.loads((Path(cfg.init_hf) / "config.json").read_text()).get("vision_config")
-        load_megatron_state(module, hf_to_megatron(
-            text, mcfg, ps.get_tensor_model_parallel_rank(), cfg.tensor_parallel,
-            ps.get_expert_model_parallel_rank(), cfg.expert_parallel))
+        load_hf_into_model(module, text)
     model = DistributedDataParallel(mcfg, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True), module)
     with _megatron_optimizer_on_cpu():
@@ -1135,7 +1086,7 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
         tokens_per_s = tokens_per_step / elapsed
         record = {
             "step": step, "loss": loss, "bits_per_base": loss / math.log(2), "lr": optimizer.param_groups[0]["lr"],
-            "grad_norm": grad_norm, "indexer_kl": float(sums[2]) / (layout.dp_size * cfg.context_parallel),
+            "grad_norm": grad_norm, "indexer_kl": float(sums[2]) / (layout.dp_size * cfg.context_parallel * cfg.windows_per_step),
             "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / layout.world_size,
             "step_time_s": elapsed, "peak_memory_gib": _peak_memory_gib(), "peak_pinned_host_gib": _peak_pinned_gib(),
             "moe_max_overload": overload, "moe_expert_max_over_mean": expert_imbalance,
@@ -1160,7 +1111,7 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
     if bar is not None:
         bar.close()
 
-    hf = hf_state_dict(_TensorsOnly(module))
+    hf = hf_state_dict(module)
     hf_dir = out_dir / "hf"
     manifest_sha = _sha256(Path(pack_dir) / "manifest.json")
     result = SFTResult(out_dir, hf_dir, metrics_path, str(ckpt.pointer("latest") or "") if ckpt else "",
@@ -1177,21 +1128,6 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
             {"schema": "megabase.sft/1", "files": {str(p.relative_to(out_dir)): _sha256(p) for p in files}}, indent=1))
     torch.distributed.barrier()
     return result
-
-
-class _TensorsOnly:
-    """A model view for :func:`model.convert.hf_state_dict` without megatron's ``_extra_state`` entries.
-
-    megatron linears put ``<name>._extra_state = None`` (TE fp8 metadata slot) into
-    ``state_dict()``; ``hf_state_dict`` calls ``.detach()`` on every value.
-    """
-
-    def __init__(self, module):
-        self.config = module.config
-        self._module = module
-
-    def state_dict(self):
-        return {k: v for k, v in self._module.state_dict().items() if not k.endswith("._extra_state")}
 
 
 def _sha256(path: Path) -> str:
