@@ -18,7 +18,7 @@ __all__ = ["chunked_token_nll", "token_logprobs"]
 
 def _chunk_nll(model, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     logits = model.logits(hidden).float()
-    return tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+    return tensor_parallel.vocab_parallel_cross_entropy(logits, labels.contiguous())
 
 
 def chunked_token_nll(model, hidden: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 4096) -> torch.Tensor:
@@ -44,7 +44,8 @@ def chunked_token_nll(model, hidden: torch.Tensor, labels: torch.Tensor, chunk_t
 
 
 @torch.no_grad()
-def token_logprobs(model, input_ids: torch.Tensor, chunk_tokens: int = 4096, cu_seqlens=None) -> torch.Tensor:
+def token_logprobs(model, input_ids: torch.Tensor, chunk_tokens: int = 4096, cu_seqlens=None,
+                   labels: torch.Tensor | None = None) -> torch.Tensor:
     """Forward-only log-probability of each actual next token.
 
     Args:
@@ -52,10 +53,15 @@ def token_logprobs(model, input_ids: torch.Tensor, chunk_tokens: int = 4096, cu_
         input_ids: ``[b, s]`` int64.
         chunk_tokens: positions whose logits exist at once.
         cu_seqlens: optional packed-document bounds (``b == 1``).
+        labels: ``[b, s]`` next-token ids for every position. Needed under context parallelism,
+            where the label of a shard's last position is the first token of the next shard;
+            without it the labels are ``input_ids`` shifted by one inside this call.
 
     Returns:
-        ``[b, s - 1]`` float32: ``log p(input_ids[:, t + 1] | input_ids[:, : t + 1])``.
+        ``[b, s - 1]`` float32 ``log p(input_ids[:, t + 1] | input_ids[:, : t + 1])``, or ``[b, s]``
+        ``log p(labels[:, t] | input_ids[:, : t + 1])`` when ``labels`` is given.
     """
-    hidden = model.hidden_states(input_ids, cu_seqlens)[:-1]
-    labels = input_ids[:, 1:].transpose(0, 1)
-    return -chunked_token_nll(model, hidden, labels, chunk_tokens).transpose(0, 1)
+    hidden = model.hidden_states(input_ids, cu_seqlens)
+    if labels is None:
+        hidden, labels = hidden[:-1], input_ids[:, 1:]
+    return -chunked_token_nll(model, hidden, labels.transpose(0, 1), chunk_tokens).transpose(0, 1)

@@ -55,3 +55,17 @@ def test_activation_offload_equals_no_offload():
     ids = _ids(seed=4)
     _assert_same(_loss_and_grads(preset("tiny", index_topk=32), ids),
                  _loss_and_grads(preset("tiny", index_topk=32, cpu_offloading=True, cpu_offloading_num_layers=2), ids))
+
+
+def test_token_logprobs_batched_with_and_without_explicit_labels():
+    from model.logprobs import token_logprobs
+
+    model = build_model(preset("tiny", index_topk=32), seed=5).eval()
+    ids = torch.randint(4, 9, (2, 130), generator=torch.Generator().manual_seed(6))
+    implicit = token_logprobs(model, ids, chunk_tokens=64)
+    explicit = token_logprobs(model, ids[:, :-1], chunk_tokens=64, labels=ids[:, 1:])
+    with torch.no_grad():
+        full = torch.log_softmax(model.logits(model.hidden_states(ids)).float(), -1).transpose(0, 1)
+    expected = full[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    assert implicit.shape == (2, 129)
+    assert (implicit - expected).abs().max() <= 1e-5 and (explicit - expected).abs().max() <= 1e-5
