@@ -321,8 +321,8 @@ def from_hf(hf: Any, **overrides: Any) -> Glm5NextConfig:
         },
     )
     if kwargs["num_moe_experts"] is None:
-        for k in ("moe_router_enable_expert_bias", "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size",
-                  "moe_router_num_groups", "moe_router_group_topk"):
+        for k in ("moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
+                  "moe_shared_expert_intermediate_size", "moe_router_num_groups", "moe_router_group_topk"):
             kwargs.pop(k)
         kwargs["hf_extra"]["n_routed_experts"] = h["n_routed_experts"]
     kwargs.update(overrides)

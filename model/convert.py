@@ -99,7 +99,8 @@ def _layer_pairs(cfg: Glm5NextConfig, i: int):
         for e in range(cfg.num_moe_experts):
             out.append((f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight",
                         (f"{h}mlp.experts.{e}.gate_proj.weight", f"{h}mlp.experts.{e}.up_proj.weight"), "gated"))
-            out.append((f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight", f"{h}mlp.experts.{e}.down_proj.weight", "plain"))
+            out.append((f"{m}mlp.experts.local_experts.{e}.linear_fc2.weight",
+                        f"{h}mlp.experts.{e}.down_proj.weight", "plain"))
     else:
         out.append((f"{m}mlp.linear_fc1.weight", (f"{h}mlp.gate_proj.weight", f"{h}mlp.up_proj.weight"), "gated"))
         out.append((f"{m}mlp.linear_fc2.weight", f"{h}mlp.down_proj.weight", "plain"))
@@ -286,7 +287,9 @@ def save_hf_checkpoint(hf: Mapping[str, torch.Tensor], cfg: Glm5NextConfig, out_
     return out_dir
 
 
-def load_hf_checkpoint(path: Path, **overrides) -> tuple[Glm5NextConfig, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def load_hf_checkpoint(
+    path: Path, **overrides
+) -> tuple[Glm5NextConfig, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Read a GLM-5.3-Flash-layout checkpoint directory: ``(config, text tensors, vision tensors)``.
 
     Reads every ``*.safetensors`` shard; ``overrides`` go to :func:`model.config.from_hf`.

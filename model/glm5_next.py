@@ -99,7 +99,8 @@ class Glm5NextLayer(MegatronModule):
     @staticmethod
     def _merge(post, comb, out, streams):
         dtype = streams.dtype
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.moe_sequence_parallel:
@@ -162,7 +163,8 @@ class Glm5NextModel(MegatronModule):
         ctx = torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else contextlib.nullcontext()
         with ctx:
             if c.recompute_granularity == "full" and self.training:
-                if parallel_state.model_parallel_is_initialized() and parallel_state.get_context_parallel_world_size() > 1:
+                initialized = parallel_state.model_parallel_is_initialized()
+                if initialized and parallel_state.get_context_parallel_world_size() > 1:
                     raise ValueError("full-layer recompute with CP>1 would repeat the KDA state hand-off")
                 return tensor_parallel.checkpoint(
                     lambda s, t: layer(s, t, cu_seqlens), False, streams, topk

@@ -30,7 +30,9 @@ def _init_normal(std: float):
 
 
 def _tp_size() -> int:
-    return parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return parallel_state.get_tensor_model_parallel_world_size()
 
 
 def _tp_rank() -> int:
@@ -79,7 +81,8 @@ class HyperConnection(torch.nn.Module):
     def __init__(self, config: Glm5NextConfig):
         super().__init__()
         n, h = config.hc_mult, config.hidden_size
-        self.n, self.iters, self.hc_eps, self.norm_eps = n, config.hc_sinkhorn_iters, config.hc_eps, config.layernorm_epsilon
+        self.n, self.iters = n, config.hc_sinkhorn_iters
+        self.hc_eps, self.norm_eps = config.hc_eps, config.layernorm_epsilon
         self.fn = torch.nn.Parameter(torch.empty((2 + n) * n, n * h))
         self.base = torch.nn.Parameter(torch.zeros((2 + n) * n))
         self.scale = torch.nn.Parameter(torch.ones(3))
@@ -295,7 +298,8 @@ class DSAMixer(MegatronModule):
         self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, config.num_attention_heads * self.nope, **col)
         self.kv_a_proj_with_mqa = torch.nn.Linear(h, self.kv_lora, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora, config.layernorm_epsilon)
-        self.kv_b_proj = ColumnParallelLinear(self.kv_lora, config.num_attention_heads * (self.nope + self.v_dim), **col)
+        kv_b_out = config.num_attention_heads * (self.nope + self.v_dim)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora, kv_b_out, **col)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.v_dim, h, config=config, init_method=init,
                                         bias=False, input_is_parallel=True, skip_bias_add=False)
         with torch.no_grad():

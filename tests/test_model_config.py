@@ -46,7 +46,8 @@ def test_full_preset_is_the_published_shape_and_its_parameter_count():
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_moe_experts, cfg.moe_router_topk) == (45, 4096, 288, 8)
     assert cfg.layer_types.count("indexed_attention") == 11 and cfg.mlp_layer_types[:4] == ["dense"] * 3 + ["sparse"]
     counts = parameter_count(cfg)
-    print(f"full: total {counts['total']:,} parameters ({counts['total'] / 1e9:.2f} B), active {counts['active'] / 1e9:.2f} B")
+    total, active = counts["total"], counts["active"]
+    print(f"full: total {total:,} parameters ({total / 1e9:.2f} B), active {active / 1e9:.2f} B")
     assert counts["total"] == _hf_text_params(preset_hf("full"))  # transformers' model on the meta device
     assert 300e9 < counts["total"] < 330e9
 

@@ -16,8 +16,9 @@ def test_tp_ep_sharding_round_trip_is_bit_identical():
               for e in range(ep)]
     # Rank (tp=1, ep=2) holds the second half of a column-parallel weight and experts 4..5 only.
     local = shards[2][1]
-    assert torch.equal(local["layers.0.mixer.q_proj.weight"], hf["model.language_model.layers.0.self_attn.q_proj.weight"][32:])
-    assert torch.equal(local["layers.1.mixer.o_proj.weight"], hf["model.language_model.layers.1.self_attn.o_proj.weight"][:, 64:])
+    p = "model.language_model.layers."
+    assert torch.equal(local["layers.0.mixer.q_proj.weight"], hf[p + "0.self_attn.q_proj.weight"][32:])
+    assert torch.equal(local["layers.1.mixer.o_proj.weight"], hf[p + "1.self_attn.o_proj.weight"][:, 64:])
     assert torch.equal(local["layers.1.mlp.experts.local_experts.1.linear_fc2.weight"],
                        hf["model.language_model.layers.1.mlp.experts.5.down_proj.weight"])
     gate = hf["model.language_model.layers.0.mlp.gate_proj.weight"]
