@@ -269,3 +269,23 @@ def test_rms_norm_eps_is_honoured(checkpoint, tmp_path):
         gc.collect()
     assert (got - reference).abs().max() <= 1e-3
 
+
+
+def test_mixed_prefill_and_decode_step_matches_each_alone(checkpoint):
+    """Two 1500-token prompts exceed one step's 2048-token budget, so the second prefills in
+    the step where the first decodes: KDA states and DSA caches must stay per request."""
+    prompts = [prompt_ids(1500, seed=21), prompt_ids(1500, seed=22)]
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True, detokenize=False)
+    llm = make_llm(checkpoint, "float32", max_model_len=2048)
+    try:
+        together = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        alone = [llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0] for ids in prompts]
+    finally:
+        del llm
+        gc.collect()
+    for batched, single in zip(together, alone):
+        assert list(batched.outputs[0].token_ids) == list(single.outputs[0].token_ids)
+        for step_batched, step_single, token in zip(
+            batched.outputs[0].logprobs, single.outputs[0].logprobs, single.outputs[0].token_ids
+        ):
+            assert abs(step_batched[token].logprob - step_single[token].logprob) <= 1e-5
