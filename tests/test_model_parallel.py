@@ -1,4 +1,4 @@
-"""TP=2 and CP=2 (2 gloo ranks each) forward+backward equal world size 1: loss and every gradient.
+"""TP=2, CP=2 and EP=2 (2 gloo ranks each) forward+backward equal world size 1: loss and every gradient.
 
 Each rank builds the tiny model from the same HF weights (model.convert shards them), runs the
 same 512 tokens (CP: its contiguous half), and returns its loss and gradients in HF names. The
@@ -26,7 +26,7 @@ def _grads_hf(model, cfg):
     return sd
 
 
-def _run(rank, world, tp, cp, port, hf_weights, ids, queue):
+def _run(rank, world, tp, cp, port, hf_weights, ids, queue, ep=1):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     from megatron.core import parallel_state as ps
@@ -38,15 +38,19 @@ def _run(rank, world, tp, cp, port, hf_weights, ids, queue):
 
     cpu_compat.init_process_group(rank, world)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                 expert_tensor_parallel_size=1)
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     cfg = preset("tiny", index_topk=32, tensor_model_parallel_size=tp, context_parallel_size=cp,
-                 expert_tensor_parallel_size=1)
+                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     model = build_model(cfg)
-    load_megatron_state(model, hf_to_megatron(hf_weights, cfg, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp))
+    load_megatron_state(model, hf_to_megatron(hf_weights, cfg, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
+                                              ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep))
     cp_rank = ps.get_context_parallel_rank()
     local = SEQ // cp
-    x = ids[:, cp_rank * local:(cp_rank + 1) * local]
-    y = ids[:, cp_rank * local + 1:(cp_rank + 1) * local + 1]
+    # Data parallelism (the EP run): each DP rank takes its own rows of the batch.
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    rows = slice(dp_rank * ids.shape[0] // dp, (dp_rank + 1) * ids.shape[0] // dp)
+    x = ids[rows, cp_rank * local:(cp_rank + 1) * local]
+    y = ids[rows, cp_rank * local + 1:(cp_rank + 1) * local + 1]
     loss = model(x, labels=y).sum()
     loss.backward()
     # What megatron's finalize_model_grads does under DDP: weights that saw only this rank's
@@ -55,32 +59,34 @@ def _run(rank, world, tp, cp, port, hf_weights, ids, queue):
     for p in model.parameters():
         if p.grad is not None and (getattr(p, "sequence_parallel", False) or not getattr(p, "allreduce", True)):
             torch.distributed.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+        # DDP's data-parallel all-reduce (non-expert weights; each expert lives on one EP rank).
+        if p.grad is not None and dp > 1 and getattr(p, "allreduce", True):
+            torch.distributed.all_reduce(p.grad, group=ps.get_data_parallel_group())
     # numpy arrays travel by value; torch tensors would be shared memory that dies with this process.
     grads = {k: v.numpy() for k, v in _grads_hf(model, cfg).items()}
-    queue.put((rank, ps.get_tensor_model_parallel_rank(), cp_rank, loss.item(), grads))
+    queue.put((rank, ps.get_tensor_model_parallel_rank(), cp_rank, loss.item(), grads, ps.get_expert_model_parallel_rank()))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def _spawn(tp, cp, hf_weights, ids):
+def _spawn(tp, cp, hf_weights, ids, ep=1):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_run, args=(r, 2, tp, cp, port, hf_weights, ids, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_run, args=(r, 2, tp, cp, port, hf_weights, ids, queue, ep)) for r in range(2)]
     for p in procs:
         p.start()
     results = sorted((queue.get(timeout=600) for _ in procs), key=lambda r: r[0])
-    results = [r[:4] + ({k: torch.from_numpy(v) for k, v in r[4].items()},) for r in results]
+    results = [r[:4] + ({k: torch.from_numpy(v) for k, v in r[4].items()}, r[5]) for r in results]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
     return results
 
 
-@pytest.fixture(scope="module")
-def reference():
+def _reference(batch):
     from model.config import preset
     from model.convert import megatron_to_hf
     from model.glm5_next import build_model
@@ -91,11 +97,16 @@ def reference():
         for p in model.parameters():
             p.add_(0.02 * torch.randn_like(p))
     hf = megatron_to_hf([[model.state_dict()]], cfg)
-    ids = torch.randint(4, 9, (1, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(4, 9, (batch, SEQ + 1), generator=torch.Generator().manual_seed(5))
     loss = model(ids[:, :SEQ], labels=ids[:, 1:]).sum()
     loss.backward()
     grads = megatron_to_hf([[_grads_hf(model, cfg)]], cfg)
     return cfg, hf, ids, loss.item(), grads
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference(batch=1)
 
 
 def _compare(grads, ref, label):
@@ -130,3 +141,16 @@ def test_context_parallel_2_equals_world_size_1(reference):
     assert abs(loss - ref_loss) <= 1e-4 * abs(ref_loss)
     summed = {k: results[0][4][k] + results[1][4][k] for k in results[0][4]}
     _compare(megatron_to_hf([[summed]], cfg), ref_grads, "CP=2")
+
+
+def test_expert_parallel_2_with_data_parallel_equals_world_size_1():
+    """EP=2 (experts 0-3 on rank 0, 4-7 on rank 1), DP=2 over a batch of 2 rows, vs one process."""
+    cfg, hf, ids, ref_loss, ref_grads = _reference(batch=2)
+    from model.convert import megatron_to_hf
+
+    results = _spawn(1, 1, hf, ids, ep=2)
+    loss = sum(r[3] for r in results)
+    print(f"EP=2 loss {loss} vs {ref_loss}")
+    assert abs(loss - ref_loss) <= 1e-4 * abs(ref_loss)
+    by_ep = [[r[4]] for r in sorted(results, key=lambda r: r[5])]
+    _compare(megatron_to_hf(by_ep, cfg), ref_grads, "EP=2")
