@@ -64,7 +64,8 @@ def _run(rank, world, tp, cp, port, hf_weights, ids, queue, ep=1):
             torch.distributed.all_reduce(p.grad, group=ps.get_data_parallel_group())
     # numpy arrays travel by value; torch tensors would be shared memory that dies with this process.
     grads = {k: v.numpy() for k, v in _grads_hf(model, cfg).items()}
-    queue.put((rank, ps.get_tensor_model_parallel_rank(), cp_rank, loss.item(), grads, ps.get_expert_model_parallel_rank()))
+    ep_rank = ps.get_expert_model_parallel_rank()
+    queue.put((rank, ps.get_tensor_model_parallel_rank(), cp_rank, loss.item(), grads, ep_rank))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
