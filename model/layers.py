@@ -127,7 +127,8 @@ class KDAMixer(MegatronModule):
 
     Recurrence: ``fla.ops.kda.chunk_kda`` on CUDA (imported lazily, GPU only), the project's
     :func:`model.ops.kda.chunk_kda_torch` elsewhere. TP splits heads. CP (contiguous layout, see
-    :mod:`model.parallel`) hands the KDA state and the convolution history from rank r-1 to r.
+    :mod:`model.parallel`) hands the KDA state and the convolution history from rank r-1 to r
+    (point-to-point, sequential; fla's ``FLACPContext`` is not used yet).
     ``cu_seqlens`` (packed documents, ``b == 1``, no CP) restarts state and convolution at each
     document start.
     """

@@ -7,7 +7,9 @@ last ``conv_kernel - 1`` pre-convolution activations); a zigzag split would need
 the per-rank prefix structure of the k-pool grid. The price is causal load imbalance in the DSA
 layers (later ranks attend over more keys, at most ``index_topk`` per query, so bounded).
 
-The hand-off is sequential on CPU (rank r waits for rank r-1 in each KDA layer). Forward and
+The hand-off is sequential (rank r waits for rank r-1 in each KDA layer), on CPU and, for now,
+on GPU as well: fla 0.6.0's ``FLACPContext`` (parallel state passing inside ``chunk_kda``) is not
+wired in yet. Forward and
 backward are autograd functions: the gradient of the received state goes back to rank r-1 and
 arrives there as the gradient of its sent final state. Messages between two ranks are matched in
 issue order (one tag), which forward (layer order) and backward (reverse layer order) keep.
