@@ -494,14 +494,6 @@ def deck_html(report: dict, png: Path) -> str:
     )
 
 
-# ---- Flyte task: resources and cache version only; the logic is evaluate() above ---------
-
-from flytekit import Deck, task  # noqa: E402
-from flytekit.types.directory import FlyteDirectory  # noqa: E402
-
-from workflows.caching import HashedDir, as_output, manifest_sha256, requests_for, stage_output_dir  # noqa: E402
-from workflows.presets import active_preset  # noqa: E402
-
 
 def evaluate_checkpoints(checkpoints: Mapping[str, str | os.PathLike], shards_dir: str | os.PathLike, preset,
                          out_dir: str | os.PathLike) -> EvalResult:
@@ -535,22 +527,30 @@ def evaluate_checkpoints(checkpoints: Mapping[str, str | os.PathLike], shards_di
 
 # ---- Flyte task: resources only; the logic is evaluate_checkpoints() / evaluate() above -----
 
-from flytekit import Deck, task  # noqa: E402
-from flytekit.types.directory import FlyteDirectory  # noqa: E402
+from flytekit import Cache, Deck, task  # noqa: E402
 
-from workflows.caching import HashedDir, as_output, manifest_sha256, requests_for, stage_output_dir  # noqa: E402
+from workflows.caching import (  # noqa: E402
+    HashedDir, as_output, code_version, hf_export, manifest_sha256, requests_for, stage_output_dir,
+)
 from workflows.presets import active_preset  # noqa: E402
 
 
-# Not cached: checkpoints are plain directories (keyed by path, not content), and the nightly
-# held-out evaluation exists to re-run.
-@task(requests=requests_for(active_preset().infer_resources), enable_deck=True)
-def evaluate_task(shards: HashedDir, checkpoints: list[FlyteDirectory], labels: list[str]) -> FlyteDirectory:
-    """Flyte wrapper of :func:`evaluate_checkpoints` (labels name the checkpoints, first = baseline)."""
+EVALUATE_VERSION = code_version("tasks/evaluate.py", "tasks/engines.py", "model", "kernels",
+                                salt=active_preset().name)
+
+
+@task(cache=Cache(version=EVALUATE_VERSION), requests=requests_for(active_preset().infer_resources),
+      enable_deck=True)
+def evaluate_task(shards: HashedDir, checkpoints: list[HashedDir], labels: list[str]) -> HashedDir:
+    """Flyte wrapper of :func:`evaluate_checkpoints` (labels name the checkpoints, first = baseline).
+
+    Each checkpoint is an HF export or a stage output holding one in ``hf/`` (SFT, RL); cached on
+    their content, so the nightly evaluation reruns exactly when the latest checkpoint changed.
+    """
     preset = active_preset()
-    out = stage_output_dir("evaluate", "uncached", shards=manifest_sha256(shards), labels=labels,
-                           checkpoints=[c.path for c in checkpoints], preset=preset.name)
-    paths = {label: ckpt.download() for label, ckpt in zip(labels, checkpoints, strict=True)}
+    out = stage_output_dir("evaluate", EVALUATE_VERSION, shards=manifest_sha256(shards), labels=labels,
+                           checkpoints=[manifest_sha256(c) for c in checkpoints])
+    paths = {label: hf_export(ckpt.download()) for label, ckpt in zip(labels, checkpoints, strict=True)}
     result = evaluate_checkpoints(paths, shards.download(), preset, out)
     Deck("evaluate", (result.out_dir / "deck.html").read_text())
     return as_output(result.out_dir)

@@ -317,19 +317,26 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike, shards_dir: str | os.Pa
 
 # ---- Flyte task: resources only; the logic is verify_checkpoint() / verify() above ----------
 
-from flytekit import Deck, task  # noqa: E402
-from flytekit.types.directory import FlyteDirectory  # noqa: E402
+from flytekit import Cache, Deck, task  # noqa: E402
 
-from workflows.caching import HashedDir, as_output, manifest_sha256, requests_for, stage_output_dir  # noqa: E402
+from workflows.caching import (  # noqa: E402
+    HashedDir, as_output, code_version, hf_export, manifest_sha256, requests_for, stage_output_dir,
+)
 from workflows.presets import active_preset  # noqa: E402
 
 
-@task(requests=requests_for(active_preset().infer_resources), enable_deck=True)
-def verify_task(shards: HashedDir, checkpoint: FlyteDirectory, three_way: bool = False) -> FlyteDirectory:
-    """Flyte wrapper of :func:`verify_checkpoint`; a failing gate fails the task (table in the message)."""
+VERIFY_VERSION = code_version("tasks/verify.py", "tasks/engines.py", "model", "kernels", salt=active_preset().name)
+
+
+@task(cache=Cache(version=VERIFY_VERSION), requests=requests_for(active_preset().infer_resources), enable_deck=True)
+def verify_task(shards: HashedDir, checkpoint: HashedDir, three_way: bool = False) -> HashedDir:
+    """Flyte wrapper of :func:`verify_checkpoint`; a failing gate fails the task (table in the message).
+
+    ``checkpoint`` is an HF export or a stage output holding one in ``hf/`` (SFT, RL).
+    """
     preset = active_preset()
-    out = stage_output_dir("verify", "uncached", shards=manifest_sha256(shards), checkpoint=checkpoint.path,
-                           three_way=three_way, preset=preset.name)
-    result = verify_checkpoint(checkpoint.download(), shards.download(), preset, out, three_way)
+    out = stage_output_dir("verify", VERIFY_VERSION, shards=manifest_sha256(shards),
+                           checkpoint=manifest_sha256(checkpoint), three_way=three_way)
+    result = verify_checkpoint(hf_export(checkpoint.download()), shards.download(), preset, out, three_way)
     Deck("verify", (out / "deck.html").read_text())
     return as_output(result.out_dir)

@@ -6,9 +6,9 @@ Three rules make a cache hit mean "same bytes in, same code":
    runs (its own module and the project modules it uses), so editing a stage invalidates it
    and everything downstream (their inputs' hashes change with its outputs).
 2. **Cache key from content, not paths.** Stage outputs are directories annotated with
-   :data:`HashedDir`: their Flyte literal carries the sha256 of the directory's
-   ``manifest.json`` (which lists the sha256 of every file the stage wrote), so downstream
-   keys depend on content. Raw FASTA inputs are fingerprinted by content before ingest
+   :data:`HashedDir`: their Flyte literal carries :func:`directory_sha256` (the sha256 of the
+   directory's ``manifest.json``, which lists the sha256 of every file the stage wrote, or of
+   all its files), so downstream keys depend on content. Raw FASTA inputs are fingerprinted by content before ingest
    (``tasks.ingest.fingerprint_sources``); a renamed identical file hits.
 3. **Local outputs outlive the run.** A local execution writes each stage's output under
    ``$MEGABASE_HOME/outputs/<stage>/<key>`` (default ``~/.megabase``), a path derived from
@@ -35,22 +35,68 @@ from workflows import presets
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def code_version(*modules: str, salt: str = "") -> str:
-    """Short sha256 of the given project source files (paths relative to the repo root).
+def code_version(*sources: str, salt: str = "") -> str:
+    """Short sha256 of project source files; a directory stands for every ``*.py`` under it.
+
+    Args:
+        sources: paths relative to the repo root (``"tasks/pack.py"``, ``"model"``).
+        salt: extra text mixed in.
 
     Raises:
-        FileNotFoundError: a listed module does not exist (a typo would silently freeze caches).
+        FileNotFoundError: a listed source does not exist (a typo would silently freeze caches).
     """
+    files: set[str] = set()
+    for source in sources:
+        path = REPO_ROOT / source
+        if path.is_dir():
+            files.update(p.relative_to(REPO_ROOT).as_posix() for p in path.rglob("*.py"))
+        elif path.is_file():
+            files.add(source)
+        else:
+            raise FileNotFoundError(f"code_version: {path} does not exist")
     digest = hashlib.sha256(salt.encode())
-    for module in sorted(modules):
-        path = REPO_ROOT / module
-        digest.update(module.encode() + b"\0" + path.read_bytes())
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + (REPO_ROOT / name).read_bytes())
     return digest.hexdigest()[:16]
 
 
+def directory_sha256(path: str | os.PathLike) -> str:
+    """Content hash of a stage output directory.
+
+    Its ``manifest.json`` when there is one (ingest, pack and SFT manifests list the sha256 of
+    every file they wrote, so shards are not re-read); otherwise sha256 over every file's
+    relative path and bytes, in sorted order.
+    """
+    root = Path(path)
+    manifest = root / "manifest.json"
+    if manifest.exists():
+        return hashlib.sha256(manifest.read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(file.relative_to(root).as_posix().encode() + b"\0")
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 def manifest_sha256(directory: FlyteDirectory) -> str:
-    """Content hash of a stage output: sha256 of its ``manifest.json``."""
-    return hashlib.sha256((Path(directory.path) / "manifest.json").read_bytes()).hexdigest()
+    """Content hash of a stage output (a FlyteDirectory): :func:`directory_sha256` of its path."""
+    return directory_sha256(directory.path)
+
+
+def hf_export(path: str | os.PathLike) -> Path:
+    """The Hugging Face export inside a checkpoint-producing stage's output (``hf/``), or ``path``
+    itself when it is an export (``config.json`` + safetensors).
+
+    Raises:
+        FileNotFoundError: neither ``path/config.json`` nor ``path/hf/config.json`` exists.
+    """
+    root = Path(path)
+    for candidate in (root, root / "hf"):
+        if (candidate / "config.json").exists():
+            return candidate
+    raise FileNotFoundError(f"{root}: no Hugging Face export (config.json) here or in hf/")
 
 
 HashedDir = Annotated[FlyteDirectory, HashMethod(manifest_sha256)]
