@@ -42,6 +42,7 @@ import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
+from typing import Optional
 from pathlib import Path
 
 import numpy as np
@@ -1180,20 +1181,24 @@ _TRAIN = _PRESET.train_resources
     accelerator=GPUAccelerator(_TRAIN.accelerator) if _TRAIN.accelerator else None,
     shared_memory=_TRAIN.shared_memory or False,
 )
-def sft_task(shards: HashedDir, cfg: SFTConfig) -> HashedDir:
+def sft_task(shards: HashedDir, cfg: SFTConfig, init: Optional[HashedDir] = None) -> HashedDir:
     """Flyte wrapper of :func:`train` on every Elastic worker; rank 0's output directory comes back.
 
     The output holds ``hf/`` (HF export), ``metrics.jsonl``, ``summary.json`` (with the checkpoint
     directory's path) and ``manifest.json``; checkpoints stay in ``cfg.checkpoint_dir`` (default
     ``$MEGABASE_HOME/checkpoints/<key>``, a path every worker derives identically: on a cluster
     it must be a shared mount). megatron is imported inside :func:`train` (workers are spawned
-    with the task function cloudpickled).
+    with the task function cloudpickled). ``init`` (the base-model stage's export) replaces
+    ``cfg.init_hf``, so held-out evaluation has the exact "before" checkpoint.
     """
     import hashlib
 
-    from workflows.caching import manifest_sha256
+    from workflows.caching import hf_export, manifest_sha256
 
-    identity = dict(shards=manifest_sha256(shards), cfg=asdict(cfg))
+    if init is not None:
+        cfg = dataclasses.replace(cfg, init_hf=str(hf_export(init.download())))
+    identity = dict(shards=manifest_sha256(shards), cfg=asdict(cfg) | {"init_hf": ""},
+                    init=manifest_sha256(init) if init is not None else cfg.init_hf)
     key = hashlib.sha256(json.dumps([SFT_VERSION, identity], sort_keys=True, default=str).encode()).hexdigest()[:20]
     if not cfg.checkpoint_dir:
         cfg = dataclasses.replace(cfg, checkpoint_dir=str(megabase_home() / "checkpoints" / key))
