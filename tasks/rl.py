@@ -251,6 +251,14 @@ from workflows.caching import (  # noqa: E402
 )
 from workflows.presets import active_preset  # noqa: E402
 
+def preset_rl_config(preset) -> RLConfig:
+    """The RL configuration a preset implies (``preset.rl`` plus its engine)."""
+    spec = preset.rl
+    return RLConfig(steps=spec.steps, prompts_per_step=spec.prompts_per_step, group_size=spec.group_size,
+                    prompt_len=spec.prompt_len, gen_len=spec.gen_len, temperature=spec.temperature,
+                    lr=spec.lr, engine=preset.engine, grpo=GRPOConfig(kl_coef=spec.kl_coef))
+
+
 RL_VERSION = code_version("tasks/rl.py", "tasks/grpo.py", "tasks/engines.py", "model", "kernels")
 
 

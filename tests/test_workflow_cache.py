@@ -14,7 +14,7 @@ import tasks.ingest
 import tasks.pack
 from tasks.corpora import CORPORA
 from tasks.pack import PackConfig
-from workflows.genome_pipeline import genome_pipeline
+from workflows.genome_pipeline import prepare_data
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def isolated_flyte(tmp_path, monkeypatch):
 def run(fasta: list[str]) -> Path:
     # Selected by record name (S. kudriavzevii, S. mikatae chrI; hold out S. cerevisiae chrI):
     # source labels follow file names, which this test renames.
-    out = genome_pipeline(fasta=fasta, train=["NC_079272.1", "NC_079256.1"], eval=["NC_001133.9"],
+    out = prepare_data(fasta=fasta, train=["NC_079272.1", "NC_079256.1"], eval=["NC_001133.9"],
                           pack_cfg=PackConfig(shard_tokens=1 << 19))
     return Path(out.path)
 

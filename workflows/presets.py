@@ -131,6 +131,20 @@ class SFTSpec:
 
 
 @dataclass(frozen=True)
+class RLSpec:
+    """RL (GRPO) stage knobs; ``tasks.rl.preset_rl_config`` turns them into an ``RLConfig``."""
+
+    steps: int = 4
+    prompts_per_step: int = 2
+    group_size: int = 4               # rollouts per prompt
+    prompt_len: int = 1_024           # bases of genome context per prompt
+    gen_len: int = 16                 # bases generated and scored against the genome
+    lr: float = 1e-4
+    temperature: float = 1.0
+    kl_coef: float = 0.01
+
+
+@dataclass(frozen=True)
 class Preset:
     """Everything that differs between a laptop run and a cluster run."""
 
@@ -149,6 +163,7 @@ class Preset:
     evaluate: EvalSpec = field(default_factory=EvalSpec)
     verify: VerifySpec = field(default_factory=VerifySpec)
     sft: SFTSpec = field(default_factory=SFTSpec)
+    rl: RLSpec = field(default_factory=RLSpec)
 
 
 PRESETS: dict[str, Preset] = {
@@ -185,6 +200,7 @@ PRESETS: dict[str, Preset] = {
         evaluate=EvalSpec(context_buckets=(0, 1_024, 4_096), max_windows=2),
         verify=VerifySpec(context_lengths=(1_024, 4_096), windows_per_length=1),
         sft=SFTSpec(steps=4, checkpoint_every=2, eval_every=2, eval_windows=1),
+        rl=RLSpec(steps=2, prompts_per_step=2, group_size=2, prompt_len=256, gen_len=8),
     ),
     "h200": Preset(
         name="h200",
@@ -204,6 +220,7 @@ PRESETS: dict[str, Preset] = {
                           dtype="bfloat16", mean_abs_diff_max=0.05, p99_abs_diff_max=0.5),
         sft=SFTSpec(steps=80, lr=1e-4, min_lr=1e-5, warmup_steps=8, dtype="bfloat16", recompute="selective",
                     recompute_modules=("moe",), mlp_chunk_tokens=65_536, checkpoint_every=20, eval_every=20),
+        rl=RLSpec(steps=20, prompts_per_step=8, group_size=8, prompt_len=131_072, gen_len=256, lr=1e-6),
     ),
     "b200-64": Preset(
         name="b200-64",
@@ -229,6 +246,7 @@ PRESETS: dict[str, Preset] = {
                     recompute_modules=("moe",), offload_layers=24, mlp_chunk_tokens=131_072,
                     indexer_kl_coeff=1.0, checkpoint_uri="/mnt/checkpoints/megabase", checkpoint_every=20,
                     eval_every=20, eval_windows=4),
+        rl=RLSpec(steps=20, prompts_per_step=16, group_size=8, prompt_len=524_288, gen_len=1_024, lr=1e-6),
     ),
 }
 
