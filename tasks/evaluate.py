@@ -530,7 +530,7 @@ def evaluate_checkpoints(checkpoints: Mapping[str, str | os.PathLike], shards_di
 from flytekit import Cache, Deck, task  # noqa: E402
 
 from workflows.caching import (  # noqa: E402
-    HashedDir, as_output, code_version, hf_export, manifest_sha256, requests_for, stage_output_dir,
+    HashedDir, as_output, code_version, hf_export, manifest_sha256, resource_kwargs, stage_output_dir,
 )
 from workflows.presets import active_preset  # noqa: E402
 
@@ -539,8 +539,7 @@ EVALUATE_VERSION = code_version("tasks/evaluate.py", "tasks/engines.py", "model"
                                 salt=active_preset().name)
 
 
-@task(cache=Cache(version=EVALUATE_VERSION), requests=requests_for(active_preset().infer_resources),
-      enable_deck=True)
+@task(cache=Cache(version=EVALUATE_VERSION), enable_deck=True, **resource_kwargs(active_preset().infer_resources))
 def evaluate_task(shards: HashedDir, checkpoints: list[HashedDir], labels: list[str]) -> HashedDir:
     """Flyte wrapper of :func:`evaluate_checkpoints` (labels name the checkpoints, first = baseline).
 

@@ -247,7 +247,7 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
 from flytekit import Cache, task  # noqa: E402
 
 from workflows.caching import (  # noqa: E402
-    HashedDir, as_output, code_version, hf_export, manifest_sha256, requests_for, stage_output_dir,
+    HashedDir, as_output, code_version, hf_export, manifest_sha256, resource_kwargs, stage_output_dir,
 )
 from workflows.presets import active_preset  # noqa: E402
 
@@ -262,12 +262,13 @@ def preset_rl_config(preset) -> RLConfig:
 RL_VERSION = code_version("tasks/rl.py", "tasks/grpo.py", "tasks/engines.py", "model", "kernels")
 
 
-@task(cache=Cache(version=RL_VERSION), requests=requests_for(active_preset().train_resources))
+@task(cache=Cache(version=RL_VERSION), **resource_kwargs(active_preset().train_resources))
 def rl_task(shards: HashedDir, sft: HashedDir, cfg: RLConfig) -> HashedDir:
     """Flyte wrapper of :func:`rl`: GRPO from the SFT output's HF export (``sft/hf``).
 
-    Runs as one process with the engine beside the trainer (colocated); the output holds
-    ``hf/`` (the RL export), ``metrics.jsonl`` and ``rollouts.jsonl``.
+    Runs as one process (one GPU of the node's request) with the engine beside the trainer
+    (colocated); multi-rank RL with context parallelism for long prompts is not built yet. The
+    output holds ``hf/`` (the RL export), ``metrics.jsonl`` and ``rollouts.jsonl``.
     """
     out = stage_output_dir("rl", RL_VERSION, shards=manifest_sha256(shards), sft=manifest_sha256(sft), cfg=asdict(cfg))
     rl(hf_export(sft.download()), shards.download(), cfg, out, preset=active_preset().name)

@@ -1004,6 +1004,11 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
         }
 
     ckpt = Checkpointer(cfg.checkpoint_dir, layout.rank) if cfg.checkpoint_dir else None
+    if ckpt and layout.rank == 0:
+        # What tasks.export needs to rebuild the model from the checkpoints alone (nightly eval).
+        from model.config import hf_config_dict
+
+        (ckpt.root / "model_config.json").write_text(json.dumps(hf_config_dict(mcfg), indent=1, sort_keys=True))
     step, consumed, best_eval = 0, 0, None
     resume_from = ckpt.pointer("latest") if ckpt else None
     if resume_from is not None:

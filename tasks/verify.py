@@ -320,7 +320,7 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike, shards_dir: str | os.Pa
 from flytekit import Cache, Deck, task  # noqa: E402
 
 from workflows.caching import (  # noqa: E402
-    HashedDir, as_output, code_version, hf_export, manifest_sha256, requests_for, stage_output_dir,
+    HashedDir, as_output, code_version, hf_export, manifest_sha256, resource_kwargs, stage_output_dir,
 )
 from workflows.presets import active_preset  # noqa: E402
 
@@ -328,7 +328,7 @@ from workflows.presets import active_preset  # noqa: E402
 VERIFY_VERSION = code_version("tasks/verify.py", "tasks/engines.py", "model", "kernels", salt=active_preset().name)
 
 
-@task(cache=Cache(version=VERIFY_VERSION), requests=requests_for(active_preset().infer_resources), enable_deck=True)
+@task(cache=Cache(version=VERIFY_VERSION), enable_deck=True, **resource_kwargs(active_preset().infer_resources))
 def verify_task(shards: HashedDir, checkpoint: HashedDir, three_way: bool = False) -> HashedDir:
     """Flyte wrapper of :func:`verify_checkpoint`; a failing gate fails the task (table in the message).
 

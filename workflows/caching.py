@@ -137,3 +137,14 @@ def as_output(path: Path) -> FlyteDirectory:
 def requests_for(resources: presets.Resources) -> Resources:
     """Flyte resource requests of a preset's :class:`workflows.presets.Resources`."""
     return Resources(cpu=resources.cpu, mem=resources.mem, gpu=str(resources.gpu) if resources.gpu else None)
+
+
+def resource_kwargs(resources: presets.Resources) -> dict:
+    """``@task`` keyword arguments for a preset's resources: requests, GPU accelerator, /dev/shm."""
+    from flytekit.extras.accelerators import GPUAccelerator
+
+    return dict(
+        requests=requests_for(resources),
+        accelerator=GPUAccelerator(resources.accelerator) if resources.accelerator else None,
+        shared_memory=resources.shared_memory or False,
+    )

