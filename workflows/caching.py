@@ -108,9 +108,17 @@ def megabase_home() -> Path:
 
 
 def is_local_execution() -> bool:
-    """True inside ``pyflyte run`` without ``--remote`` (and in tests calling workflows)."""
-    state = FlyteContextManager.current_context().execution_state
-    return state is not None and state.mode is not None and state.is_local_execution()
+    """True inside ``pyflyte run`` without ``--remote`` (and in tests calling workflows).
+
+    Inside kfpytorch Elastic workers the execution mode is not "local" even in a local run,
+    so the raw-output prefix decides too: a local filesystem path means a local run.
+    """
+    ctx = FlyteContextManager.current_context()
+    state = ctx.execution_state
+    if state is not None and state.mode is not None and state.is_local_execution():
+        return True
+    prefix = str(ctx.file_access.raw_output_prefix or "")
+    return "://" not in prefix or prefix.startswith("file://")
 
 
 def stage_output_dir(stage: str, version: str, **identity) -> Path:
