@@ -38,8 +38,11 @@ class DataSelection(NamedTuple):
 
 
 @task
-def select_data(corpus: str, fasta: list[str], train: list[str], eval: list[str]) -> DataSelection:
+def select_data(corpus: str, fasta: list[str], train: list[str], eval: list[str], eval_only: bool = False
+                ) -> DataSelection:
     """Resolve the genome: a packaged corpus with its default split, or the user's FASTA files.
+
+    ``eval_only``: nothing is selected for training (evaluating an existing checkpoint).
 
     Raises:
         ValueError: ``fasta`` given without ``train`` patterns, or an unknown corpus.
@@ -53,7 +56,7 @@ def select_data(corpus: str, fasta: list[str], train: list[str], eval: list[str]
     chosen = CORPORA[corpus]
     return DataSelection(
         sources=chosen.sources(),
-        cfg=IngestConfig(train=list(train or chosen.train), eval=list(eval or chosen.eval)),
+        cfg=IngestConfig(train=[] if eval_only else list(train or chosen.train), eval=list(eval or chosen.eval)),
     )
 
 
@@ -70,9 +73,10 @@ def prepare_data(
     train: list[str] = [],  # noqa: B006
     eval: list[str] = [],  # noqa: B006
     pack_cfg: PackConfig = default_pack_config(),
+    eval_only: bool = False,
 ) -> HashedDir:
     """Genome ingestion and packing into 512k-1M-token shards; returns the shard directory."""
-    selection = select_data(corpus=corpus, fasta=fasta, train=train, eval=eval)
+    selection = select_data(corpus=corpus, fasta=fasta, train=train, eval=eval, eval_only=eval_only)
     sources_sha256 = fingerprint_task(sources=selection.sources)
     ingested = ingest_task(sources=selection.sources, sources_sha256=sources_sha256, cfg=selection.cfg)
     return pack_task(ingest_dir=ingested, cfg=pack_cfg)
@@ -138,7 +142,8 @@ def evaluate(
 ) -> HashedDir:
     """Held-out evaluation of an existing checkpoint (HF export, or an SFT/RL output holding one
     in ``hf/``) on ``chromosomes`` of ``fasta`` (or of the corpus; default: its held-out split)."""
-    shards = prepare_data(corpus=corpus, fasta=fasta, train=[], eval=chromosomes, pack_cfg=default_pack_config())
+    shards = prepare_data(corpus=corpus, fasta=fasta, train=[], eval=chromosomes, pack_cfg=default_pack_config(),
+                          eval_only=True)
     return evaluate_task(shards=shards, checkpoints=[checkpoint], labels=["checkpoint"])
 
 
