@@ -35,10 +35,13 @@ def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
     """``(I + A)^{-1}`` for strictly lower-triangular ``A [..., C, C]``.
 
     ``A`` is nilpotent (``A^C = 0``), so ``(I + A)^{-1} = sum_{k<C} (-A)^k = (I - A)(I + A^2)(I + A^4)...``:
-    ``ceil(log2 C)`` batched matmuls, much faster on CPU than a batched triangular solve of many
-    small systems, and differentiable by autograd.
+    ``ceil(log2 C)`` batched matmuls (in float64), much faster on CPU than a batched triangular
+    solve of many small systems, and differentiable by autograd.
     """
     C = A.shape[-1]
+    dtype = A.dtype
+    # The partial products grow with C; float64 keeps the float32 result as exact as a solve.
+    A = A.double()
     eye = torch.eye(C, dtype=A.dtype, device=A.device)
     inv = eye - A
     power = A
@@ -47,7 +50,7 @@ def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
         power = power @ power
         inv = inv + inv @ power
         k *= 2
-    return inv
+    return inv.to(dtype)
 
 
 def chunk_kda_torch(
