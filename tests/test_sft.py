@@ -43,26 +43,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _kill_tagged(tag: str) -> None:
+    """SIGKILL every process whose environment carries ``MEGABASE_TEST_LAUNCH=tag``."""
+    marker = f"MEGABASE_TEST_LAUNCH={tag}".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if marker in (proc / "environ").read_bytes().split(b"\0"):
+                os.kill(int(proc.name), signal.SIGKILL)
+
+
 def run_sft(shards: Path, out: Path, nproc: int, **fields) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """Launch ``tasks.sft`` on ``nproc`` gloo ranks; returns the process and its metrics records.
 
-    The launch gets its own process group, removed afterwards: a rank killed by
-    ``inject_crash_at_step`` leaves megatron's checkpoint-writer Manager process behind.
+    Every process of the launch is tagged through its environment and killed afterwards: a rank
+    killed by ``inject_crash_at_step`` leaves megatron's checkpoint-writer Manager behind, in the
+    rank's own process group.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(_free_port()), "-m", "tasks.sft", str(shards), str(out),
            "--config", json.dumps({**BASE, **fields})]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    tag = f"{os.getpid()}-{out}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGABASE_TEST_LAUNCH": tag}
     log = out.parent / f"{out.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as f:
-        launcher = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env,
-                                    start_new_session=True)
+        launcher = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
         try:
             returncode = launcher.wait(timeout=600)
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(launcher.pid, signal.SIGKILL)
+            _kill_tagged(tag)
     text = log.read_text()
     metrics = out / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
