@@ -229,9 +229,8 @@ def test_markov_model_backs_off_at_n_and_window_start():
 def test_evaluate_checkpoints_uses_the_preset_window_buckets_and_scorer(setup, tmp_path):
     root, _, result = setup
     preset = get_preset("ci-smoke")
-    small = dataclasses.replace(preset, eval_seq_len=WINDOW, evaluate=dataclasses.replace(
+    small = dataclasses.replace(preset, engine="transformers", eval_seq_len=WINDOW, evaluate=dataclasses.replace(
         preset.evaluate, context_buckets=BUCKETS, max_windows=3, scorer="engine", markov_order=3))
-    assert small.engine == "transformers"
     report = evaluate_checkpoints({"base": root / "base"}, root / "pack", small, tmp_path / "out").report
     assert report["checkpoints"]["base"]["source"].startswith("transformers (float32)")
     assert report["checkpoints"]["base"]["buckets"] == result.report["checkpoints"]["base"]["buckets"]

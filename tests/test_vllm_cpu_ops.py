@@ -80,7 +80,11 @@ def test_causal_conv1d_with_state_continues_exactly():
 
 
 def test_selection_matches_transformers_indexer():
-    """Same token sets per query as transformers' ``Glm5NextTextIndexer`` (prefill, no padding)."""
+    """Same token sets per query as transformers' ``Glm5NextTextIndexer`` (prefill, no padding),
+    with transformers' ``topk`` held to the project's tie rule (lower index first) as the
+    TransformersEngine does: its ReLU'd scores tie exactly."""
+    from tasks.engines import _lower_index_first_topk
+
     from transformers import Glm5NextTextConfig
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextIndexer
 
@@ -96,7 +100,8 @@ def test_selection_matches_transformers_indexer():
     seq_len = 150
     hidden, q_resid = torch.randn(1, seq_len, 32), torch.randn(1, seq_len, 16)
     with torch.no_grad():
-        expected = indexer(hidden, q_resid, torch.ones(1, seq_len, dtype=torch.bool), None)[0]
+        with _lower_index_first_topk():
+            expected = indexer(hidden, q_resid, torch.ones(1, seq_len, dtype=torch.bool), None)[0]
         keys = indexer.k_norm(indexer.wk(hidden[0]))
         gates = F.linear(hidden[0], indexer.index_kpool_compress_gate)
         pooled = pool_keys(keys, gates, indexer.index_kpool_compress_ape)
@@ -118,6 +123,18 @@ def test_selection_is_causal_and_keeps_the_tail():
     assert sorted(i for i in got[2].tolist() if i >= 0) == [0, 1, 2, 3, 4, 5, 6]
     assert (got <= positions[:, None]).all()
     assert (got[3] >= 0).sum() == 8  # two of ten pools, empty tail
+
+
+def test_selection_breaks_exact_ties_toward_the_lower_pool_like_the_trainer():
+    # Every head's dot product is negative, so every ReLU'd pool score is exactly 0: the
+    # project's rule (kernels.dsa, the trainer) then selects the lowest-index eligible pools.
+    pooled = -torch.ones(10, 8)
+    index_q = torch.ones(3, 2, 8)
+    positions = torch.tensor([39, 23, 11])
+    got = select_topk_tokens(index_q, torch.rand(3, 2), pooled, positions, 4, 8)  # 2 of the pools
+    expected_pools = [[0, 1], [0, 1], [0, 1]]
+    for row, pools in zip(got.tolist(), expected_pools):
+        assert row[:8] == [p * 4 + i for p in pools for i in range(4)]
 
 
 def test_sparse_mla_attention_matches_dense_masked_float64():

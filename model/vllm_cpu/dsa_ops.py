@@ -69,7 +69,8 @@ def select_topk_tokens(
     Returns:
         ``[Q, index_topk + kpool - 1]`` int64 token positions, -1 where unused. A pool
         ``j`` is eligible for the query at ``p`` when ``(j + 1) * kpool - 1 <= p``; pools are
-        ranked by ``sum_h w_h * relu(q_h . k_pool * D ** -0.5)`` (float32).
+        ranked by ``sum_h w_h * relu(q_h . k_pool * D ** -0.5)`` (float32), ties to the lower
+        pool index.
     """
     num_queries, heads, dim = index_q.shape
     num_pools = pooled.shape[0]
@@ -86,7 +87,10 @@ def select_topk_tokens(
             index_scores = torch.einsum("qh,qhp->qp", head_weights[start:stop].float(), scores)
             eligible = pool_end[None, :] <= positions[start:stop, None]
             index_scores = index_scores.masked_fill(~eligible, float("-inf"))
-            best = index_scores.topk(take, dim=-1).indices  # [q, take]
+            # Tie rule of the project (kernels.dsa): on equal scores the lower pool index wins.
+            # ReLU'd scores tie exactly (every head's dot product negative), and topk's order
+            # among ties is unspecified; a stable descending sort keeps index order.
+            best = torch.sort(index_scores, dim=-1, descending=True, stable=True).indices[:, :take]  # [q, take]
             tokens = best[..., None] * kpool + torch.arange(kpool)  # [q, take, kpool]
             tokens = tokens.masked_fill(~eligible.gather(1, best)[..., None], -1)
             selected_tokens[start:stop, : take * kpool] = tokens.flatten(1)
