@@ -314,13 +314,12 @@ class VLLMEngine(InferenceEngine):
     vLLM's ``max_model_len`` is set one above ours: a prompt-scoring request still generates
     one token, and vLLM requires ``len(prompt) < max_model_len``.
 
-    On CPU, vLLM reads ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) and
-    ``VLLM_ENABLE_V1_MULTIPROCESSING`` from the environment; set them before building the
-    engine (tests use 2 GiB and single-process mode). Weight updates go through
-    ``LLM.collective_rpc("reload_weights", ...)``: in single-process mode the tensors are
-    handed over by reference; with an engine-core process they are pickled across, which
-    suits tests and small models; clusters stream weights with vLLM's weight-transfer engines
-    (NCCL) in the RL stage instead.
+    Unless the environment says otherwise, the engine core runs in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: colocated with the trainer, weights handed over by
+    reference; across an engine-core process boundary vLLM 0.32 cannot serialize the tensor
+    buffers) and on CPU its KV cache is ``CPU_KV_CACHE_GIB`` (``VLLM_CPU_KVCACHE_SPACE``)
+    instead of 92% of host memory. Weight updates go through
+    ``LLM.collective_rpc("reload_weights", ...)``.
 
     Raises:
         EngineError: vLLM is not installed or the export is invalid.
@@ -338,6 +337,10 @@ class VLLMEngine(InferenceEngine):
         if enforce_eager is None:
             enforce_eager = not torch.cuda.is_available()
         llm_kwargs = dict(llm_kwargs or {})
+        # The engine core runs in this process (colocated with the trainer): update_weights hands
+        # it tensors in memory. With V1 multiprocessing they would cross a msgpack/pickle
+        # boundary that rejects tensor buffers ("cannot pickle memoryview objects").
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not torch.cuda.is_available():
             # vllm-cpu otherwise reserves 92% of host memory (gpu_memory_utilization) and refuses
             # to start when other processes (the trainer beside it) hold more than 8%.
@@ -416,10 +419,7 @@ class VLLMEngine(InferenceEngine):
     def _update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         # reload_weights runs the model's own load_weights (checkpoint names, fused qkv /
         # gate_up sharding) inside vLLM's layerwise reload, on every worker.
-        # With V1 multiprocessing the weights are pickled to the engine core: tensors that view
-        # foreign memory (safetensors loads) do not pickle, owned copies do.
-        weights = [(name, tensor.detach().contiguous().clone()) for name, tensor in state_dict.items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
         # Cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
 
