@@ -161,7 +161,8 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
         sft_export: HF-layout checkpoint directory (``config.json`` + safetensors).
         shards_dir: pack output (only the train split is read).
         cfg: RL configuration.
-        out_dir: output directory (atomic): ``hf/`` export, ``metrics.jsonl``, ``config.json``.
+        out_dir: output directory (atomic): ``hf/`` export, ``metrics.jsonl``, ``rollouts.jsonl``,
+            ``rl_config.json``.
         preset: recorded in the export metadata.
 
     Raises:
@@ -185,7 +186,7 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
 
     metrics: list[dict] = []
     with atomic_output_dir(out_dir) as work, make_engine(cfg.engine, sft_export, "float32", max_len) as engine:
-        (work / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+        (work / "rl_config.json").write_text(json.dumps(asdict(cfg), indent=1))
         log_file = open(work / "metrics.jsonl", "w")
         rollout_file = open(work / "rollouts.jsonl", "w")
         for step in range(cfg.steps):

@@ -87,16 +87,17 @@ def manifest_sha256(directory: FlyteDirectory) -> str:
 
 def hf_export(path: str | os.PathLike) -> Path:
     """The Hugging Face export inside a checkpoint-producing stage's output (``hf/``), or ``path``
-    itself when it is an export (``config.json`` + safetensors).
+    itself when it is an export: a ``config.json`` with a ``model_type``.
 
     Raises:
-        FileNotFoundError: neither ``path/config.json`` nor ``path/hf/config.json`` exists.
+        FileNotFoundError: neither ``path/hf/config.json`` nor ``path/config.json`` is an HF config.
     """
     root = Path(path)
-    for candidate in (root, root / "hf"):
-        if (candidate / "config.json").exists():
+    for candidate in (root / "hf", root):
+        config = candidate / "config.json"
+        if config.exists() and "model_type" in json.loads(config.read_text()):
             return candidate
-    raise FileNotFoundError(f"{root}: no Hugging Face export (config.json) here or in hf/")
+    raise FileNotFoundError(f"{root}: no Hugging Face export (config.json with a model_type) here or in hf/")
 
 
 HashedDir = Annotated[FlyteDirectory, HashMethod(manifest_sha256)]

@@ -96,10 +96,12 @@ def report(shards: HashedDir, sft: HashedDir, rl: HashedDir, verified: HashedDir
         buckets = "  ".join(f"[{b['context'][0]:,}, {b['context'][1]:,}): {b['bits_per_base']:.3f}"
                             for b in entry["buckets"] if b["bits_per_base"] is not None)
         lines.append(f"  {label:>5}  overall {entry['overall']['bits_per_base']:.3f}  {buckets}")
+    lines.append("verify legs: " + "; ".join(f"{leg} = {what}" for leg, what in verification["legs"].items()))
     for pair, buckets in verification["pairs"].items():
         for b in buckets:
             lines.append(f"verify {pair} @ {b['context_tokens']:,} tokens: mean |diff| {b['mean_abs_diff']:.2e} "
-                         f"p99 {b['p99_abs_diff']:.2e} max {b['max_abs_diff']:.2e} ({verification['legs']})")
+                         f"p99 {b['p99_abs_diff']:.2e} max {b['max_abs_diff']:.2e} "
+                         f"({'passed' if b['passed'] else 'FAILED'})")
     text = "\n".join(lines)
     print(text)
     return text
