@@ -19,6 +19,7 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 from megatron.core.transformer.module import MegatronModule
 
 from model.config import Glm5NextConfig
+from model.norms import RMSNorm
 from model.ops.kda import chunk_kda_torch
 from model.parallel import CPContext, all_gather_seq, recv_from_prev, send_to_next
 
@@ -49,21 +50,6 @@ def _divide(n: int, d: int, what: str) -> int:
     if n % d:
         raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size {d}")
     return n // d
-
-
-class RMSNorm(torch.nn.Module):
-    """RMSNorm computed in float32, cast back before the weight (``Glm5NextTextRMSNorm``)."""
-
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 class HyperConnection(torch.nn.Module):

@@ -26,6 +26,8 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
+from model.norms import RMSNorm
+
 from .backend import CpuSparseMlaBackend, CpuSparseMlaMetadata
 from .dsa_ops import pool_keys, select_topk_tokens, sparse_mla_attention
 from .kda_ops import causal_conv1d_with_state, chunk_kda, l2_normalize, recurrent_kda_step
@@ -45,22 +47,6 @@ def _layer_metadata(layer_name: str):
     if metadata is None:
         return None
     return metadata.get(layer_name)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm with the input cast to float32 and the weight applied in the input dtype
-    (transformers ``Glm5NextTextRMSNorm``). Shapes: ``[..., dim]`` -> ``[..., dim]``."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 def hyper_connection_pre(
