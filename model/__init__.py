@@ -11,3 +11,15 @@ Public entry points (import from the submodules; importing this package loads no
   in-memory HF-named ``hf_state_dict(model)``, ``save_hf_checkpoint``/``load_hf_checkpoint``.
 * :mod:`model.cpu_compat` -- megatron's CUDA-only calls mapped to CPU/gloo when no GPU is present.
 """
+
+import warnings
+
+# On import, megatron-core announces the local fallbacks it takes without TransformerEngine and
+# Apex. CPU installs leave both out by design (DESIGN.md), so these say nothing actionable and
+# would bury every stage's output; GPU images have both and never print them.
+for _expected in (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "absl.logging is not installed",
+):
+    warnings.filterwarnings("ignore", message=_expected)
