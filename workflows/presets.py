@@ -235,7 +235,7 @@ PRESETS: dict[str, Preset] = {
         # ~180 GB pinned host memory per GPU at 1M tokens (reference run): 8 GPUs per node.
         train_resources=Resources(cpu="96", mem="1600Gi", gpu=8, accelerator="nvidia-b200", shared_memory="256Gi"),
         train_parallel=ParallelSpec(nnodes=8, nproc_per_node=8, tensor_parallel=1, context_parallel=8,
-                                    expert_parallel=8),
+                                    expert_parallel=32),  # 288 routed experts: 9 per GPU
         infer_resources=Resources(cpu="64", mem="1000Gi", gpu=8, accelerator="nvidia-b200", shared_memory="64Gi"),
         evaluate=EvalSpec(context_buckets=(0, 1_024, 4_096, 16_384, 65_536, 262_144), max_windows=16,
                           scorer="engine"),
