@@ -11,3 +11,25 @@ def plain_torch_transformers():
     for name in ("fla", "causal_conv1d"):
         if importlib.util.find_spec(name) is not None:
             pytest.fail(f"{name} is importable: transformers' glm5_next would bind its GPU kernels on CPU")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm5_next_hf(plain_torch_transformers):
+    """Builder of the tiny glm5_next preset as a transformers model (published HF layout, minimal
+    vision tower), text weights moved off their init by ``0.05 * N(0, 1)`` from ``seed``."""
+    import torch
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    from model.config import MINIMAL_VISION_CONFIG, preset_hf
+
+    def build(seed: int = 0):
+        torch.manual_seed(seed)
+        hf = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=preset_hf("tiny"),
+                                                             vision_config=MINIMAL_VISION_CONFIG))
+        with torch.no_grad():
+            for name, param in hf.named_parameters():
+                if "visual" not in name:
+                    param.add_(0.05 * torch.randn_like(param))
+        return hf.eval()
+
+    return build

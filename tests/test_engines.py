@@ -188,21 +188,12 @@ def test_repeated_prompts_get_their_own_seed(engines):
         assert [list(g.tokens) for g in group] == [list(g.tokens) for g in engine.generate([prompt] * 3, sampling)]
 
 
-def test_transformers_update_weights_on_glm5_next_equals_loading_the_new_export(tmp_path, plain_torch_transformers):
+def test_transformers_update_weights_on_glm5_next_equals_loading_the_new_export(tmp_path, tiny_glm5_next_hf):
     """glm5_next checkpoint names differ from its module names (renamed and merged tensors)."""
     from safetensors.torch import load_file, save_file
-    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
-    from model.config import MINIMAL_VISION_CONFIG, preset_hf
-
-    torch.manual_seed(0)
-    hf = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=preset_hf("tiny"),
-                                                         vision_config=MINIMAL_VISION_CONFIG))
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "visual" not in name:
-                param.add_(0.05 * torch.randn_like(param))
-    hf.eval().save_pretrained(tmp_path / "old")
+    hf = tiny_glm5_next_hf()
+    hf.save_pretrained(tmp_path / "old")
     (weights,) = (tmp_path / "old").glob("*.safetensors")
     state = load_file(weights)
     scaled = "model.language_model.layers.1.mlp.experts.0.down_proj.weight"

@@ -184,21 +184,10 @@ def test_invalid_configurations_raise_verify_error(setup):
 
 
 @pytest.fixture(scope="module")
-def glm5_next_export(tmp_path_factory, plain_torch_transformers):
+def glm5_next_export(tmp_path_factory, tiny_glm5_next_hf):
     """The tiny glm5_next preset in the published HF layout, weights moved off their init."""
-    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
-
-    from model.config import MINIMAL_VISION_CONFIG, preset_hf
-
-    torch.manual_seed(0)
-    hf = Glm5NextForConditionalGeneration(Glm5NextConfig(text_config=preset_hf("tiny"),
-                                                         vision_config=MINIMAL_VISION_CONFIG))
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "visual" not in name:
-                param.add_(0.05 * torch.randn_like(param))
     path = tmp_path_factory.mktemp("glm5_next_tiny")
-    hf.eval().save_pretrained(path)
+    tiny_glm5_next_hf().save_pretrained(path)
     return path
 
 
