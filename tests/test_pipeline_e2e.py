@@ -62,9 +62,21 @@ def test_verify_used_vllm_and_passed_the_float32_gate(runs):
         assert bucket["mean_abs_diff"] < 1e-4
 
 
+def report_lines(text: str) -> list[str]:
+    """The report the pipeline prints (log lines interleave with it on stdout)."""
+    starts = ("megabase ", "  verify report", "held-out bits/base", "verify ", "   base ", "    sft ", "     rl ")
+    return [line for line in text.splitlines() if line.startswith(starts)]
+
+
+def flytekit_log(run: subprocess.CompletedProcess) -> str:
+    # flytekit's rich handler wraps long lines: compare with whitespace collapsed.
+    return " ".join((run.stdout + run.stderr).split())
+
+
 def test_second_run_hits_every_stage_and_prints_the_same_report(runs):
     _, first, second = runs
-    report = lambda text: text[text.index("megabase ci-smoke"):]  # noqa: E731
-    assert report(second.stdout) == report(first.stdout)
-    assert first.stderr.count("Cache miss") >= 7  # ingest, pack, base_model, sft, rl, verify, evaluate
-    assert "Cache miss" not in second.stderr, second.stderr[-3000:]
+    assert report_lines(first.stdout) and report_lines(second.stdout) == report_lines(first.stdout)
+    # ingest, pack, base_model, sft, rl, verify, evaluate
+    assert flytekit_log(first).count("Cache miss") >= 7
+    assert flytekit_log(second).count("Cache miss") == 0
+    assert flytekit_log(second).count("Cache hit") >= 7
