@@ -183,7 +183,8 @@ PRESETS: dict[str, Preset] = {
         infer_resources=Resources(cpu="2", mem="8Gi"),
         # 4k and 16k keep the local run short; the three-way check's transformers leg stops at 16k.
         verify=VerifySpec(context_lengths=(4_096, 16_384), windows_per_length=2),
-        evaluate=EvalSpec(max_windows=2),
+        # Reverse-complement scoring doubles the 64k forwards: off for the laptop-sized default.
+        evaluate=EvalSpec(max_windows=2, reverse_complement=False),
         sft=SFTSpec(steps=24, checkpoint_every=8, eval_every=8),
     ),
     "ci-smoke": Preset(
