@@ -103,17 +103,12 @@ class PromptSampler:
         self.streams, self.starts, self.paths = [], [], []
         for shard in manifest["splits"]["train"]["shards"]:
             tokens, _ = shard_token_stream(shards_dir / shard["path"])
-            seps = np.flatnonzero(tokens == vocab.SEP)
-            # window [s, s + window) is valid iff no separator in it
-            bad = np.zeros(len(tokens) + 1, dtype=np.int64)
-            bad[seps + 1] = 1
-            prefix = np.cumsum(bad)
-            last = len(tokens) - self.window
-            if last < 0:
+            # seps_before[i] = separators at positions < i; a window [s, s + window) is valid
+            # when it holds none.
+            if len(tokens) < self.window:
                 continue
-            s = np.arange(last + 1)
-            valid = s[prefix[s + self.window] - prefix[s + 1] == 0] if len(seps) else s
-            valid = valid[tokens[valid] != vocab.SEP]
+            seps_before = np.concatenate(([0], np.cumsum(tokens == vocab.SEP)))
+            valid = np.flatnonzero(seps_before[self.window:] == seps_before[:-self.window])
             if len(valid):
                 self.streams.append(tokens)
                 self.starts.append(valid)
