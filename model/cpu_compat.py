@@ -132,27 +132,25 @@ def enable() -> bool:
     return True
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_process_group(rank: int = 0, world_size: int = 1, port: int | None = None) -> None:
+def init_process_group(rank: int = 0, world_size: int = 1) -> None:
     """Initialise ``torch.distributed`` with gloo on CPU (nccl on GPU) and enable the CPU mapping.
 
-    Reads ``MASTER_ADDR``/``MASTER_PORT`` from the environment, defaulting to 127.0.0.1 and
-    ``port`` (or a free port for a single process, 29500 for several).
+    A single process not started by a launcher (no ``WORLD_SIZE`` in the environment) rendezvouses
+    on an in-memory ``HashStore``: no TCP port, so it cannot collide with another job's port or
+    with a stale ``MASTER_PORT`` inherited from a parent process. Several processes read
+    ``MASTER_ADDR``/``MASTER_PORT`` from the environment (torchrun, kfpytorch Elastic), defaulting
+    to 127.0.0.1:29500. Does nothing when a process group is already up.
     """
     enable()
+    if torch.distributed.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if world_size == 1 and "WORLD_SIZE" not in os.environ:
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+        return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    # A single process needs no agreed port: take a free one (29500 is often held by another job).
-    os.environ.setdefault("MASTER_PORT", str(port or (_free_port() if world_size == 1 else 29500)))
-    if not torch.distributed.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
+    os.environ.setdefault("MASTER_PORT", "29500")
+    torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
 
 
 @contextlib.contextmanager

@@ -52,7 +52,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -584,7 +583,7 @@ class TrainerLogProbs:
 
     Loads the export with :func:`model.convert.load_hf_checkpoint`, builds the model with
     :func:`model.glm5_next.build_model` (one process: ``parallel_state`` of a single rank; if
-    ``torch.distributed`` is not up and ``MASTER_PORT`` is unset, gloo on a free local port)
+    ``torch.distributed`` is not up, gloo on an in-memory store, no port)
     and scores with :func:`model.logprobs.token_logprobs` (log-softmax over ``chunk_tokens``
     positions at a time, float32). Windows longer than one device holds need the trainer's
     context parallelism, which this single-process source does not set up.
@@ -606,12 +605,7 @@ class TrainerLogProbs:
 
         if dtype not in ("float32", "bfloat16"):
             raise EngineError(f"TrainerLogProbs dtype={dtype!r}: choose float32 or bfloat16")
-        if not torch.distributed.is_initialized() and "MASTER_PORT" not in os.environ:
-            # One process: any free port, not the shared default 29500 another job may hold.
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                port = probe.getsockname()[1]
-            cpu_compat.init_process_group(0, 1, port=port)
+        cpu_compat.init_process_group(0, 1)
         self.checkpoint_dir = Path(checkpoint_dir).absolute()
         self.dtype = dtype
         self.chunk_tokens = chunk_tokens

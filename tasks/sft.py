@@ -472,14 +472,6 @@ def _megatron_optimizer_on_cpu():
             m.torch = t
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass(frozen=True)
 class Layout:
     """This rank's place in the job (from torch elastic's environment and megatron parallel_state)."""
@@ -497,7 +489,7 @@ def init_parallel(cfg: SFTConfig) -> Layout:
     """Initialise ``torch.distributed`` (nccl, or gloo on CPU) and megatron ``parallel_state``.
 
     Reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (torchrun, kfpytorch
-    Elastic); without them runs as a single process on a free local port.
+    Elastic); without them runs as a single process (in-memory rendezvous, no port).
 
     Raises:
         SFTConfigError: TP x CP does not divide the world size.
@@ -509,15 +501,12 @@ def init_parallel(cfg: SFTConfig) -> Layout:
 
     cpu_compat.enable()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
     if world % (cfg.tensor_parallel * cfg.context_parallel):
         raise SFTConfigError(f"world_size={world} is not divisible by tensor_parallel={cfg.tensor_parallel} x "
                              f"context_parallel={cfg.context_parallel}")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not torch.distributed.is_initialized():
-        cpu_compat.init_process_group(rank, world)
+    cpu_compat.init_process_group(rank, world)
     if not ps.model_parallel_is_initialized():
         # Experts are whole on their EP rank (expert TP = 1): the layout model.convert reads/writes.
         ps.initialize_model_parallel(tensor_model_parallel_size=cfg.tensor_parallel,

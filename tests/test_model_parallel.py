@@ -155,3 +155,24 @@ def test_expert_parallel_2_with_data_parallel_equals_world_size_1():
     assert abs(loss - ref_loss) <= 1e-4 * abs(ref_loss)
     by_ep = [[r[4]] for r in sorted(results, key=lambda r: r[5])]
     _compare(megatron_to_hf(by_ep, cfg), ref_grads, "EP=2")
+
+
+def test_single_process_ignores_a_stale_master_port_held_by_another_process():
+    """One process needs no port: a MASTER_PORT another process listens on (the CI failure,
+    a pytest process's gloo store inherited by `pyflyte run`) must not stop it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        code = ("import torch; from model import cpu_compat; cpu_compat.init_process_group(0, 1); "
+                "t = torch.ones(3); torch.distributed.all_reduce(t); print(torch.distributed.get_world_size(), t.sum().item())")
+        out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["1", "3.0"]
