@@ -296,3 +296,19 @@ def test_mixed_prefill_and_decode_step_matches_each_alone(checkpoint):
             batched.outputs[0].logprobs, single.outputs[0].logprobs, single.outputs[0].token_ids
         ):
             assert abs(step_batched[token].logprob - step_single[token].logprob) <= 1e-5
+
+
+def test_short_max_model_len_block_size_not_a_multiple_of_16(checkpoint):
+    """max_model_len 106 caps vLLM's block size at 106, and the caches are bound with 128-token
+    kernel blocks: cache rows must follow the bound tensor's block size (the RL engine's
+    prompt + generation length; a 0.4-nat gap before the fix)."""
+    ids = prompt_ids(105, seed=8)
+    reference, _, _ = transformers_reference(checkpoint, ids, torch.float32)
+    llm = make_llm(checkpoint, "float32", max_model_len=106)
+    try:
+        assert llm.llm_engine.vllm_config.cache_config.block_size % 16, "premise: a block size vLLM must round"
+        (got,) = vllm_prompt_logprobs(llm, [ids])
+    finally:
+        del llm
+        gc.collect()
+    assert (got - reference).abs().max() <= 1e-3

@@ -313,9 +313,14 @@ class LatentCache(nn.Module, AttentionLayerBase):
         self.cache_config = vllm_config.cache_config
         self.dtype = vllm_config.model_config.dtype
         self.kv_cache = torch.tensor([])
+        self.block_size = self.cache_config.block_size
         _register_layer(vllm_config, prefix, self)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        # The block table counts blocks of the bound tensor, ``[num_blocks, ..., block, head_size]``:
+        # its block size, not ``cache_config.block_size`` (vLLM may round a block size that is
+        # not a multiple of 16, e.g. one capped at a short max_model_len, up to the kernel's).
+        self.block_size = kv_cache.shape[-2]
         self.kv_cache = kv_cache.view(-1, self.head_size)
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> MLAAttentionSpec:
@@ -335,7 +340,7 @@ class LatentCache(nn.Module, AttentionLayerBase):
 
     def rows(self, metadata: CpuSparseMlaMetadata, req: int, positions: torch.Tensor) -> torch.Tensor:
         """Cache rows of request ``req``'s tokens at ``positions`` (any shape, int64); -1 stays -1."""
-        block_size = self.cache_config.block_size
+        block_size = self.block_size
         safe = positions.clamp(min=0)
         rows = metadata.block_table[req, safe // block_size].long() * block_size + safe % block_size
         return rows.masked_fill(positions < 0, -1)
