@@ -307,18 +307,29 @@ class VLLMEngine(InferenceEngine):
         enforce_eager: no CUDA graphs / torch.compile (default: True without a GPU, where
             compilation costs more than it saves on test-sized prompts).
         seed: vLLM's global seed.
+        in_process: run the engine core in this process (see below); None: decide by the
+            ``torch.distributed`` world size.
         llm_kwargs: further ``vllm.LLM`` arguments (``gpu_memory_utilization``,
             ``tensor_parallel_size``, ``max_num_batched_tokens``...), passed through.
 
     vLLM's ``max_model_len`` is set one above ours: a prompt-scoring request still generates
     one token, and vLLM requires ``len(prompt) < max_model_len``.
 
-    Unless the environment says otherwise, the engine core runs in this process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: colocated with the trainer, weights handed over by
-    reference; across an engine-core process boundary vLLM 0.32 cannot serialize the tensor
-    buffers) and on CPU its KV cache is ``CPU_KV_CACHE_GIB`` (``VLLM_CPU_KVCACHE_SPACE``)
-    instead of 92% of host memory. Weight updates go through
-    ``LLM.collective_rpc("reload_weights", ...)``.
+    Where the engine core runs (``in_process``; default: in this process unless a
+    ``torch.distributed`` job of several ranks is up):
+
+    * in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): colocated with a one-rank
+      trainer, weights handed over by reference (``reload_weights(weights_iterator=...)``).
+      vLLM then reuses the process's ``torch.distributed`` group; its shutdown would destroy
+      that group, so :meth:`close` leaves a group it did not create alone.
+    * in a child process: beside a trainer of several ranks, whose default process group
+      vLLM must not join (its group creation is collective over every rank). Across the
+      engine-core boundary vLLM 0.32 cannot serialize tensor buffers, so a weight update is
+      written as safetensors to a private directory in ``/dev/shm`` (memory, not disk) and
+      loaded with ``reload_weights(weights_path=...)``, then removed.
+
+    On CPU the KV cache is ``CPU_KV_CACHE_GIB`` (``VLLM_CPU_KVCACHE_SPACE``) instead of 92% of
+    host memory.
 
     Raises:
         EngineError: vLLM is not installed or the export is invalid.
@@ -327,7 +338,8 @@ class VLLMEngine(InferenceEngine):
     name = "vllm"
 
     def __init__(self, checkpoint_dir: str | os.PathLike, dtype: str = "float32", max_model_len: int = 8192,
-                 *, enforce_eager: bool | None = None, seed: int = 0, llm_kwargs: Mapping | None = None):
+                 *, enforce_eager: bool | None = None, seed: int = 0, in_process: bool | None = None,
+                 llm_kwargs: Mapping | None = None):
         super().__init__(checkpoint_dir, dtype, max_model_len)
         try:
             from vllm import LLM
@@ -336,10 +348,14 @@ class VLLMEngine(InferenceEngine):
         if enforce_eager is None:
             enforce_eager = not torch.cuda.is_available()
         llm_kwargs = dict(llm_kwargs or {})
-        # The engine core runs in this process (colocated with the trainer): update_weights hands
-        # it tensors in memory. With V1 multiprocessing they would cross a msgpack/pickle
-        # boundary that rejects tensor buffers ("cannot pickle memoryview objects").
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        shared_world = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if in_process is None:
+            in_process = not (shared_world and torch.distributed.get_world_size() > 1)
+        self.in_process = in_process
+        # A process group up before vLLM starts is the caller's: close() must not destroy it.
+        self._callers_group = in_process and shared_world
+        multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         if not torch.cuda.is_available():
             # vllm-cpu otherwise reserves 92% of host memory (gpu_memory_utilization) and refuses
             # to start when other processes (the trainer beside it) hold more than 8%.
@@ -348,15 +364,21 @@ class VLLMEngine(InferenceEngine):
             # Hybrid (KDA state) models: vLLM 0.32 only admits their state-cache block size with
             # prefix caching on; scoring and rollouts here gain nothing from it.
             llm_kwargs.setdefault("enable_prefix_caching", False)
-        self.llm = LLM(
-            model=str(self.checkpoint_dir),
-            skip_tokenizer_init=True,
-            dtype=dtype,
-            max_model_len=max_model_len + 1,
-            enforce_eager=enforce_eager,
-            seed=seed,
-            **llm_kwargs,
-        )
+        try:
+            self.llm = LLM(
+                model=str(self.checkpoint_dir),
+                skip_tokenizer_init=True,
+                dtype=dtype,
+                max_model_len=max_model_len + 1,
+                enforce_eager=enforce_eager,
+                seed=seed,
+                **llm_kwargs,
+            )
+        finally:
+            if multiprocessing is None:
+                os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+            else:
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
 
     def _run(self, prompts: list[np.ndarray], params) -> list:
         requests = [{"prompt_token_ids": p.tolist()} for p in prompts]
@@ -418,15 +440,38 @@ class VLLMEngine(InferenceEngine):
     def _update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         # reload_weights runs the model's own load_weights (checkpoint names, fused qkv /
         # gate_up sharding) inside vLLM's layerwise reload, on every worker.
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
+        if self.in_process:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
+        else:
+            import tempfile
+
+            from safetensors.torch import save_file
+
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            with tempfile.TemporaryDirectory(prefix="megabase-weights-", dir=shm) as tmp:
+                save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()},
+                          os.path.join(tmp, "model.safetensors"))
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
         # Cached KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
-        if llm is not None:
+        if llm is None:
+            return
+        self.llm = None
+        if not self._callers_group:
             llm.llm_engine.engine_core.shutdown()
-            self.llm = None
+            return
+        # vLLM's in-process teardown ends with torch.distributed.destroy_process_group() of the
+        # group it reused (vllm/distributed/parallel_state.py, destroy_distributed_environment);
+        # the trainer's group outlives the engine.
+        destroy = torch.distributed.destroy_process_group
+        torch.distributed.destroy_process_group = lambda group=None: None if group is None else destroy(group)
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            torch.distributed.destroy_process_group = destroy
 
 
 class TransformersEngine(InferenceEngine):

@@ -88,6 +88,46 @@ def group_advantages(rewards: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
     return centered / (rewards.std(dim=1, unbiased=False, keepdim=True) + cfg.adv_eps)
 
 
+def grpo_token_terms(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    logp_ref: torch.Tensor,
+    logp_rollout: torch.Tensor,
+    advantages: torch.Tensor,
+    cfg: GRPOConfig,
+) -> dict[str, torch.Tensor]:
+    """Per-token GRPO terms (no reduction): what :func:`grpo_loss` averages.
+
+    Ranks that hold different tokens of one batch (data and context parallelism) sum these
+    over their tokens and reduce the sums; the mean over all tokens is the same as on one rank.
+
+    Args:
+        logp, logp_old, logp_ref, logp_rollout: float ``[n_rollouts, k]`` log-probs (nats) of
+            ``k`` sampled tokens: current policy (requires grad), the policy that generated the
+            batch (trainer side, detached), the frozen SFT reference, the inference engine.
+        advantages: ``[n_rollouts]``, broadcast over each rollout's tokens.
+
+    Returns:
+        float ``[n_rollouts, k]`` tensors: ``objective`` (TIS-weighted clipped surrogate plus
+        ``kl_coef`` x k3 KL; differentiable), and detached ``kl``, ``clipped`` (1.0 where the
+        ratio left the clip range), ``tis_weight``, ``gap`` (``|logp_old - logp_rollout|``).
+    """
+    adv = advantages[:, None].to(logp.dtype)
+    ratio = torch.exp(logp - logp_old)
+    clipped = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps)
+    surrogate = -torch.minimum(ratio * adv, clipped * adv)
+    tis = torch.exp(logp_old - logp_rollout).clamp(max=cfg.tis_cap).detach()
+    log_ratio_ref = logp_ref - logp
+    kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1.0
+    return {
+        "objective": tis * surrogate + cfg.kl_coef * kl,
+        "kl": kl.detach(),
+        "clipped": ((ratio - 1.0).abs() > cfg.clip_eps).to(logp.dtype).detach(),
+        "tis_weight": tis,
+        "gap": (logp_old - logp_rollout).abs().detach(),
+    }
+
+
 def grpo_loss(
     logp: torch.Tensor,
     logp_old: torch.Tensor,
@@ -97,7 +137,7 @@ def grpo_loss(
     mask: torch.Tensor,
     cfg: GRPOConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO loss over generated tokens, with metrics.
+    """GRPO loss over generated tokens (the mean of :func:`grpo_token_terms`), with metrics.
 
     Args:
         logp: trainer log-probs of the sampled tokens under the current policy, float
@@ -114,21 +154,13 @@ def grpo_loss(
     """
     mask = mask.to(logp.dtype)
     n_tokens = mask.sum().clamp_min(1.0)
-    adv = advantages[:, None].to(logp.dtype)
-    ratio = torch.exp(logp - logp_old)
-    clipped = ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps)
-    surrogate = -torch.minimum(ratio * adv, clipped * adv)
-    tis = torch.exp(logp_old - logp_rollout).clamp(max=cfg.tis_cap).detach()
-    log_ratio_ref = logp_ref - logp
-    kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1.0
-    loss = ((tis * surrogate + cfg.kl_coef * kl) * mask).sum() / n_tokens
-    with torch.no_grad():
-        gap = (logp_old - logp_rollout).abs() * mask
-        metrics = {
-            "kl": float((kl * mask).sum() / n_tokens),
-            "clip_fraction": float((((ratio - 1.0).abs() > cfg.clip_eps).to(logp.dtype) * mask).sum() / n_tokens),
-            "tis_weight_mean": float((tis * mask).sum() / n_tokens),
-            "rollout_train_logprobs_abs_diff_mean": float(gap.sum() / n_tokens),
-            "rollout_train_logprobs_abs_diff_max": float(gap.max()),
-        }
+    terms = grpo_token_terms(logp, logp_old, logp_ref, logp_rollout, advantages, cfg)
+    loss = (terms["objective"] * mask).sum() / n_tokens
+    metrics = {
+        "kl": float((terms["kl"] * mask).sum() / n_tokens),
+        "clip_fraction": float((terms["clipped"] * mask).sum() / n_tokens),
+        "tis_weight_mean": float((terms["tis_weight"] * mask).sum() / n_tokens),
+        "rollout_train_logprobs_abs_diff_mean": float((terms["gap"] * mask).sum() / n_tokens),
+        "rollout_train_logprobs_abs_diff_max": float((terms["gap"] * mask).max()),
+    }
     return loss, metrics

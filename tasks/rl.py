@@ -22,9 +22,12 @@ tokens/s, step time.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,7 +37,7 @@ import torch
 
 from tasks import vocab
 from tasks.atomic import atomic_output_dir, sha256_file
-from tasks.grpo import GRPOConfig, continuation_reward, group_advantages, grpo_loss
+from tasks.grpo import GRPOConfig, continuation_reward, group_advantages, grpo_token_terms
 
 log = logging.getLogger("megabase.rl")
 
@@ -55,12 +58,18 @@ class RLConfig:
         gen_len: bases the policy generates (compared with the reference continuation).
         temperature: sampling temperature of the rollouts.
         reward: "match_fraction" or "prefix" (``tasks.grpo.continuation_reward``).
-        lr: AdamW learning rate (0 keeps the weights: the weight-sync drift check).
-        weight_decay: AdamW weight decay.
+        lr: Adam learning rate, constant (0 keeps the weights: the weight-sync drift check).
+        weight_decay: Adam weight decay.
         grad_clip: max global grad norm.
         engine: inference engine ("vllm" | "transformers"); no fallback between them.
         seed: prompt sampling and rollout seeds.
         grpo: the objective's knobs.
+        tensor_parallel, context_parallel, expert_parallel: the trainer's megatron layout, as
+            in SFT; ``prompt_len + gen_len`` splits over the CP ranks, the rollouts over DP.
+        checkpoint_dir: directory of distributed checkpoints (``tasks.sft.Checkpointer``); a
+            ``latest`` pointer there resumes the run. Empty: no checkpoints.
+        checkpoint_every: save every N steps (and at the end); 0: only at the end.
+        keep_checkpoints: most recent checkpoints kept.
     """
 
     steps: int = 4
@@ -76,6 +85,12 @@ class RLConfig:
     engine: str = "transformers"
     seed: int = 0
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    tensor_parallel: int = 1
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
 
 
 @dataclass(frozen=True)
@@ -91,7 +106,8 @@ class PromptSampler:
     """Prompts + reference continuations from the train split's shards, deterministic by seed.
 
     Windows of ``prompt_len + gen_len`` tokens are drawn uniformly among positions whose whole
-    window lies inside one document (no ``<sep>``) of one shard.
+    window lies inside one document (no ``<sep>``) of one shard. Every rank of a job draws the
+    same prompts (same seed); :attr:`state` / :meth:`restore` carry the position over a resume.
     """
 
     def __init__(self, shards_dir: Path, prompt_len: int, gen_len: int, seed: int):
@@ -116,6 +132,16 @@ class PromptSampler:
         if not self.streams:
             raise RLError(f"{shards_dir}: no train window of {self.window} tokens inside one document")
         self.rng = np.random.default_rng(seed)
+        self.fingerprint = f"{manifest.get('sha256', '')}:{'|'.join(self.paths)}:{prompt_len}+{gen_len}:{seed}"
+
+    @property
+    def state(self) -> dict:
+        """The generator's state (JSON-able), to store in a checkpoint."""
+        return self.rng.bit_generator.state
+
+    def restore(self, state: dict) -> None:
+        """Continue from a :attr:`state` taken earlier."""
+        self.rng.bit_generator.state = state
 
     def sample(self, n: int) -> tuple[np.ndarray, np.ndarray, list[tuple[str, int]]]:
         """``n`` prompts and continuations.
@@ -135,137 +161,323 @@ class PromptSampler:
         return np.stack(prompts), np.stack(continuations), origins
 
 
-def _sequence_logprobs(model, sequences: torch.Tensor, gen_len: int) -> torch.Tensor:
-    """Trainer log-probs ``[n, gen_len]`` of the last ``gen_len`` tokens of ``sequences [n, s]``.
+@dataclass(frozen=True)
+class LocalTokens:
+    """This rank's share of a batch of sequences ``[N, S]`` whose last ``gen_len`` tokens were sampled.
 
-    Only the positions that predict generated tokens reach the output head (chunked NLL of
-    ``model.logprobs``); the prompt's hidden states are not projected to the vocabulary.
+    DP ranks take rows ``dp_rank::dp_size``; CP ranks take the contiguous columns
+    ``[cp_rank * S / cp, (cp_rank + 1) * S / cp)`` (the SFT split). Position ``p`` predicts
+    token ``p + 1``; the sampled tokens are predicted by positions ``S - gen_len - 1 ... S - 2``,
+    of which this rank holds local positions ``positions`` = generated tokens ``tokens``.
+    """
+
+    rows: slice
+    ids: np.ndarray          # int64 [n, S / cp]
+    labels: np.ndarray       # int64 [n, S / cp]: next token (0 past the end, never scored)
+    positions: slice         # local positions that predict a sampled token
+    tokens: slice            # which of the gen_len sampled tokens they predict
+
+    @classmethod
+    def split(cls, sequences: np.ndarray, gen_len: int, dp_rank: int, dp_size: int, cp_rank: int,
+              cp_size: int) -> "LocalTokens":
+        n, s = sequences.shape
+        if s % cp_size or n % dp_size:
+            raise RLError(f"a batch of {n} sequences x {s} tokens does not split over DP={dp_size} x CP={cp_size}")
+        rows = slice(dp_rank, n, dp_size)
+        local = s // cp_size
+        lo = cp_rank * local
+        mine = sequences[rows]
+        labels = np.concatenate([mine[:, 1:], np.zeros_like(mine[:, :1])], axis=1)
+        first = s - gen_len - 1
+        p_lo, p_hi = min(max(first - lo, 0), local), min(max(s - 1 - lo, 0), local)
+        return cls(rows, np.ascontiguousarray(mine[:, lo : lo + local]), np.ascontiguousarray(labels[:, lo : lo + local]),
+                   slice(p_lo, p_hi), slice(lo + p_lo - first, lo + p_hi - first))
+
+
+def _sequence_logprobs(module, batch: LocalTokens, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trainer log-probs ``[n, k]`` of this rank's ``k`` sampled tokens, and an anchor scalar.
+
+    Only the positions that predict sampled tokens reach the output head (chunked NLL of
+    ``model.logprobs``). The anchor (0 x the hidden states) joins ranks that hold no sampled
+    token to the backward pass, whose context-parallel collectives every CP rank must enter.
     """
     from model.logprobs import chunked_token_nll
 
-    hidden = model.hidden_states(sequences)[-gen_len - 1 : -1]          # [gen_len, n, h]
-    labels = sequences[:, -gen_len:].transpose(0, 1).contiguous()       # [gen_len, n]
-    return -chunked_token_nll(model, hidden, labels, model.logits_chunk_tokens).transpose(0, 1)
+    hidden = module.hidden_states(torch.from_numpy(batch.ids).to(device))          # [S / cp, n, h]
+    labels = torch.from_numpy(batch.labels).to(device).transpose(0, 1)[batch.positions]
+    picked = hidden[batch.positions]
+    anchor = hidden.sum() * 0.0
+    if picked.shape[0] == 0:
+        return hidden.new_zeros(hidden.shape[1], 0), anchor
+    return -chunked_token_nll(module, picked, labels.contiguous(), module.logits_chunk_tokens).transpose(0, 1), anchor
+
+
+def _broadcast(array: np.ndarray | None, shape: tuple[int, ...], dtype, device) -> np.ndarray:
+    """Rank 0's ``array`` on every rank (rollouts are generated by rank 0's engine)."""
+    t = torch.from_numpy(np.ascontiguousarray(array)).to(device) if array is not None else \
+        torch.empty(shape, dtype=dtype, device=device)
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.broadcast(t, 0)
+    return t.cpu().numpy()
 
 
 def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConfig,
        out_dir: str | os.PathLike, preset: str = "local-cpu") -> RLResult:
-    """Run GRPO from an SFT export; write the final HF export and per-step metrics.
+    """Run GRPO from an SFT export on every rank of the job; write the export and per-step metrics.
+
+    The trainer is SFT's: megatron glm5_next with ``cfg``'s TP/CP/EP layout, megatron DDP and
+    the distributed Adam (``tasks.sft.build_trainer``). Rank 0 holds the inference engine
+    (colocated with the trainer) and broadcasts the rollouts; every rank draws the same prompts.
 
     Args:
         sft_export: HF-layout checkpoint directory (``config.json`` + safetensors).
         shards_dir: pack output (only the train split is read).
         cfg: RL configuration.
-        out_dir: output directory (atomic): ``hf/`` export, ``metrics.jsonl``, ``rollouts.jsonl``,
-            ``rl_config.json``.
+        out_dir: output directory, written by rank 0 (atomic): ``hf/`` export,
+            ``metrics.jsonl``, ``rollouts.jsonl``, ``rl_config.json``.
         preset: recorded in the export metadata.
 
     Raises:
-        RLError: no prompt window in the shards, or a non-finite loss (names the step).
+        RLError: no prompt window in the shards, a batch that does not split over the ranks,
+            a checkpoint of another run, or a non-finite loss (names the step).
         tasks.engines.EngineError: the engine cannot be built or rejects a request.
     """
-    from model.convert import export_metadata, hf_state_dict, hf_to_megatron, load_hf_checkpoint, load_megatron_state, save_hf_checkpoint
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    from model.convert import export_metadata, hf_state_dict, load_hf_checkpoint, load_hf_into_model, save_hf_checkpoint
     from model.glm5_next import build_model
     from tasks.engines import SamplingConfig, make_engine
+    from tasks.sft import (
+        Checkpointer, _megatron_optimizer_on_cpu, build_trainer, init_parallel, restore_training_state, training_state,
+    )
 
-    sft_export, shards_dir = Path(sft_export), Path(shards_dir)
+    layout = init_parallel(cfg)
+    is_main = layout.rank == 0
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    sft_export, shards_dir, out_dir = Path(sft_export), Path(shards_dir), Path(out_dir)
+    n_rollouts = cfg.prompts_per_step * cfg.group_size
+    if (cfg.prompt_len + cfg.gen_len) % cfg.context_parallel or n_rollouts % layout.dp_size:
+        raise RLError(f"prompt_len + gen_len = {cfg.prompt_len + cfg.gen_len} must divide over CP={cfg.context_parallel} "
+                      f"and prompts_per_step x group_size = {n_rollouts} over DP={layout.dp_size}")
     sampler = PromptSampler(shards_dir, cfg.prompt_len, cfg.gen_len, cfg.seed)
-    model_cfg, text_state, vision_state = load_hf_checkpoint(sft_export)
+    model_cfg, text_state, vision_state = load_hf_checkpoint(
+        sft_export, tensor_model_parallel_size=cfg.tensor_parallel, context_parallel_size=cfg.context_parallel,
+        expert_model_parallel_size=cfg.expert_parallel, expert_tensor_parallel_size=1, calculate_per_token_loss=True)
     policy = build_model(model_cfg, seed=cfg.seed)
-    load_megatron_state(policy, hf_to_megatron(text_state, model_cfg))
+    load_hf_into_model(policy, text_state)
     reference = build_model(model_cfg, seed=cfg.seed)
-    load_megatron_state(reference, hf_to_megatron(text_state, model_cfg))
+    load_hf_into_model(reference, text_state)
     reference.eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    max_len = cfg.prompt_len + cfg.gen_len + 1
+    del text_state
+    model, optimizer, scheduler = build_trainer(
+        model_cfg, policy, lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8,
+        grad_clip=cfg.grad_clip, steps=cfg.steps, warmup_steps=0, decay_style="constant")
 
+    def checkpoint_state(is_loading: bool, step: int) -> dict:
+        return training_state(policy, optimizer, scheduler, layout, is_loading,
+                              {"step": step, "sampler": sampler.state, "data": sampler.fingerprint})
+
+    ckpt = Checkpointer(cfg.checkpoint_dir, layout.rank) if cfg.checkpoint_dir else None
+    step = 0
+    resume_from = ckpt.pointer("latest") if ckpt else None
+    if resume_from is not None:
+        progress = restore_training_state(ckpt, resume_from, lambda: checkpoint_state(True, 0), policy, optimizer,
+                                          scheduler)
+        if progress["data"] != sampler.fingerprint:
+            raise RLError(f"{resume_from}: checkpoint of another RL run ({progress['data']}), "
+                          f"this one samples {sampler.fingerprint}")
+        step = progress["step"]
+        sampler.restore(progress["sampler"])
+        if is_main:
+            log.info("resumed from %s at step %d", resume_from, step)
+
+    # History lives beside the checkpoints (a restarted run keeps it up to its checkpoint) or,
+    # without checkpoints, in the output being written.
+    history = Path(cfg.checkpoint_dir) if ckpt else None
+    max_len = cfg.prompt_len + cfg.gen_len + 1
+    dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
     metrics: list[dict] = []
-    with atomic_output_dir(out_dir) as work, make_engine(cfg.engine, sft_export, "float32", max_len) as engine:
-        (work / "rl_config.json").write_text(json.dumps(asdict(cfg), indent=1))
-        log_file = open(work / "metrics.jsonl", "w")
-        rollout_file = open(work / "rollouts.jsonl", "w")
-        for step in range(cfg.steps):
+    with contextlib.ExitStack() as stack:
+        work = stack.enter_context(atomic_output_dir(out_dir)) if is_main else None
+        engine = stack.enter_context(make_engine(cfg.engine, sft_export, "float32", max_len)) if is_main else None
+        hf_now = hf_state_dict(policy) if step else None       # collective over TP/EP
+        if engine is not None and hf_now is not None:
+            engine.update_weights({**hf_now, **vision_state})   # resumed: the engine gets the checkpoint's policy
+        del hf_now
+        if is_main:
+            (work / "rl_config.json").write_text(json.dumps(asdict(cfg), indent=1))
+            history = history or work
+            for name in ("metrics.jsonl", "rollouts.jsonl"):
+                path = history / name
+                kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step] \
+                    if path.exists() else []
+                path.write_text("".join(line + "\n" for line in kept))
+                metrics += [json.loads(line) for line in kept] if name == "metrics.jsonl" else []
+        bar = None
+        if is_main:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=cfg.steps, initial=step, desc="rl", unit="step", disable=None)
+        while step < cfg.steps:
             t0 = time.perf_counter()
             prompts, truth, origins = sampler.sample(cfg.prompts_per_step)
             repeated = np.repeat(prompts, cfg.group_size, axis=0)
-            sampling = SamplingConfig(max_new_tokens=cfg.gen_len, temperature=cfg.temperature,
-                                      seed=cfg.seed * 1_000_003 + step * 10_007)
-            rollouts = engine.generate(list(repeated), sampling)
-            generated = np.stack([r.tokens for r in rollouts])
-            rollout_logp = torch.from_numpy(np.stack([r.logprobs for r in rollouts]))
+            generated = rollout_logp = None
+            if engine is not None:
+                sampling = SamplingConfig(max_new_tokens=cfg.gen_len, temperature=cfg.temperature,
+                                          seed=cfg.seed * 1_000_003 + step * 10_007)
+                rollouts = engine.generate(list(repeated), sampling)
+                generated = np.stack([r.tokens for r in rollouts]).astype(np.int64)
+                rollout_logp = np.stack([r.logprobs for r in rollouts]).astype(np.float32)
+            generated = _broadcast(generated, (n_rollouts, cfg.gen_len), torch.int64, device)
+            rollout_logp = _broadcast(rollout_logp, (n_rollouts, cfg.gen_len), torch.float32, device)
             rewards = torch.tensor([
                 continuation_reward(g, t, cfg.reward) for g, t in zip(generated, np.repeat(truth, cfg.group_size, 0))
             ], dtype=torch.float32).view(cfg.prompts_per_step, cfg.group_size)
             advantages = group_advantages(rewards, cfg.grpo).flatten()
 
-            sequences = torch.from_numpy(np.concatenate([repeated, generated], axis=1))
+            batch = LocalTokens.split(np.concatenate([repeated, generated], axis=1), cfg.gen_len, layout.dp_rank,
+                                      layout.dp_size, ps.get_context_parallel_rank(), cfg.context_parallel)
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
             policy.train()
-            logp = _sequence_logprobs(policy, sequences, cfg.gen_len)
+            logp, anchor = _sequence_logprobs(policy, batch, device)
             with torch.no_grad():
-                logp_ref = _sequence_logprobs(reference, sequences, cfg.gen_len)
-            mask = torch.ones_like(logp, dtype=torch.bool)
-            loss, stats = grpo_loss(logp, logp.detach(), logp_ref, rollout_logp, advantages, mask, cfg.grpo)
-            if not torch.isfinite(loss):
-                raise RLError(f"non-finite GRPO loss {loss.item()} at step {step}")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-            optimizer.step()
-            engine.update_weights({**hf_state_dict(policy), **vision_state})
-
+                logp_ref, _ = _sequence_logprobs(reference, batch, device)
+            terms = grpo_token_terms(logp, logp.detach(), logp_ref,
+                                     torch.from_numpy(rollout_logp[batch.rows, batch.tokens]).to(device),
+                                     advantages[batch.rows].to(device), cfg.grpo)
+            # Sums over this rank's tokens; finalize_model_grads divides the gradients by the
+            # token count of the whole DP x CP group (calculate_per_token_loss).
+            (terms["objective"].sum() + anchor).backward()
+            local_tokens = torch.tensor(float(terms["objective"].numel()), device=device)
+            sums = torch.stack([terms["objective"].detach().sum().double()] +
+                               [terms[k].sum().double() for k in ("kl", "clipped", "tis_weight", "gap")] +
+                               [local_tokens.double()])
+            gap_max = terms["gap"].max() if terms["gap"].numel() else torch.zeros((), device=device)
+            torch.distributed.all_reduce(sums, group=dp_cp_group)
+            torch.distributed.all_reduce(gap_max, op=torch.distributed.ReduceOp.MAX, group=dp_cp_group)
+            loss = float(sums[0] / sums[5])
+            if not np.isfinite(loss):
+                raise RLError(f"non-finite GRPO loss {loss} at step {step + 1}; last good checkpoint: "
+                              f"{(ckpt.pointer('latest') if ckpt else None) or 'none'}")
+            finalize_model_grads([model], num_tokens=local_tokens.clone())
+            scheduler.step(1)
+            with _megatron_optimizer_on_cpu():
+                _, grad_norm, _ = optimizer.step()
+            hf = hf_state_dict(policy)                           # collective over TP/EP
+            if engine is not None:
+                engine.update_weights({**hf, **vision_state})
+            del hf
+            step += 1
             seconds = time.perf_counter() - t0
+            count = float(sums[5])
             row = {
-                "step": step, "loss": loss.item(), "reward_mean": rewards.mean().item(),
+                "step": step, "loss": loss, "reward_mean": rewards.mean().item(),
                 "reward_std": rewards.std(unbiased=False).item(), "grad_norm": float(grad_norm),
-                **stats, "tokens_per_s": sequences.numel() / seconds, "step_time_s": seconds,
-                "engine": engine.description,
+                "kl": float(sums[1]) / count, "clip_fraction": float(sums[2]) / count,
+                "tis_weight_mean": float(sums[3]) / count,
+                "rollout_train_logprobs_abs_diff_mean": float(sums[4]) / count,
+                "rollout_train_logprobs_abs_diff_max": float(gap_max),
+                "tokens_per_s": n_rollouts * (cfg.prompt_len + cfg.gen_len) / seconds, "step_time_s": seconds,
+                "engine": engine.description if engine is not None else "",
             }
-            metrics.append(row)
-            log_file.write(json.dumps(row) + "\n")
-            for k, (tokens, reward) in enumerate(zip(generated, rewards.flatten().tolist())):
-                shard, offset = origins[k // cfg.group_size]
-                rollout_file.write(json.dumps({"step": step, "shard": shard, "offset": offset,
-                                               "prompt_len": cfg.prompt_len, "generated": tokens.tolist(),
-                                               "reward": reward}) + "\n")
-            log.info("rl step %d: reward %.3f kl %.2e gap %.2e", step, row["reward_mean"], row["kl"],
-                     row["rollout_train_logprobs_abs_diff_mean"])
-        log_file.close()
-        rollout_file.close()
-        meta = export_metadata(preset, sha256_file(shards_dir / "manifest.json"))
-        save_hf_checkpoint(hf_state_dict(policy), model_cfg, work / "hf", meta, vision_state=vision_state,
-                           vision_config=json.loads((sft_export / "config.json").read_text()).get("vision_config"))
-    out_dir = Path(out_dir)
+            if is_main:
+                metrics.append(row)
+                with (history / "metrics.jsonl").open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                with (history / "rollouts.jsonl").open("a") as f:
+                    for k, (tokens, reward) in enumerate(zip(generated, rewards.flatten().tolist())):
+                        shard, offset = origins[k // cfg.group_size]
+                        f.write(json.dumps({"step": step, "shard": shard, "offset": offset, "prompt_len": cfg.prompt_len,
+                                            "generated": tokens.tolist(), "reward": reward}) + "\n")
+                log.info("rl step %d: reward %.3f kl %.2e gap %.2e", step, row["reward_mean"], row["kl"],
+                         row["rollout_train_logprobs_abs_diff_mean"])
+                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", gap=f"{row['rollout_train_logprobs_abs_diff_mean']:.1e}")
+                bar.update()
+            if ckpt and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps):
+                ckpt.save(checkpoint_state(False, step), step, False, cfg.keep_checkpoints)
+        if bar is not None:
+            bar.close()
+        hf = hf_state_dict(policy)
+        if is_main:
+            if history != work:
+                for name in ("metrics.jsonl", "rollouts.jsonl"):
+                    shutil.copyfile(history / name, work / name)
+            meta = export_metadata(preset, sha256_file(shards_dir / "manifest.json"))
+            save_hf_checkpoint(hf, model_cfg, work / "hf", meta, vision_state=vision_state,
+                               vision_config=json.loads((sft_export / "config.json").read_text()).get("vision_config"))
+    torch.distributed.barrier()
     return RLResult(out_dir=out_dir, export_dir=out_dir / "hf", metrics=metrics)
 
 
-# ---- Flyte task: resources and cache version only; the logic is rl() above ----------------
+# ---- Flyte task: resources, Elastic layout and cache version only; the logic is rl() above --
 
+from flytekitplugins.kfpytorch import Elastic  # noqa: E402
 from flytekit import Cache, task  # noqa: E402
 
 from workflows.caching import (  # noqa: E402
-    HashedDir, as_output, code_version, hf_export, manifest_sha256, resource_kwargs, stage_output_dir,
+    HashedDir, as_output, code_version, hf_export, manifest_sha256, resource_kwargs, run_checkpoint_dir,
+    stage_output_dir,
 )
-from workflows.presets import active_preset  # noqa: E402
+from workflows.presets import Preset, active_preset  # noqa: E402
 
-def preset_rl_config(preset) -> RLConfig:
-    """The RL configuration a preset implies (``preset.rl`` plus its engine)."""
-    spec = preset.rl
+
+def rl_parallel(preset: Preset):
+    """The RL trainer's layout: ``preset.rl.parallel``, or the SFT layout when unset."""
+    return preset.rl.parallel or preset.train_parallel
+
+
+def preset_rl_config(preset: Preset) -> RLConfig:
+    """The RL configuration a preset implies (``preset.rl``, its engine and trainer layout)."""
+    spec, par = preset.rl, rl_parallel(preset)
     return RLConfig(steps=spec.steps, prompts_per_step=spec.prompts_per_step, group_size=spec.group_size,
                     prompt_len=spec.prompt_len, gen_len=spec.gen_len, temperature=spec.temperature,
-                    lr=spec.lr, engine=preset.engine, grpo=GRPOConfig(kl_coef=spec.kl_coef))
+                    lr=spec.lr, engine=preset.engine, grpo=GRPOConfig(kl_coef=spec.kl_coef),
+                    tensor_parallel=par.tensor_parallel, context_parallel=par.context_parallel,
+                    expert_parallel=par.expert_parallel, checkpoint_dir=spec.checkpoint_uri,
+                    checkpoint_every=spec.checkpoint_every)
 
 
-RL_VERSION = code_version("tasks/rl.py", "tasks/grpo.py", "tasks/engines.py", "model", "kernels")
+RL_VERSION = code_version("tasks/rl.py", "tasks/grpo.py", "tasks/engines.py", "tasks/sft.py", "model", "kernels")
+_PRESET = active_preset()
 
 
-@task(cache=Cache(version=RL_VERSION), **resource_kwargs(active_preset().train_resources))
+@task(task_config=Elastic(nnodes=rl_parallel(_PRESET).nnodes, nproc_per_node=rl_parallel(_PRESET).nproc_per_node,
+                          increase_shared_mem=False),
+      cache=Cache(version=RL_VERSION), **resource_kwargs(_PRESET.train_resources))
 def rl_task(shards: HashedDir, sft: HashedDir, cfg: RLConfig) -> HashedDir:
-    """Flyte wrapper of :func:`rl`: GRPO from the SFT output's HF export (``sft/hf``).
+    """Flyte wrapper of :func:`rl` on every Elastic worker: GRPO from the SFT output's HF export.
 
-    Runs as one process (one GPU of the node's request) with the engine beside the trainer
-    (colocated); multi-rank RL with context parallelism for long prompts is not built yet. The
-    output holds ``hf/`` (the RL export), ``metrics.jsonl`` and ``rollouts.jsonl``.
+    The trainer ranks use the preset's RL layout (TP/CP/EP as SFT); rank 0 holds the inference
+    engine (colocated). Checkpoints go to ``cfg.checkpoint_dir`` (default
+    ``$MEGABASE_HOME/checkpoints/<key>``, a shared mount on a cluster) and a restarted worker
+    resumes from the latest. The output holds ``hf/`` (the RL export), ``metrics.jsonl`` and
+    ``rollouts.jsonl``; rank 0's output comes back.
     """
-    out = stage_output_dir("rl", RL_VERSION, shards=manifest_sha256(shards), sft=manifest_sha256(sft), cfg=asdict(cfg))
+    identity = dict(shards=manifest_sha256(shards), sft=manifest_sha256(sft), cfg=asdict(cfg))
+    cfg = dataclasses.replace(cfg, checkpoint_dir=run_checkpoint_dir(cfg.checkpoint_dir, RL_VERSION, **identity))
+    out = stage_output_dir("rl", RL_VERSION, **identity)
     rl(hf_export(sft.download()), shards.download(), cfg, out, preset=active_preset().name)
     return as_output(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``torchrun --nproc-per-node N -m tasks.rl SFT_EXPORT PACK_DIR OUT_DIR [--config JSON]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("sft_export")
+    parser.add_argument("pack_dir")
+    parser.add_argument("out_dir")
+    parser.add_argument("--config", default="{}", help="JSON object of RLConfig fields (grpo: a nested object)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    fields = json.loads(args.config)
+    if "grpo" in fields:
+        fields["grpo"] = GRPOConfig(**fields["grpo"])
+    rl(args.sft_export, args.pack_dir, RLConfig(**fields), args.out_dir)
+
+
+if __name__ == "__main__":   # dist-checkpoint saves start a spawn Manager: the guard is required
+    main()

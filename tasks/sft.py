@@ -874,6 +874,79 @@ def _untie_adam_step(optimizer) -> None:
                 state["step"] = state["step"].clone()
 
 
+def build_trainer(mcfg, module, *, lr: float, min_lr: float, weight_decay: float, betas: tuple[float, float],
+                  eps: float, grad_clip: float, steps: int, warmup_steps: int, decay_style: str):
+    """Wrap ``module`` for training: megatron DDP, distributed Adam, LR schedule (SFT and RL).
+
+    Gradients reduce in float32 over the DP x CP group; the optimizer state is sharded over DP
+    (``use_distributed_optimizer``); parameters are ``mcfg.params_dtype``. The schedule warms up
+    linearly for ``warmup_steps`` then follows ``decay_style`` ("cosine", "constant") to
+    ``min_lr`` at ``steps``.
+
+    Returns:
+        (DDP-wrapped model, megatron optimizer, ``OptimizerParamScheduler``).
+    """
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    dtype = mcfg.params_dtype
+    model = DistributedDataParallel(mcfg, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True), module)
+    with _megatron_optimizer_on_cpu():
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=betas[0],
+            adam_beta2=betas[1], adam_eps=eps, clip_grad=grad_clip, bf16=dtype == torch.bfloat16,
+            params_dtype=dtype, use_distributed_optimizer=True), [model])
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_steps,
+        lr_decay_steps=max(steps, 1), lr_decay_style=decay_style, start_wd=weight_decay, end_wd=weight_decay,
+        wd_incr_steps=max(steps, 1), wd_incr_style="constant",
+        # On resume the schedule comes from this config; the checkpoint restores the step count.
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+    return model, optimizer, scheduler
+
+
+def training_state(module, optimizer, scheduler, layout: "Layout", is_loading: bool, progress: dict) -> dict:
+    """The sharded state dict of a checkpoint: model, optimizer, scheduler, ``progress``, RNG.
+
+    ``progress`` is a small picklable dict (step, data position, ...) stored once (rank 0's).
+    """
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    model_state = _model_sharded_state_dict(module)
+    return {
+        "model": model_state,
+        "optimizer": optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}),
+        "scheduler": scheduler.state_dict(),
+        "progress": progress,
+        "rng": ShardedObject("rng_state", _rng_state(), (layout.world_size,), (layout.rank,), replica_id=0),
+    }
+
+
+def restore_training_state(ckpt: "Checkpointer", path: Path, template, module, optimizer, scheduler) -> dict:
+    """Load checkpoint ``path`` (a :func:`training_state` layout) into the run; returns its ``progress``.
+
+    ``template()`` builds the loading state dict (:func:`training_state` with ``is_loading``);
+    it is called once the fresh optimizer has Adam state to describe.
+
+    Restores the model, the distributed Adam state (per-parameter ``step`` counters untied),
+    the scheduler and this rank's RNG states. Collective over all ranks.
+    """
+    _init_adam_state(optimizer)
+    _tolerate_missing_state_keys(optimizer)
+    loaded = ckpt.load(template(), path)
+    module.load_state_dict(loaded["model"], strict=False)
+    with _megatron_optimizer_on_cpu():
+        optimizer.load_state_dict(loaded["optimizer"])
+    _untie_adam_step(optimizer)
+    scheduler.load_state_dict(loaded["scheduler"])
+    _set_rng_state(loaded["rng"])
+    return loaded["progress"]
+
+
 # ---- the run -------------------------------------------------------------------------------
 
 
@@ -935,10 +1008,7 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
     """
     import torch
     from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing import ShardedObject
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.distributed import finalize_model_grads
 
     from model.convert import export_metadata, hf_state_dict, load_hf_checkpoint, load_hf_into_model, save_hf_checkpoint
     from model.glm5_next import build_model
@@ -965,32 +1035,14 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
         _, text, vision_state = load_hf_checkpoint(Path(cfg.init_hf))
         vision_config = json.loads((Path(cfg.init_hf) / "config.json").read_text()).get("vision_config")
         load_hf_into_model(module, text)
-    model = DistributedDataParallel(mcfg, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True), module)
-    with _megatron_optimizer_on_cpu():
-        optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
-            adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.grad_clip, bf16=dtype == torch.bfloat16,
-            params_dtype=dtype, use_distributed_optimizer=True), [model])
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.warmup_steps,
-        lr_decay_steps=cfg.steps, lr_decay_style="cosine", start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
-        wd_incr_steps=cfg.steps, wd_incr_style="constant",
-        # On resume the schedule comes from this config; the checkpoint restores the step count.
-        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+    model, optimizer, scheduler = build_trainer(
+        mcfg, module, lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps, grad_clip=cfg.grad_clip, steps=cfg.steps, warmup_steps=cfg.warmup_steps, decay_style="cosine")
     kl = IndexerKL(module, cfg.indexer_kl_coeff)
 
     def checkpoint_state(is_loading: bool, step: int, consumed: int, best_eval: float | None) -> dict:
-        model_state = _model_sharded_state_dict(module)
-        return {
-            "model": model_state,
-            "optimizer": optimizer.sharded_state_dict(
-                model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}),
-            "scheduler": scheduler.state_dict(),
-            "progress": {"step": step, "windows_consumed": consumed, "best_eval_loss": best_eval,
-                         "data": train_data.fingerprint},
-            "rng": ShardedObject("rng_state", _rng_state(), (layout.world_size,), (layout.rank,), replica_id=0),
-        }
+        return training_state(module, optimizer, scheduler, layout, is_loading, {
+            "step": step, "windows_consumed": consumed, "best_eval_loss": best_eval, "data": train_data.fingerprint})
 
     ckpt = Checkpointer(cfg.checkpoint_dir, layout.rank) if cfg.checkpoint_dir else None
     if ckpt and layout.rank == 0:
@@ -1001,20 +1053,12 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
     step, consumed, best_eval = 0, 0, None
     resume_from = ckpt.pointer("latest") if ckpt else None
     if resume_from is not None:
-        _init_adam_state(optimizer)
-        _tolerate_missing_state_keys(optimizer)
-        loaded = ckpt.load(checkpoint_state(True, 0, 0, None), resume_from)
-        module.load_state_dict(loaded["model"], strict=False)
-        with _megatron_optimizer_on_cpu():
-            optimizer.load_state_dict(loaded["optimizer"])
-        _untie_adam_step(optimizer)
-        scheduler.load_state_dict(loaded["scheduler"])
-        progress = loaded["progress"]
+        progress = restore_training_state(ckpt, resume_from, lambda: checkpoint_state(True, 0, 0, None), module,
+                                          optimizer, scheduler)
         if progress["data"] != train_data.fingerprint:
             raise SFTConfigError(f"{resume_from}: checkpoint was trained on other shards/seq_len/seed "
                                  f"({progress['data']}) than this run ({train_data.fingerprint})")
         step, consumed, best_eval = progress["step"], progress["windows_consumed"], progress["best_eval_loss"]
-        _set_rng_state(loaded["rng"])
         if is_main:
             log.info("resumed from %s at step %d (%d windows consumed)", resume_from, step, consumed)
 
@@ -1138,7 +1182,7 @@ from flytekit import Cache, task  # noqa: E402
 from flytekit.extras.accelerators import GPUAccelerator  # noqa: E402
 from flytekitplugins.kfpytorch import Elastic  # noqa: E402
 
-from workflows.caching import REPO_ROOT, HashedDir, as_output, code_version, megabase_home, requests_for  # noqa: E402
+from workflows.caching import REPO_ROOT, HashedDir, as_output, code_version, requests_for, run_checkpoint_dir  # noqa: E402
 from workflows.caching import stage_output_dir  # noqa: E402
 from workflows.presets import Preset, active_preset  # noqa: E402
 
@@ -1185,19 +1229,13 @@ def sft_task(shards: HashedDir, cfg: SFTConfig, init: Optional[HashedDir] = None
     with the task function cloudpickled). ``init`` (the base-model stage's export) replaces
     ``cfg.init_hf``, so held-out evaluation has the exact "before" checkpoint.
     """
-    import hashlib
-
     from workflows.caching import hf_export, manifest_sha256
 
     if init is not None:
         cfg = dataclasses.replace(cfg, init_hf=str(hf_export(init.download())))
     identity = dict(shards=manifest_sha256(shards), cfg=asdict(cfg) | {"init_hf": ""},
                     init=manifest_sha256(init) if init is not None else cfg.init_hf)
-    key = hashlib.sha256(json.dumps([SFT_VERSION, identity], sort_keys=True, default=str).encode()).hexdigest()[:20]
-    if not cfg.checkpoint_dir:
-        cfg = dataclasses.replace(cfg, checkpoint_dir=str(megabase_home() / "checkpoints" / key))
-    elif not cfg.checkpoint_dir.rstrip("/").endswith(key):
-        cfg = dataclasses.replace(cfg, checkpoint_dir=f"{cfg.checkpoint_dir.rstrip('/')}/{key}")
+    cfg = dataclasses.replace(cfg, checkpoint_dir=run_checkpoint_dir(cfg.checkpoint_dir, SFT_VERSION, **identity))
     out = stage_output_dir("sft", SFT_VERSION, **identity)
     train(shards.download(), cfg, out)
     return as_output(out)

@@ -104,3 +104,77 @@ def test_learning_rate_zero_keeps_the_gap_flat(shards, tiny_export, tmp_path):
     gaps = [row["rollout_train_logprobs_abs_diff_mean"] for row in result.metrics]
     assert max(gaps) < 1e-4
     assert gaps[-1] <= 2 * gaps[0] + 1e-6, gaps
+
+
+def test_local_tokens_split_by_hand():
+    from tasks.rl import LocalTokens
+
+    # 2 rollouts of S = 8 tokens, the last g = 3 sampled: positions 4, 5, 6 predict them.
+    seqs = np.arange(16, dtype=np.int64).reshape(2, 8)
+    whole = LocalTokens.split(seqs, 3, dp_rank=0, dp_size=1, cp_rank=0, cp_size=1)
+    assert (whole.positions, whole.tokens) == (slice(4, 7), slice(0, 3))
+    assert whole.labels[:, whole.positions].tolist() == [[5, 6, 7], [13, 14, 15]]
+    first = LocalTokens.split(seqs, 3, dp_rank=0, dp_size=1, cp_rank=0, cp_size=2)
+    assert first.ids.tolist() == [[0, 1, 2, 3], [8, 9, 10, 11]]
+    assert first.labels[0].tolist() == [1, 2, 3, 4] and first.positions.stop - first.positions.start == 0
+    second = LocalTokens.split(seqs, 3, dp_rank=0, dp_size=1, cp_rank=1, cp_size=2)
+    assert (second.positions, second.tokens) == (slice(0, 3), slice(0, 3))
+    assert second.labels[:, second.positions].tolist() == [[5, 6, 7], [13, 14, 15]]
+    # g = 5: positions 2..6; CP rank 0 holds 2, 3 (tokens 0, 1), rank 1 holds 4, 5, 6 (tokens 2..4).
+    a = LocalTokens.split(seqs, 5, 0, 1, 0, 2)
+    b = LocalTokens.split(seqs, 5, 0, 1, 1, 2)
+    assert (a.positions, a.tokens, b.positions, b.tokens) == (slice(2, 4), slice(0, 2), slice(0, 3), slice(2, 5))
+    dp1 = LocalTokens.split(seqs, 3, dp_rank=1, dp_size=2, cp_rank=0, cp_size=1)
+    assert dp1.ids.tolist() == [seqs[1].tolist()]
+    with pytest.raises(Exception, match="does not split"):
+        LocalTokens.split(seqs, 3, 0, 1, 0, 3)
+
+
+def _weights(export: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(export / "model.safetensors")
+
+
+def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(shards, tiny_export, tmp_path):
+    settings = dict(steps=3, prompt_len=96, gen_len=8, lr=3e-3)
+    straight = run_rl(shards, tiny_export, tmp_path / "straight", **settings)
+    ckpt = tmp_path / "ckpt"
+    run_rl(shards, tiny_export, tmp_path / "first", **{**settings, "steps": 2},
+           checkpoint_dir=str(ckpt), checkpoint_every=1)
+    assert (ckpt / "latest").read_text().strip() == "step-0000002"
+    resumed = run_rl(shards, tiny_export, tmp_path / "resumed", **settings, checkpoint_dir=str(ckpt), checkpoint_every=1)
+    assert [row["step"] for row in resumed.metrics] == [1, 2, 3]
+    assert [row["reward_mean"] for row in resumed.metrics] == [row["reward_mean"] for row in straight.metrics]
+    a, b = _weights(straight.export_dir), _weights(resumed.export_dir)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    lines = (resumed.out_dir / "rollouts.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [s for s in (1, 2, 3) for _ in range(2 * 4)]
+
+
+def test_context_parallel_2_ranks_equals_one_process(shards, tiny_export, tmp_path):
+    """torchrun, 2 gloo ranks, CP=2: the same rollouts (rank 0's engine) and the same update as one process."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    settings = dict(steps=2, prompt_len=96, gen_len=8, lr=3e-3, engine=get_preset("local-cpu").engine)
+    one = run_rl(shards, tiny_export, tmp_path / "one", **settings)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "cp2"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           "-m", "tasks.rl", str(tiny_export), str(shards), str(out),
+           "--config", json.dumps({**settings, "prompts_per_step": 2, "group_size": 4, "context_parallel": 2})]
+    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward_mean"] for r in rows] == [r["reward_mean"] for r in one.metrics]
+    for r, ref in zip(rows, one.metrics):
+        assert r["rollout_train_logprobs_abs_diff_mean"] < 1e-4
+        assert r["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+    a, b = _weights(one.export_dir), _weights(out / "hf")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5

@@ -136,6 +136,20 @@ def stage_output_dir(stage: str, version: str, **identity) -> Path:
     return megabase_home() / "outputs" / stage / key
 
 
+def run_checkpoint_dir(base_uri: str, version: str, **identity) -> str:
+    """The checkpoint directory of one training run: ``<base_uri or $MEGABASE_HOME/checkpoints>/<key>``.
+
+    ``key`` hashes the stage's cache version and ``identity`` (input hashes, config), so every
+    worker of the job derives the same path (on a cluster ``base_uri`` must be a shared mount)
+    and a restarted run finds its own ``latest`` checkpoint, never another run's.
+    """
+    key = hashlib.sha256(json.dumps([version, identity], sort_keys=True, default=str).encode()).hexdigest()[:20]
+    if not base_uri:
+        return str(megabase_home() / "checkpoints" / key)
+    base = base_uri.rstrip("/")
+    return base if base.endswith(key) else f"{base}/{key}"
+
+
 def as_output(path: Path) -> FlyteDirectory:
     """Return a stage's output directory: kept in place locally, uploaded on a cluster."""
     if is_local_execution():

@@ -84,7 +84,7 @@ def prepare_data(
 
 @task
 def report(shards: HashedDir, sft: HashedDir, rl: HashedDir, verified: HashedDir, evaluated: HashedDir) -> str:
-    """Print where the reports are and their key numbers; returns the same text."""
+    """Where the reports are and their key numbers, as text (``pyflyte run`` prints the workflow's output)."""
     import json
     from pathlib import Path
 
@@ -102,9 +102,7 @@ def report(shards: HashedDir, sft: HashedDir, rl: HashedDir, verified: HashedDir
             lines.append(f"verify {pair} @ {b['context_tokens']:,} tokens: mean |diff| {b['mean_abs_diff']:.2e} "
                          f"p99 {b['p99_abs_diff']:.2e} max {b['max_abs_diff']:.2e} "
                          f"({'passed' if b['passed'] else 'FAILED'})")
-    text = "\n".join(lines)
-    print(text)
-    return text
+    return "\n".join(lines)
 
 
 @workflow

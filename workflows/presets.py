@@ -142,6 +142,9 @@ class RLSpec:
     lr: float = 1e-4
     temperature: float = 1.0
     kl_coef: float = 0.01
+    parallel: ParallelSpec | None = None  # trainer layout (Elastic + megatron); None: train_parallel
+    checkpoint_uri: str = ""          # shared directory for torch_dist checkpoints ("" = $MEGABASE_HOME)
+    checkpoint_every: int = 5         # steps
 
 
 @dataclass(frozen=True)
