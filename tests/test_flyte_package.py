@@ -49,8 +49,9 @@ def test_training_tasks_request_b200_nodes(b200_package, name):
     assert template.metadata.discoverable and template.metadata.discovery_version
 
 
-def test_sft_is_an_elastic_pytorch_job_of_8_nodes_x_8_gpus(b200_package):
-    template = task_template(b200_package, "tasks.sft.sft_task")
+@pytest.mark.parametrize("name", ["tasks.sft.sft_task", "tasks.rl.rl_task"])
+def test_training_is_an_elastic_pytorch_job_of_8_nodes_x_8_gpus(b200_package, name):
+    template = task_template(b200_package, name)
     assert template.type == "pytorch"
     job = json_format.MessageToDict(template.custom)
     assert job["workerReplicas"]["replicas"] == 8

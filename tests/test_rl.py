@@ -176,5 +176,8 @@ def test_context_parallel_2_ranks_equals_one_process(shards, tiny_export, tmp_pa
     for r, ref in zip(rows, one.metrics):
         assert r["rollout_train_logprobs_abs_diff_mean"] < 1e-4
         assert r["loss"] == pytest.approx(ref["loss"], abs=1e-5)
-    a, b = _weights(one.export_dir), _weights(out / "hf")
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    a, b, start = _weights(one.export_dir), _weights(out / "hf"), _weights(tiny_export)
+    # Adam turns float32 reduction-order noise in near-zero gradients into visible steps: the
+    # two runs agree to 1% of the largest update.
+    update = max((a[k] - start[k]).abs().max().item() for k in a)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 0.01 * update

@@ -252,7 +252,8 @@ PRESETS: dict[str, Preset] = {
                     recompute_modules=("moe",), offload_layers=24, mlp_chunk_tokens=131_072,
                     indexer_kl_coeff=1.0, checkpoint_uri="/mnt/checkpoints/megabase", checkpoint_every=20,
                     eval_every=20, eval_windows=4),
-        rl=RLSpec(steps=20, prompts_per_step=16, group_size=8, prompt_len=524_288, gen_len=1_024, lr=1e-6),
+        rl=RLSpec(steps=20, prompts_per_step=16, group_size=8, prompt_len=524_288, gen_len=1_024, lr=1e-6,
+                  checkpoint_uri="/mnt/checkpoints/megabase/rl"),
     ),
 }
 
