@@ -155,10 +155,19 @@ def init_process_group(rank: int = 0, world_size: int = 1) -> None:
 
 @contextlib.contextmanager
 def cpu_reference():
-    """Within the block, ``torch.cuda.current_device()`` is the CPU (also on a GPU host); restored after."""
+    """Run a float32 CPU copy of the model on any host, eagerly; restored after the block.
+
+    Within the block ``torch.cuda.current_device()`` is the CPU, and TorchDynamo is off: on a
+    GPU host megatron's ``jit_fuser`` is ``torch.compile`` (megatron/core/jit.py), and compiling
+    the router's ``_apply_expert_bias`` for CPU tensors fails there (no CPU inductor toolchain
+    in the GPU image); the reference wants the plain torch path anyway.
+    """
+    import torch._dynamo
+
     original = torch.cuda.current_device
     torch.cuda.current_device = lambda: torch.device("cpu")
     try:
-        yield
+        with torch._dynamo.config.patch(disable=True):
+            yield
     finally:
         torch.cuda.current_device = original

@@ -72,3 +72,23 @@ def test_token_logprobs_batched_with_and_without_explicit_labels():
     expected = full[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
     assert implicit.shape == (2, 129)
     assert (implicit - expected).abs().max() <= 1e-5 and (explicit - expected).abs().max() <= 1e-5
+
+
+def test_cpu_reference_runs_compiled_functions_eagerly():
+    """megatron's jit_fuser is torch.compile on GPU hosts: the CPU reference must not compile."""
+    from model.cpu_compat import cpu_reference
+
+    compiled = []
+
+    def backend(graph, example_inputs):
+        compiled.append(graph)
+        return graph.forward
+
+    fused = torch.compile(lambda x: x * 2 + 1, backend=backend)
+    fused(torch.ones(3))
+    assert len(compiled) == 1, "premise: outside the block the function compiles"
+    with cpu_reference():
+        # A new dtype would make dynamo compile again; inside the block it runs eagerly.
+        assert torch.equal(fused(torch.ones(3, dtype=torch.float64)), torch.full((3,), 3.0, dtype=torch.float64))
+        assert torch.cuda.current_device() == torch.device("cpu")
+    assert len(compiled) == 1
