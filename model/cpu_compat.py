@@ -133,7 +133,7 @@ def enable() -> bool:
 
 
 def init_process_group(rank: int = 0, world_size: int = 1) -> None:
-    """Initialise ``torch.distributed`` with gloo on CPU (nccl on GPU) and enable the CPU mapping.
+    """Initialise ``torch.distributed`` (gloo on CPU; nccl for CUDA tensors and gloo for CPU ones on a GPU host).
 
     A single process not started by a launcher (no ``WORLD_SIZE`` in the environment) rendezvouses
     on an in-memory ``HashStore``: no TCP port, so it cannot collide with another job's port or
@@ -144,7 +144,10 @@ def init_process_group(rank: int = 0, world_size: int = 1) -> None:
     enable()
     if torch.distributed.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # On a GPU host CPU tensors get gloo beside nccl: the float32 CPU reference model
+    # (cpu_reference) runs megatron's collectives, e.g. the vocab-parallel cross entropy's
+    # all-reduce, on CPU tensors ("No backend type associated with device type cpu" otherwise).
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if world_size == 1 and "WORLD_SIZE" not in os.environ:
         torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
         return
