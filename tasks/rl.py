@@ -70,6 +70,10 @@ class RLConfig:
             ``latest`` pointer there resumes the run. Empty: no checkpoints.
         checkpoint_every: save every N steps (and at the end); 0: only at the end.
         keep_checkpoints: most recent checkpoints kept.
+        engine_gpu_memory_fraction: on a GPU, the share of rank 0's device the colocated vLLM
+            engine may take (``gpu_memory_utilization``); the trainer keeps the rest.
+        engine_tensor_parallel: vLLM tensor parallelism of the rollout engine on a GPU node (a
+            model larger than one device: the node's GPUs, shared with the trainer ranks).
     """
 
     steps: int = 4
@@ -91,6 +95,8 @@ class RLConfig:
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
+    engine_gpu_memory_fraction: float = 0.3
+    engine_tensor_parallel: int = 1
 
 
 @dataclass(frozen=True)
@@ -300,7 +306,12 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
     metrics: list[dict] = []
     with contextlib.ExitStack() as stack:
         work = stack.enter_context(atomic_output_dir(out_dir)) if is_main else None
-        engine = stack.enter_context(make_engine(cfg.engine, sft_export, "float32", max_len)) if is_main else None
+        engine_kwargs = {}
+        if cfg.engine == "vllm" and torch.cuda.is_available():
+            engine_kwargs["llm_kwargs"] = {"gpu_memory_utilization": cfg.engine_gpu_memory_fraction,
+                                           "tensor_parallel_size": cfg.engine_tensor_parallel}
+        engine = stack.enter_context(make_engine(cfg.engine, sft_export, "float32", max_len, **engine_kwargs)) \
+            if is_main else None
         hf_now = hf_state_dict(policy) if step else None       # collective over TP/EP
         if engine is not None and hf_now is not None:
             engine.update_weights({**hf_now, **vision_state})   # resumed: the engine gets the checkpoint's policy
@@ -436,7 +447,7 @@ def preset_rl_config(preset: Preset) -> RLConfig:
                     lr=spec.lr, engine=preset.engine, grpo=GRPOConfig(kl_coef=spec.kl_coef),
                     tensor_parallel=par.tensor_parallel, context_parallel=par.context_parallel,
                     expert_parallel=par.expert_parallel, checkpoint_dir=spec.checkpoint_uri,
-                    checkpoint_every=spec.checkpoint_every)
+                    checkpoint_every=spec.checkpoint_every, engine_tensor_parallel=spec.engine_tensor_parallel)
 
 
 RL_VERSION = code_version("tasks/rl.py", "tasks/grpo.py", "tasks/engines.py", "tasks/sft.py", "model", "kernels")

@@ -145,6 +145,7 @@ class RLSpec:
     parallel: ParallelSpec | None = None  # trainer layout (Elastic + megatron); None: train_parallel
     checkpoint_uri: str = ""          # shared directory for torch_dist checkpoints ("" = $MEGABASE_HOME)
     checkpoint_every: int = 5         # steps
+    engine_tensor_parallel: int = 1   # vLLM TP of the colocated rollout engine (GPUs of rank 0's node)
 
 
 @dataclass(frozen=True)
@@ -253,7 +254,7 @@ PRESETS: dict[str, Preset] = {
                     indexer_kl_coeff=1.0, checkpoint_uri="/mnt/checkpoints/megabase", checkpoint_every=20,
                     eval_every=20, eval_windows=4),
         rl=RLSpec(steps=20, prompts_per_step=16, group_size=8, prompt_len=524_288, gen_len=1_024, lr=1e-6,
-                  checkpoint_uri="/mnt/checkpoints/megabase/rl"),
+                  checkpoint_uri="/mnt/checkpoints/megabase/rl", engine_tensor_parallel=8),
     ),
 }
 
