@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from tasks import vocab
 from tasks.atomic import atomic_output_dir
@@ -207,8 +208,10 @@ def eval_windows(shards_dir: str | os.PathLike, window_tokens: int, max_windows:
     return windows
 
 
-def score_windows(source: LogProbSource, windows: list[Window]) -> list[np.ndarray]:
+def score_windows(source: LogProbSource, windows: list[Window], progress: tqdm | None = None) -> list[np.ndarray]:
     """Per-token log-probs of each window from ``source`` (one window per call: memory).
+
+    ``progress`` (a tqdm bar) advances by one per window scored.
 
     Returns:
         float32 ``[W - 1]`` per window: ``lp[j - 1] = log p(x[j] | x[:j])``.
@@ -227,6 +230,8 @@ def score_windows(source: LogProbSource, windows: list[Window]) -> list[np.ndarr
             raise EvalError(f"{source.description}: window {i} has non-finite log-probs at "
                             f"position {int(np.argmin(np.isfinite(lp))) + 1}")
         out.append(lp)
+        if progress is not None:
+            progress.update()
     return out
 
 
@@ -385,10 +390,12 @@ def evaluate(sources: Mapping[str, LogProbSource | Callable[[], LogProbSource]],
     if cfg.markov_order:
         all_sources[f"markov-{cfg.markov_order}"] = _markov_baseline(shards_dir, cfg.markov_order)
     results: dict[str, dict] = {}
+    bar = tqdm(total=len(all_sources) * (len(windows) + len(rc_windows)), desc="evaluate", unit="window", disable=None)
     for label, factory in all_sources.items():
+        bar.set_postfix(checkpoint=label)
         with _opened(factory) as source:
-            stats = _bucket_stats(windows, score_windows(source, windows), edges)
-            rc = _bucket_stats(rc_windows, score_windows(source, rc_windows), edges)["overall"] if rc_windows else None
+            stats = _bucket_stats(windows, score_windows(source, windows, bar), edges)
+            rc = _bucket_stats(rc_windows, score_windows(source, rc_windows, bar), edges)["overall"] if rc_windows else None
         entry = {"source": source.description, **stats}
         if rc is not None and rc["tokens"]:
             forward = stats["overall"]["bits_per_base"]
@@ -396,6 +403,7 @@ def evaluate(sources: Mapping[str, LogProbSource | Callable[[], LogProbSource]],
                                            "relative_gap": (rc["bits_per_base"] - forward) / forward}
         results[label] = entry
         log.info("evaluate %s: %.4f bits/base (%s)", label, stats["overall"]["bits_per_base"], source.description)
+    bar.close()
 
     base = results[next(iter(sources))]
     for entry in results.values():

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from tasks.atomic import atomic_output_dir
 from tasks.engines import LogProbSource, TrainerLogProbs
@@ -193,17 +194,28 @@ def verify(trainer: LogProbSource, engine: LogProbSource, shards_dir: str | os.P
     windows = sample_windows(shards_dir, cfg.context_lengths, cfg.windows_per_length, cfg.seed, cfg.split)
 
     pairs: dict[str, list[dict]] = {}
+    active_legs = {length: [name for name in legs if caps[name] is None or length <= caps[name]]
+                   for length in cfg.context_lengths}
+    bar = tqdm(total=sum(len(active_legs[n]) * len(windows[n]) for n in cfg.context_lengths), desc="verify",
+               unit="window", disable=None)
     for length in cfg.context_lengths:
-        active = [name for name in legs if caps[name] is None or length <= caps[name]]
+        active = active_legs[length]
         compared = [(a, b) for a, b in PAIRS if a in active and b in active]
         if not compared:
             raise VerifyError(f"no pair of legs runs {length}-token windows (caps {caps}); lower the length or lift a cap")
-        scores = {name: [_score(legs[name], name, w) for w in windows[length]] for name in active}
+        scores = {}
+        for name in active:
+            bar.set_postfix(leg=name, tokens=length)
+            scores[name] = []
+            for w in windows[length]:
+                scores[name].append(_score(legs[name], name, w))
+                bar.update()
         for a, b in compared:
             diffs = [np.abs(x - y) for x, y in zip(scores[a], scores[b])]
             pairs.setdefault(f"{a} vs {b}", []).append({"context_tokens": length, **_pair_bucket(diffs, windows[length], cfg)})
         log.info("verify %d tokens: %s", length, ", ".join(
             f"{name} mean {pairs[name][-1]['mean_abs_diff']:.2e}" for name in pairs if pairs[name][-1]["context_tokens"] == length))
+    bar.close()
 
     failed = [(pair, b) for pair, buckets in pairs.items() for b in buckets if not b["passed"]]
     report = {
