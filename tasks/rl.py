@@ -1,23 +1,33 @@
 """RL fine-tuning stage: GRPO on DNA continuation, rollouts from the inference engine.
 
-Continues from the SFT export (Hugging Face layout). Each step:
+Continues from the SFT export (Hugging Face layout) on every rank of a torch elastic job
+(kfpytorch ``Elastic``), with SFT's trainer: megatron glm5_next in the run's TP/CP/EP layout,
+megatron DDP and the distributed Adam (``tasks.sft.build_trainer``). Each step:
 
-1. sample ``prompts_per_step`` prompts of ``prompt_len`` bases from the *training* split's
-   shards (held-out chromosomes never reach this stage: the shards' eval split is not read),
-   each followed in the genome by ``gen_len`` bases without a document boundary;
-2. the engine (vLLM in production, the preset names it) generates ``group_size`` rollouts of
-   ``gen_len`` tokens per prompt and returns each sampled token's log-prob;
-3. reward against the reference continuation, group-normalized advantages, and the trainer
-   (the same megatron glm5_next model as SFT) recomputes log-probs of the sampled tokens:
-   policy, old policy (= policy before this step's update) and the frozen SFT reference;
+1. every rank samples the same ``prompts_per_step`` prompts of ``prompt_len`` bases from the
+   *training* split's shards (held-out chromosomes never reach this stage: the shards' eval
+   split is not read), each followed in the genome by ``gen_len`` bases without a document
+   boundary;
+2. rank 0's engine (vLLM in production, the preset names it) generates ``group_size``
+   rollouts of ``gen_len`` tokens per prompt with each sampled token's log-prob, and
+   broadcasts them;
+3. reward against the reference continuation and group-normalized advantages (every rank);
+   the trainer recomputes log-probs of the sampled tokens under the policy, the old policy
+   (= policy before this step's update) and the frozen SFT reference; DP ranks take their
+   rollouts, CP ranks their contiguous slice of each sequence (:class:`LocalTokens`);
 4. one optimizer step on the GRPO loss (``tasks.grpo``: PPO clip, k3 KL to the reference,
-   truncated importance weight trainer/engine);
-5. the updated weights go to the engine in memory (``InferenceEngine.update_weights`` with
-   the model's HF-named state dict), never by restarting it.
+   truncated importance weight trainer/engine), summed per token on each rank and divided by
+   the token count of the DP x CP group (``finalize_model_grads``);
+5. the updated weights go to the engine (``InferenceEngine.update_weights`` with the model's
+   HF-named state dict, gathered over TP/EP), never by restarting it.
 
-Metrics per step (JSON lines): reward mean/std, KL, clip fraction,
-``rollout_train_logprobs_abs_diff`` mean/max (trainer vs engine on the sampled tokens),
-tokens/s, step time.
+Checkpoints (``checkpoint_dir``): megatron distributed checkpoints of the policy, optimizer,
+scheduler, RNG and the prompt sampler's state, every ``checkpoint_every`` steps and at the
+end; a ``latest`` pointer resumes the run, and the engine then takes the checkpoint's weights.
+
+Metrics per step (JSON lines, ``step`` counted from 1): reward mean/std, KL, clip fraction,
+TIS weight, ``rollout_train_logprobs_abs_diff`` mean/max (trainer vs engine on the sampled
+tokens), tokens/s, step time.
 """
 
 from __future__ import annotations
