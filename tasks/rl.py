@@ -412,7 +412,7 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
                         shard, offset = origins[k // cfg.group_size]
                         f.write(json.dumps({"step": step, "shard": shard, "offset": offset, "prompt_len": cfg.prompt_len,
                                             "generated": tokens.tolist(), "reward": reward}) + "\n")
-                log.info("rl step %d: reward %.3f kl %.2e gap %.2e", step, row["reward_mean"], row["kl"],
+                log.info("rl step %d/%d: reward %.3f kl %.2e gap %.2e", step, cfg.steps, row["reward_mean"], row["kl"],
                          row["rollout_train_logprobs_abs_diff_mean"])
                 bar.set_postfix(reward=f"{row['reward_mean']:.3f}", gap=f"{row['rollout_train_logprobs_abs_diff_mean']:.1e}")
                 bar.update()

@@ -1071,7 +1071,12 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
         if is_main:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            log.info("%s", json.dumps(record))   # progress where the bar is off (no TTY: cluster logs)
+            # Progress where the bar is off (no TTY: cluster logs, pyflyte's Elastic workers).
+            if "event" in record:
+                log.info("sft %s", json.dumps(record))
+            else:
+                log.info("sft step %d/%d: loss %.4f nats (%.3f bits/base), %.0f tokens/s, %.1f s/step", record["step"],
+                         cfg.steps, record["loss"], record["bits_per_base"], record["tokens_per_s"], record["step_time_s"])
 
     def save(step_done: int, best: bool) -> None:
         path = ckpt.save(checkpoint_state(False, step_done, consumed, best_eval), step_done, best, cfg.keep_checkpoints)

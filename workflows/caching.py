@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -131,9 +132,12 @@ def stage_output_dir(stage: str, version: str, **identity) -> Path:
         identity: JSON-serializable values that determine the output (input hashes, config).
     """
     if not is_local_execution():
-        return Path(tempfile.mkdtemp(prefix=f"megabase-{stage}-"))
-    key = hashlib.sha256(json.dumps([version, identity], sort_keys=True, default=str).encode()).hexdigest()[:20]
-    return megabase_home() / "outputs" / stage / key
+        out = Path(tempfile.mkdtemp(prefix=f"megabase-{stage}-"))
+    else:
+        key = hashlib.sha256(json.dumps([version, identity], sort_keys=True, default=str).encode()).hexdigest()[:20]
+        out = megabase_home() / "outputs" / stage / key
+    logging.getLogger("megabase.workflow").info("stage %s: running, output %s", stage, out)
+    return out
 
 
 def run_checkpoint_dir(base_uri: str, version: str, **identity) -> str:

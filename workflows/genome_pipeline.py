@@ -96,6 +96,8 @@ def report(shards: HashedDir, sft: HashedDir, rl: HashedDir, verified: HashedDir
         buckets = "  ".join(f"[{b['context'][0]:,}, {b['context'][1]:,}): {b['bits_per_base']:.3f}"
                             for b in entry["buckets"] if b["bits_per_base"] is not None)
         lines.append(f"  {label:>5}  overall {entry['overall']['bits_per_base']:.3f}  {buckets}")
+    for label, entry in evaluation.get("baselines", {}).items():
+        lines.append(f"  baseline {label} (fit on the train split): overall {entry['overall']['bits_per_base']:.3f}")
     lines.append("verify legs: " + "; ".join(f"{leg} = {what}" for leg, what in verification["legs"].items()))
     for pair, buckets in verification["pairs"].items():
         for b in buckets:
