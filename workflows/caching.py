@@ -136,7 +136,8 @@ def stage_output_dir(stage: str, version: str, **identity) -> Path:
     else:
         key = hashlib.sha256(json.dumps([version, identity], sort_keys=True, default=str).encode()).hexdigest()[:20]
         out = megabase_home() / "outputs" / stage / key
-    logging.getLogger("megabase.workflow").info("stage %s: running, output %s", stage, out)
+    if os.environ.get("RANK", "0") == "0":      # once per job, not once per Elastic worker
+        logging.getLogger("megabase.workflow").info("stage %s: running, output %s", stage, out)
     return out
 
 
