@@ -1,0 +1,31 @@
+"""GPU presets against the SFT memory plan: what they request covers what the plan says they need."""
+
+import pytest
+
+from tasks.sft import memory_plan, model_config, preset_sft_config
+from workflows.presets import DEVICE_MEMORY_BYTES, get_preset
+
+UNITS = {"Gi": 2**30, "Ti": 2**40, "G": 10**9, "T": 10**12}
+
+
+def quantity_bytes(q: str) -> int:
+    """Kubernetes memory quantity -> bytes (the suffixes the presets use)."""
+    for suffix in ("Gi", "Ti", "G", "T"):
+        if q.endswith(suffix):
+            return int(float(q[: -len(suffix)]) * UNITS[suffix])
+    return int(q)
+
+
+@pytest.mark.parametrize("name", ["b200-64"])
+def test_training_requests_cover_the_memory_plan(name):
+    p = get_preset(name)
+    cfg = preset_sft_config(p)
+    res, par = p.train_resources, p.train_parallel
+    requested = quantity_bytes(res.mem)
+    # Raises MemoryPlanError when a device or the node's requested memory cannot hold the run.
+    plan = memory_plan(model_config(cfg), cfg, world_size=par.nnodes * par.nproc_per_node,
+                       procs_per_node=par.nproc_per_node, device_limit=DEVICE_MEMORY_BYTES[res.accelerator],
+                       host_limit=requested, on_gpu=True)
+    assert plan.device_total <= DEVICE_MEMORY_BYTES[res.accelerator]
+    # The request is sized from the plan: enough for the pinned host memory, at most 20% above it.
+    assert plan.host_total <= requested <= 1.2 * plan.host_total, (plan.host_total / 2**30, requested / 2**30)
