@@ -268,6 +268,9 @@ def test_flyte_task_runs_two_elastic_ranks_and_returns_export_not_checkpoint(sha
     from tasks.sft import sft_task
 
     monkeypatch.setenv("MEGABASE_HOME", str(tmp_path))
+    # flytekit's local cache (~/.flyte) outlives this test: a hit from an earlier session would
+    # return that session's output (and checkpoint path) instead of running the ranks.
+    monkeypatch.setenv("FLYTE_LOCAL_CACHE_ENABLED", "false")
     cfg = SFTConfig(seq_len=1024, eval_seq_len=1024, eval_windows=1, steps=2, warmup_steps=1, context_parallel=2,
                     checkpoint_every=1)
     out = Path(sft_task(shards=FlyteDirectory(str(shards)), cfg=cfg).path)
