@@ -54,3 +54,19 @@ def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 22) -> str:
         while chunk := f.read(chunk_bytes):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def keep_records_through(path: str | os.PathLike, step: int) -> list[dict]:
+    """Truncate a JSON-lines history to the records of steps ``<= step``; returns them.
+
+    A training run resumed from the checkpoint of ``step`` keeps its history up to that step
+    and drops what a killed run wrote after it. Each record has an integer ``"step"``; the file
+    is created empty when missing.
+    """
+    import json
+
+    path = Path(path)
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    kept = [r for r in records if r["step"] <= step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return kept

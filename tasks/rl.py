@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from tasks import vocab
-from tasks.atomic import atomic_output_dir, sha256_file
+from tasks.atomic import atomic_output_dir, keep_records_through, sha256_file
 from tasks.grpo import GRPOConfig, continuation_reward, group_advantages, grpo_token_terms
 
 log = logging.getLogger("megabase.rl")
@@ -329,12 +329,8 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
         if is_main:
             (work / "rl_config.json").write_text(json.dumps(asdict(cfg), indent=1))
             history = history or work
-            for name in ("metrics.jsonl", "rollouts.jsonl"):
-                path = history / name
-                kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step] \
-                    if path.exists() else []
-                path.write_text("".join(line + "\n" for line in kept))
-                metrics += [json.loads(line) for line in kept] if name == "metrics.jsonl" else []
+            metrics = keep_records_through(history / "metrics.jsonl", step)
+            keep_records_through(history / "rollouts.jsonl", step)
         bar = None
         if is_main:
             from tqdm.auto import tqdm

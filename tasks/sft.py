@@ -47,6 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tasks.atomic import keep_records_through
+
 log = logging.getLogger("megabase.sft")
 
 DTYPES = ("float32", "bfloat16")
@@ -1063,9 +1065,8 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
             log.info("resumed from %s at step %d (%d windows consumed)", resume_from, step, consumed)
 
     metrics_path = out_dir / "metrics.jsonl"
-    if is_main and metrics_path.exists():      # a restarted run keeps the history up to its checkpoint
-        kept = [r for r in map(json.loads, metrics_path.read_text().splitlines()) if r["step"] <= step]
-        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    if is_main:                                # a restarted run keeps the history up to its checkpoint
+        keep_records_through(metrics_path, step)
 
     def emit(record: dict) -> None:
         if is_main:

@@ -123,6 +123,11 @@ def is_local_execution() -> bool:
     return "://" not in prefix or prefix.startswith("file://")
 
 
+def _run_key(version: str, identity: dict) -> str:
+    """20 hex digits of SHA-256 over a stage's cache version and identity (inputs, config)."""
+    return hashlib.sha256(json.dumps([version, identity], sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
 def stage_output_dir(stage: str, version: str, **identity) -> Path:
     """Where a stage writes: persistent and content-addressed locally, a fresh temp dir remotely.
 
@@ -134,8 +139,7 @@ def stage_output_dir(stage: str, version: str, **identity) -> Path:
     if not is_local_execution():
         out = Path(tempfile.mkdtemp(prefix=f"megabase-{stage}-"))
     else:
-        key = hashlib.sha256(json.dumps([version, identity], sort_keys=True, default=str).encode()).hexdigest()[:20]
-        out = megabase_home() / "outputs" / stage / key
+        out = megabase_home() / "outputs" / stage / _run_key(version, identity)
     if os.environ.get("RANK", "0") == "0":      # once per job, not once per Elastic worker
         logging.getLogger("megabase.workflow").info("stage %s: running, output %s", stage, out)
     return out
@@ -148,7 +152,7 @@ def run_checkpoint_dir(base_uri: str, version: str, **identity) -> str:
     worker of the job derives the same path (on a cluster ``base_uri`` must be a shared mount)
     and a restarted run finds its own ``latest`` checkpoint, never another run's.
     """
-    key = hashlib.sha256(json.dumps([version, identity], sort_keys=True, default=str).encode()).hexdigest()[:20]
+    key = _run_key(version, identity)
     if not base_uri:
         return str(megabase_home() / "checkpoints" / key)
     base = base_uri.rstrip("/")
