@@ -12,7 +12,8 @@ megatron's ``TransformerLayer`` (its residual is one ``[s, b, h]`` tensor), so
 :class:`Glm5NextLayer` is its own module that keeps megatron's hooks:
 
 * recompute: ``recompute_granularity="full"`` checkpoints whole layers
-  (``tensor_parallel.checkpoint``, RNG-tracker aware); ``"selective"`` with ``"mlp"`` / ``"moe"``
+  (``tensor_parallel.checkpoint``, RNG-tracker aware) and, inside them, each MLP/MoE chunk;
+  ``"selective"`` with ``"mlp"`` / ``"moe"``
   in ``recompute_modules`` checkpoints the MLP/MoE only;
 * activation offload: ``cpu_offloading=True`` saves the activations of the first
   ``cpu_offloading_num_layers`` layers to pinned host memory (``torch.autograd.graph.save_on_cpu``);
@@ -92,8 +93,11 @@ class Glm5NextLayer(MegatronModule):
         self.mlp = submodules.mlp(config=mlp_config, pg_collection=get_default_pg_collection(), is_mtp_layer=False)
         if hasattr(self.mlp, "set_layer_number"):
             self.mlp.set_layer_number(layer_number)
-        self.recompute_mlp = config.recompute_granularity == "selective" and (
-            "mlp" in config.recompute_modules or (self.is_moe and "moe" in config.recompute_modules)
+        # Full-layer recompute checkpoints the MLP/MoE chunks too: the layer's recompute in
+        # backward then holds one chunk's MLP activations instead of the whole sequence's.
+        self.recompute_mlp = config.recompute_granularity == "full" or (
+            config.recompute_granularity == "selective"
+            and ("mlp" in config.recompute_modules or (self.is_moe and "moe" in config.recompute_modules))
         )
 
     @staticmethod

@@ -23,7 +23,7 @@ from model.norms import RMSNorm
 from model.ops.kda import chunk_kda_torch
 from model.parallel import CPContext, all_gather_seq, recv_from_prev, send_to_next
 
-__all__ = ["RMSNorm", "HyperConnection", "KDAMixer", "DSAMixer"]
+__all__ = ["RMSNorm", "HyperConnection", "KDAMixer", "DSAMixer", "recompute"]
 
 
 def _init_normal(std: float):
@@ -52,6 +52,43 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
+class _Recompute(torch.autograd.Function):
+    """``fn(*tensors)`` that saves only ``tensors`` (via ``ctx.save_for_backward``) and reruns ``fn`` in backward.
+
+    For cheap elementwise/float32 sections whose intermediates cost more memory than their
+    recompute (mHC maps, the KDA gate and gated norm): plain autograd keeps float32 copies of
+    ``[s, b, width]`` tensors at every step. Parameters used by ``fn`` must be among ``tensors``
+    so their gradients flow. Saved tensors go through the saved-tensor hooks, so activation
+    offload (``save_on_cpu``) still moves them.
+    """
+
+    @staticmethod
+    def forward(ctx, fn, *tensors):
+        ctx.fn = fn
+        ctx.save_for_backward(*tensors)
+        with torch.no_grad():
+            return fn(*tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        needs = ctx.needs_input_grad[1:]
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
+            outs = ctx.fn(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        wanted = [leaf for leaf, need in zip(leaves, needs) if need]
+        got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
+        return (None, *(next(got) if need else None for need in needs))
+
+
+def recompute(fn, *tensors):
+    """``fn(*tensors)``, recomputed in backward instead of saving its intermediates (:class:`_Recompute`)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _Recompute.apply(fn, *tensors)
+    return fn(*tensors)
+
+
 class HyperConnection(torch.nn.Module):
     """Manifold-constrained hyper-connection weights (mHC, Xie et al. 2026; ``Glm5NextTextHyperConnection``).
 
@@ -74,14 +111,17 @@ class HyperConnection(torch.nn.Module):
         self.scale = torch.nn.Parameter(torch.ones(3))
         torch.nn.init.normal_(self.fn, std=0.02)
 
-    def forward(self, streams: torch.Tensor):
+    def maps(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor):
+        """``(pre [s, b, n], post [s, b, n], comb [s, b, n, n])``, float32, of ``streams [s, b, n, h]``
+        with the parameters ``fn``, ``base``, ``scale`` (passed in so that a recompute can
+        differentiate them)."""
         n = self.n
         flat = streams.flatten(-2).float()
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
-        mixed = F.linear(flat, self.fn.float())
+        mixed = F.linear(flat, fn.float())
         pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
+        pre_b, post_b, comb_b = base.split([n, n, n * n])
+        pre_s, post_s, comb_s = scale.unbind(0)
         pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * post_s + post_b)
         comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
@@ -89,6 +129,12 @@ class HyperConnection(torch.nn.Module):
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(-1, keepdim=True) + self.hc_eps)
             comb = comb / (comb.sum(-2, keepdim=True) + self.hc_eps)
+        return pre, post, comb
+
+    def forward(self, streams: torch.Tensor):
+        # Recomputed in backward: plain autograd would keep two float32 copies of the
+        # [s, b, n*h] streams per call for a (2+n)n-wide projection (the mHC paper recomputes too).
+        pre, post, comb = recompute(self.maps, streams, self.fn, self.base, self.scale)
         collapsed = (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
         return post, comb, collapsed
 
@@ -165,8 +211,11 @@ class KDAMixer(MegatronModule):
 
     def _gate(self, x: torch.Tensor) -> torch.Tensor:
         f, _ = self.f_b_proj(self.f_a_proj(x))
-        g = (f.float() + self.dt_bias.float()).unflatten(-1, (self.heads, self.head_dim))
-        a = self.A_log.float().exp().view(self.heads, 1)
+        return recompute(self._gate_math, f, self.dt_bias, self.A_log)  # saves f, not its float32 steps
+
+    def _gate_math(self, f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor) -> torch.Tensor:
+        g = (f.float() + dt_bias.float()).unflatten(-1, (self.heads, self.head_dim))
+        a = a_log.float().exp().view(self.heads, 1)
         if self.lower_bound is not None:
             return self.lower_bound * torch.sigmoid(a * g)
         return -a * F.softplus(g, threshold=20.0)
@@ -211,17 +260,19 @@ class KDAMixer(MegatronModule):
         else:
             o, _ = self._kda(_depthwise_causal_conv(pre, weight, None), g, beta, None)
         gate, _ = self.g_b_proj(self.g_a_proj(xb))
-        o = self._gated_norm(o, gate.unflatten(-1, (self.heads, self.head_dim)))
-        out, _ = self.o_proj(o.flatten(-2).to(x.dtype))
+        # Replicated weight, local heads: its gradient is summed over TP ranks by the copy region.
+        w = copy_to_tensor_model_parallel_region(self.o_norm_weight) if _tp_size() > 1 else self.o_norm_weight
+        gate = gate.unflatten(-1, (self.heads, self.head_dim))
+        # recomputed in backward: saves o and gate in their dtypes, not four float32 [s, b, KD] steps
+        o = recompute(lambda o, gate, w: self._gated_norm(o, gate, w).to(x.dtype), o, gate, w)
+        out, _ = self.o_proj(o.flatten(-2))
         return out.transpose(0, 1)
 
     def _kda(self, qkv, g, beta, state0):
         q, k, v = (t.unflatten(-1, (self.heads, self.head_dim)) for t in qkv.split(self.dim, dim=-1))
         return self._recurrence(q, k, v, g, beta, state0)
 
-    def _gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        # Replicated weight, local heads: its gradient is summed over TP ranks by the copy region.
-        w = copy_to_tensor_model_parallel_region(self.o_norm_weight) if _tp_size() > 1 else self.o_norm_weight
+    def _gated_norm(self, o: torch.Tensor, gate: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         o = o.float()
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
         return w.float() * o * torch.sigmoid(gate.float())

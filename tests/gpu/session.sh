@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call: install the carried wheels, then run the GPU checks and benchmarks named in
+# $PARTS (default: all) with a time limit each, logging to $OUT/<part>.log.
+#   run(command="bash tests/gpu/session.sh", carry=[".whl", "runs/sft_gpu_pack"])
+# Parts: actbytes (saved bytes per token vs the memory plan), model (tests/gpu/model_small.py),
+# sft (tests/gpu/sft_small.py with $SFT_CONFIGS), dsa (tests/gpu/dsa_check.py + dsa_bench.py).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+PARTS=${PARTS:-"actbytes model sft dsa"}
+part() {  # part NAME SECONDS CMD...
+  local name=$1 limit=$2; shift 2
+  case " $PARTS " in *" $name "*) ;; *) return ;; esac
+  echo "=== $name (limit ${limit}s) $(date +%T)"
+  timeout --signal=INT --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "=== $name rc=$? $(date +%T)"
+  grep -v -i "warn" "$OUT/$name.log" | tail -n "${TAIL:-25}"
+}
+part actbytes "${T_ACTBYTES:-60}" python3 tests/benchmarks/activation_bytes.py --preset small --seq 16384 \
+  --mlp-chunk-tokens 65536 --out "$OUT/actbytes.json"
+part model "${T_MODEL:-150}" python3 tests/gpu/model_small.py --seq 16384 65536 --check-seq 2048 \
+  --out "$OUT/model_small.json"
+part sft "${T_SFT:-360}" python3 tests/gpu/sft_small.py --pack runs/sft_gpu_pack --out "$OUT" --steps 3 \
+  --configs ${SFT_CONFIGS:-64k 256k-sel-off4 256k-sel 256k-full 512k-full}
+part dsa "${T_DSA:-300}" bash -c "python3 tests/gpu/dsa_check.py --out $OUT/dsa_check.json && \
+  python3 tests/benchmarks/dsa_bench.py --out $OUT/dsa_bench.json"
