@@ -3,13 +3,21 @@
 # $PARTS (default: all) with a time limit each, logging to $OUT/<part>.log.
 #   run(command="bash tests/gpu/session.sh", carry=[".whl", "runs/sft_gpu_pack"])
 # Parts: actbytes (saved bytes per token vs the memory plan), model (tests/gpu/model_small.py),
-# sft (tests/gpu/sft_small.py with $SFT_CONFIGS), dsa (tests/gpu/dsa_check.py + dsa_bench.py).
+# sft (tests/gpu/sft_small.py with $SFT_CONFIGS), model_check (model_small.py's bf16-vs-CPU check
+# only), dsa (tests/gpu/dsa_check.py + dsa_bench.py).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# Compiled kernels and autotuning results (Triton's, fla's) persist across the parts of a call;
+# a cache tarball carried from an earlier call ($TRITON_CACHE_TGZ) skips the first-step compile.
+export TRITON_CACHE_DIR=/tmp/triton_cache TRITON_CACHE_AUTOTUNING=1
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -n "${TRITON_CACHE_TGZ:-}" ] && [ -f "$TRITON_CACHE_TGZ" ]; then tar -xzf "$TRITON_CACHE_TGZ" -C "$TRITON_CACHE_DIR"; fi
+save_cache() { tar -czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null; }
+trap save_cache EXIT
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 PARTS=${PARTS:-"actbytes model sft dsa"}
 part() {  # part NAME SECONDS CMD...
@@ -20,11 +28,13 @@ part() {  # part NAME SECONDS CMD...
   echo "=== $name rc=$? $(date +%T)"
   grep -v -i "warn" "$OUT/$name.log" | tail -n "${TAIL:-25}"
 }
-part actbytes "${T_ACTBYTES:-60}" python3 tests/benchmarks/activation_bytes.py --preset small --seq 16384 \
+part actbytes "${T_ACTBYTES:-60}" python3 tests/gpu/activation_bytes.py --preset small --seq 16384 \
   --mlp-chunk-tokens 65536 --out "$OUT/actbytes.json"
 part model "${T_MODEL:-150}" python3 tests/gpu/model_small.py --seq 16384 65536 --check-seq 2048 \
   --out "$OUT/model_small.json"
 part sft "${T_SFT:-360}" python3 tests/gpu/sft_small.py --pack runs/sft_gpu_pack --out "$OUT" --steps 3 \
   --configs ${SFT_CONFIGS:-64k 256k-sel-off4 256k-sel 256k-full 512k-full}
+part model_check "${T_MODEL:-150}" python3 tests/gpu/model_small.py --seq --check-seq 2048 \
+  --out "$OUT/model_check.json"
 part dsa "${T_DSA:-300}" bash -c "python3 tests/gpu/dsa_check.py --out $OUT/dsa_check.json && \
   python3 tests/benchmarks/dsa_bench.py --out $OUT/dsa_bench.json"

@@ -11,8 +11,8 @@ tokens/s, the measured peak GPU memory next to the memory plan's estimate, the l
 the held-out loss. One JSON line per configuration, also written to ``--out/sft_small.json``;
 every step's metrics are logged as they come (a run cut short still shows its progress).
 
-The GPU image has no flytekit; ``tasks.*`` import it only for their ``@task`` wrappers, so a
-permissive stand-in module is installed before importing them (training itself never calls it).
+The device machine has no flytekit; ``tasks.*`` import it only for their ``@task`` wrappers, so
+:mod:`flyte_standin` installs a permissive stand-in before importing them (training never calls it).
 """
 
 from __future__ import annotations
@@ -23,45 +23,9 @@ import logging
 import statistics
 import sys
 import traceback
-import types
 from pathlib import Path
 
-
-class _FlyteStandIn:
-    """Accepts any construction, decoration or attribute access (``@task(...)`` returns the function)."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __call__(self, *args, **kwargs):
-        if len(args) == 1 and callable(args[0]) and not kwargs:
-            return args[0]
-        return _FlyteStandIn()
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _FlyteStandIn()
-
-
-def _module_attr(name: str):
-    if name.startswith("__"):      # __file__, __path__ ...: inspect and importlib probe these
-        raise AttributeError(name)
-    return _FlyteStandIn()
-
-
-def _install_flytekit_stand_in() -> None:
-    try:
-        import flytekit  # noqa: F401
-        import flytekitplugins.kfpytorch  # noqa: F401
-        return
-    except ImportError:
-        pass
-    for name in ("flytekit", "flytekit.core", "flytekit.core.hash", "flytekit.types", "flytekit.types.directory",
-                 "flytekit.extras", "flytekit.extras.accelerators", "flytekitplugins", "flytekitplugins.kfpytorch"):
-        module = types.ModuleType(name)
-        module.__getattr__ = _module_attr
-        sys.modules[name] = module
+from flyte_standin import install_flytekit_stand_in
 
 
 CONFIGS = {
@@ -71,7 +35,8 @@ CONFIGS = {
     # ("256k-sel") or the first 4 of 8 layers' activations in pinned host memory ("256k-sel-off4").
     "256k-sel": dict(seq_len=262_144, recompute="selective", recompute_modules=("mlp",)),
     "256k-sel-off4": dict(seq_len=262_144, recompute="selective", recompute_modules=("mlp",), offload_layers=4),
-    # full-layer recompute (CP = 1 on one GPU) keeps only the layer inputs between layers.
+    # full-layer recompute (CP = 1 on one GPU) keeps only the layer inputs between layers (and
+    # checkpoints each MLP chunk inside the layer's recompute).
     "256k-full": dict(seq_len=262_144, recompute="full"),
     "512k-full": dict(seq_len=524_288, recompute="full"),
     "1m-full-off8": dict(seq_len=1_048_576, recompute="full", offload_layers=8),
@@ -85,12 +50,12 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
-    _install_flytekit_stand_in()
+    install_flytekit_stand_in()
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
 
     import torch
 
-    from tasks.sft import SFTConfig, train
+    from tasks.sft import SFTConfig, memory_plan, model_config, train
 
     rows = []
     for name in args.configs:
@@ -102,26 +67,38 @@ def main() -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         row = {"config": name, **{k: list(v) if isinstance(v, tuple) else v for k, v in knobs.items()}}
+        error = None
         try:
             result = train(args.pack, cfg, out)
-            records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-            steps = [r for r in records if "event" not in r]
-            summary = json.loads((out / "summary.json").read_text())
-            step_s = statistics.median(r["step_time_s"] for r in steps[1:])
+        except Exception as err:  # report, keep the steps that ran, go on to the next configuration
+            traceback.print_exc()
+            result, error = None, err
+        row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        try:
+            plan = memory_plan(model_config(cfg), cfg, 1, 1, device_limit=torch.cuda.get_device_properties(0).total_memory)
+            row.update(plan_gib=round(plan.device_total / 2**30, 2), plan_pinned_gib=round(plan.pinned_host / 2**30, 2))
+        except Exception as err:
+            row["plan"] = repr(err)[:300]
+        metrics = out / "metrics.jsonl"
+        records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        steps = [r for r in records if "event" not in r]
+        if steps:
+            timed = steps[1:] or steps
+            step_s = statistics.median(r["step_time_s"] for r in timed)
             row.update(
                 step_s=round(step_s, 3), first_step_s=round(steps[0]["step_time_s"], 2),
-                tokens_per_s=round(cfg.seq_len / step_s), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
-                plan_gib=round(summary["memory_plan_bytes"]["device_total"] / 2**30, 2),
+                tokens_per_s=round(cfg.seq_len / step_s), steps_run=len(steps),
                 pinned_gib=max((r.get("peak_pinned_host_gib") or 0) for r in steps),
-                plan_pinned_gib=round(summary["memory_plan_bytes"]["pinned_host"] / 2**30, 2),
                 mfu=steps[-1]["mfu"], losses=[round(r["loss"], 4) for r in steps],
                 indexer_kl=[round(r["indexer_kl"], 4) for r in steps],
+                moe_ep_overload=steps[-1].get("moe_max_overload"),
                 moe_expert_max_over_mean=steps[-1]["moe_expert_max_over_mean"],
-                eval_loss=result.best_eval_loss,
             )
-        except Exception as err:  # report and go on to the next configuration
-            traceback.print_exc()
-            row.update(error=repr(err)[:800], peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+        evals = [r for r in records if r.get("event") == "eval"]
+        if evals:
+            row["eval_loss"] = evals[-1]["eval_loss"]
+        if error is not None:
+            row["error"] = repr(error)[:800]
         print(json.dumps(row), flush=True)
         rows.append(row)
         Path(args.out, "sft_small.json").write_text(json.dumps(rows, indent=1))

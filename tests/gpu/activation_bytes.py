@@ -1,6 +1,6 @@
 """Measure the activation bytes autograd saves per token, per layer and module, against the SFT memory plan.
 
-    python tests/benchmarks/activation_bytes.py --preset small --seq 4096 [--dtype bfloat16]
+    python tests/gpu/activation_bytes.py --preset small --seq 4096 [--dtype bfloat16]
 
 One training forward of a freshly built model (no recompute, no offload) runs under
 ``torch.autograd.graph.saved_tensors_hooks``; every tensor saved for backward is attributed to
@@ -109,6 +109,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
+    from flyte_standin import install_flytekit_stand_in
+
+    install_flytekit_stand_in()
     from model.config import preset
     from model.glm5_next import build_model
     from tasks.sft import _activation_elements_per_token
