@@ -692,7 +692,7 @@ def _peak_pinned_gib() -> float | None:
     stats = getattr(torch.cuda, "host_memory_stats", None)
     if not torch.cuda.is_available() or stats is None:
         return None
-    return stats().get("allocated_bytes.all.peak", 0) / 2**30
+    return stats().get("allocated_bytes.peak", 0) / 2**30  # host allocator keys have no ".all"
 
 
 def _moe_overload(module, ep: int):
