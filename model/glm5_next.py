@@ -167,9 +167,6 @@ class Glm5NextModel(MegatronModule):
         ctx = torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else contextlib.nullcontext()
         with ctx:
             if c.recompute_granularity == "full" and self.training:
-                initialized = parallel_state.model_parallel_is_initialized()
-                if initialized and parallel_state.get_context_parallel_world_size() > 1:
-                    raise ValueError("full-layer recompute with CP>1 would repeat the KDA state hand-off")
                 return tensor_parallel.checkpoint(
                     lambda s, t: layer(s, t, cu_seqlens), False, streams, topk
                 )

@@ -21,7 +21,7 @@ from megatron.core.transformer.module import MegatronModule
 from model.config import Glm5NextConfig
 from model.norms import RMSNorm
 from model.ops.kda import chunk_kda_torch
-from model.parallel import CPContext, all_gather_seq, recv_from_prev, send_to_next
+from model.parallel import CPContext, all_gather_seq
 
 __all__ = ["RMSNorm", "HyperConnection", "KDAMixer", "DSAMixer", "recompute"]
 
@@ -159,8 +159,8 @@ class KDAMixer(MegatronModule):
 
     Recurrence: ``fla.ops.kda.chunk_kda`` on CUDA (imported lazily, GPU only), the project's
     :func:`model.ops.kda.chunk_kda_torch` elsewhere. TP splits heads. CP (contiguous layout, see
-    :mod:`model.parallel`) hands the KDA state and the convolution history from rank r-1 to r
-    (point-to-point, sequential; fla's ``FLACPContext`` is not used yet).
+    :mod:`model.parallel`): parallel state passing (:meth:`_kda_context_parallel`) and the
+    convolution history of rank r-1, both through all-gathers.
     ``cu_seqlens`` (packed documents, ``b == 1``, no CP) restarts state and convolution at each
     document start.
     """
@@ -243,13 +243,14 @@ class KDAMixer(MegatronModule):
         if cp.size > 1:
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens packing with context parallelism is not implemented")
-            history = recv_from_prev(x, (b, kernel - 1, pre.shape[-1]), pre.dtype, cp)
-            # The next rank's convolution history is this rank's last kernel-1 inputs.
-            pre = send_to_next(pre, pre[:, s - (kernel - 1):], cp)
-            qkv = _depthwise_causal_conv(pre, weight, history)
-            state0 = recv_from_prev(x, (b, self.heads, self.head_dim, self.head_dim), torch.float32, cp)
-            o, state = self._kda(qkv, g, beta, state0)
-            o = send_to_next(o, state, cp)
+            # Rank r's convolution history is rank r-1's last kernel-1 inputs (all-gathered:
+            # collectives only, so a recomputed layer repeats them in step on every rank).
+            tails = all_gather_seq(pre[:, s - (kernel - 1):], 1, cp)
+            if cp.rank:
+                history = tails[:, (cp.rank - 1) * (kernel - 1): cp.rank * (kernel - 1)]
+            else:  # zeros that keep the gather in rank 0's graph: its backward is a collective
+                history = tails[:, : kernel - 1] * 0
+            o = self._kda_context_parallel(_depthwise_causal_conv(pre, weight, history), g, beta, cp)
         elif cu_seqlens is not None:
             bounds = cu_seqlens.tolist()
             outs = []
@@ -267,6 +268,35 @@ class KDAMixer(MegatronModule):
         o = recompute(lambda o, gate, w: self._gated_norm(o, gate, w).to(x.dtype), o, gate, w)
         out, _ = self.o_proj(o.flatten(-2))
         return out.transpose(0, 1)
+
+    def _kda_context_parallel(self, qkv, g, beta, cp: CPContext) -> torch.Tensor:
+        """KDA over a sequence split contiguously across CP ranks, with parallel state passing.
+
+        The recurrence ``S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T`` is
+        linear in ``(S_0, v)``, so a rank's final state is ``M S_in + S_loc`` with ``M [K, K]``
+        its chunk's transition and ``S_loc`` its final state from zero. One pass with values
+        ``[v | 0]`` and initial state ``[0 | I]`` returns ``[S_loc | M]``; ``(M, S_loc)`` are
+        all-gathered (``[B, H, K, K + V]`` float32 per rank), each rank folds its predecessors'
+        into its incoming state, and a second pass from that state gives the output. All ranks
+        work at once (about 2x the local KDA work instead of waiting for ``r`` predecessors),
+        and the only communication is collective, which full-layer recompute may repeat. The
+        same state-passing idea as fla's ``FLACPContext`` (fla 0.6.0), on top of any ``chunk_kda``.
+        """
+        q, k, v = (t.unflatten(-1, (self.heads, self.head_dim)) for t in qkv.split(self.dim, dim=-1))
+        b, d = q.shape[0], self.head_dim
+        v_ext = torch.cat([v, torch.zeros_like(v)], dim=-1)
+        eye = torch.eye(d, device=q.device, dtype=torch.float32).expand(b, self.heads, d, d)
+        s0 = torch.cat([torch.zeros_like(eye), eye], dim=-1)
+        _, final = self._recurrence(q, k, v_ext, g, beta, s0)
+        gathered = all_gather_seq(final.unsqueeze(1), 1, cp)          # [B, R, H, K, 2V]
+        # Starts from zeros that keep the gather in every rank's graph (rank 0 uses none of it):
+        # the gather's backward is an all-reduce that all ranks must join.
+        state = gathered[:, 0, ..., :d] * 0
+        for j in range(cp.rank):
+            local, transition = gathered[:, j, ..., :d], gathered[:, j, ..., d:]
+            state = transition @ state + local
+        o, _ = self._recurrence(q, k, v, g, beta, state)
+        return o
 
     def _kda(self, qkv, g, beta, state0):
         q, k, v = (t.unflatten(-1, (self.heads, self.head_dim)) for t in qkv.split(self.dim, dim=-1))

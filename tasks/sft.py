@@ -90,7 +90,7 @@ class SFTConfig:
         tensor_parallel, context_parallel, expert_parallel: megatron parallel sizes; the data-
             parallel size is ``world_size / (tensor_parallel * context_parallel)``.
         recompute: ``none``, ``selective`` (the modules of ``recompute_modules``: ``mlp`` = every
-            MLP/MoE, ``moe`` = MoE layers only) or ``full`` (whole layers; not with CP > 1).
+            MLP/MoE, ``moe`` = MoE layers only) or ``full`` (whole layers, and each MLP chunk in them).
         offload_layers: activations of the first N layers are saved to pinned host memory.
         mlp_chunk_tokens: sequence-chunked MLP/MoE, tokens per chunk (0: whole sequence).
         logits_chunk_tokens: positions whose logits exist at once in the loss.
@@ -154,9 +154,6 @@ class SFTConfig:
             raise SFTConfigError(f"recompute={self.recompute!r}; valid: {RECOMPUTE}")
         if bad := set(self.recompute_modules) - {"mlp", "moe"}:
             raise SFTConfigError(f"recompute_modules has {sorted(bad)}; valid: 'mlp', 'moe'")
-        if self.recompute == "full" and self.context_parallel > 1:
-            raise SFTConfigError("recompute='full' with context_parallel>1 would repeat the KDA state hand-off; "
-                                 "use recompute='selective'")
         for name in ("seq_len", "eval_seq_len"):
             if getattr(self, name) % self.context_parallel:
                 raise SFTConfigError(f"{name}={getattr(self, name)} is not divisible by "
@@ -284,6 +281,7 @@ class MemoryPlan:
     optimizer: int
     activations: int
     workspace: int
+    reserve: int
     pinned_host: int
     device_total: int
     device_limit: int
@@ -293,8 +291,9 @@ class MemoryPlan:
     def table(self) -> str:
         g = 1 << 30
         rows = [("weights", self.weights), ("grad buffers", self.grads), ("optimizer (master+Adam)", self.optimizer),
-                ("activations kept on device", self.activations), ("workspace (one layer, logits chunk)",
-                                                                   self.workspace)]
+                ("activations kept on device", self.activations),
+                ("workspace (backward in flight)", self.workspace),
+                (f"allocator reserve ({ALLOCATOR_RESERVE:.0%})", self.reserve)]
         lines = [f"  {name:<36s}{v / g:10.2f} GiB" for name, v in rows]
         lines.append(f"  {'= per device':<36s}{self.device_total / g:10.2f} GiB of {self.device_limit / g:.2f} GiB")
         lines.append(f"  {'pinned host (offloaded activations)':<36s}{self.pinned_host / g:10.2f} GiB per device")
@@ -302,28 +301,67 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _activation_elements_per_token(mcfg, layer: int, tp: int) -> tuple[int, int]:
-    """(saved activation elements per token of layer ``layer`` on one TP rank: mixer part, MLP part).
+FLA_CHUNK = 64
+"""Chunk length of fla's ``chunk_kda`` (its per-chunk ``[C, C]`` matrices are saved per token)."""
+CPU_KDA_CORE_FACTOR = 30
+"""The plain-torch chunked KDA (CPU path) saves 20-30x what fla saves per token (measured with
+``tests/gpu/activation_bytes.py``: small 491,713 vs 16,464 B/token on an H200; tiny 38,826 vs
+1,952 planned for fla); the CPU plan uses the upper end."""
+SAVE_ON_CPU_COPIES = 1.75
+"""Host bytes per planned offloaded byte: ``torch.autograd.graph.save_on_cpu`` copies every saved
+tensor, so an activation saved by several ops (the mixer input by six projections, the streams
+by the mHC maps and the merge) is copied once per op: 110.6 GiB pinned vs 63.5 GiB of distinct
+activations for 4 offloaded layers of ``small`` at 256k on an H200."""
+ALLOCATOR_RESERVE = 0.05
+"""Fraction of the planned device total added for allocator fragmentation and communicator
+buffers (a 512k full-recompute run on one H200 failed at 126 GiB allocated + 26 GiB reserved)."""
 
-    Counts the tensors autograd keeps for backward in :mod:`model.layers` (inputs of every
-    linear, gates, normalised inputs, mHC streams); TP-split widths are divided by ``tp``.
+
+def activation_bytes_per_token(mcfg, layer: int, tp: int, width: int, on_gpu: bool = True) -> dict[str, int]:
+    """Bytes autograd saves per token in layer ``layer`` on one TP rank, by part.
+
+    Counted from the tensors each op of :mod:`model.layers` / :mod:`model.glm5_next` keeps for
+    backward, with ``width`` bytes per activation element (2 for bf16) and float32 where the
+    code keeps float32; checked against ``tests/gpu/activation_bytes.py`` (autograd's saved
+    tensors, deduplicated by storage) on CPU in ``tests/test_sft.py`` and on an H200
+    (``kernels/NOTES.md``: every part within 1% for the ``small`` preset). Parts:
+
+    * ``mhc``: the two hyper-connections' input streams (their float32 maps are recomputed);
+    * ``other``: the two RMSNorms (input + float32 rstd) and the two stream merges;
+    * ``mixer``: projections, convolutions, gates and norms around the token mixer;
+    * ``core``: fla ``chunk_kda`` on GPU (``CPU_KDA_CORE_FACTOR`` x on CPU) or the DSA sparse
+      attention (absorbed queries, latent, output, LSE) plus the int32 top-k of a layer with its
+      own indexer;
+    * ``mlp``: dense SwiGLU (input, gate/up output, clamp/SiLU/product intermediates) or MoE
+      (``topk`` routed copies, the shared expert, router and dispatch; sequence split over TP);
+    * ``mlp_input``: what a recomputed MLP chunk keeps (its input).
     """
+    f32 = 4
     h, n = mcfg.hidden_size, mcfg.hc_mult
-    hc = 2 * (n * h + 3 * n + n * n) + 4 * h          # two mHC wrappers: streams, maps, norms
+    parts = {"mhc": 2 * n * h * width + 2 * n * f32,
+             "other": (4 * h + 2 * (n * n + n)) * width + 2 * f32}
     if mcfg.layer_types[layer] == "linear_attention":
-        kd = mcfg.linear_num_heads * mcfg.linear_head_dim // tp
-        mixer = h + 3 * 2 * kd + 4 * kd + 3 * mcfg.linear_head_dim + kd   # x, pre/post conv q k v, g, o, gate
+        heads = mcfg.linear_num_heads // tp
+        kd, d = heads * mcfg.linear_head_dim, mcfg.linear_head_dim
+        parts["mixer"] = (h + 10 * kd + 2 * d) * width + heads * f32   # x, conv in/out, f, gate, o, low-rank
+        core = (5 * kd + 2 * heads * FLA_CHUNK) * width + kd * f32 + 2 * heads * f32  # q k v, l2-normed q k, g
+        parts["core"] = core if on_gpu else CPU_KDA_CORE_FACTOR * core
     else:
         heads = mcfg.num_attention_heads // tp
-        mixer = (h + 2 * mcfg.q_lora_rank + heads * mcfg.qk_nope_head_dim + 2 * mcfg.kv_lora_rank
-                 + 2 * heads * mcfg.kv_lora_rank + heads * mcfg.v_head_dim + heads)  # q_abs, o_lat, lse
+        kv = mcfg.kv_lora_rank
+        parts["mixer"] = (h + 2 * mcfg.q_lora_rank + kv + heads * (mcfg.qk_nope_head_dim + mcfg.v_head_dim)) * width \
+            + 2 * f32
+        selected = mcfg.index_topk + mcfg.index_kpool - 1 if mcfg.index_kpool_always_select_tail else mcfg.index_topk
+        own_indexer = mcfg.indexer_types[layer] != "shared"
+        parts["core"] = (2 * heads * kv + kv) * width + heads * f32 + (selected * 4 if own_indexer else 0)
     if mcfg.mlp_layer_types[layer] == "sparse":
-        per_expert = 3 * (mcfg.moe_ffn_hidden_size or 0) + h
-        shared = 3 * (mcfg.moe_shared_expert_intermediate_size or 0) // tp + h
-        mlp = mcfg.moe_router_topk * per_expert + shared + 2 * (mcfg.num_moe_experts or 0)
+        routed = mcfg.moe_router_topk * (1.25 * h + 6 * (mcfg.moe_ffn_hidden_size or 0))  # permuted copies
+        shared = h + 6 * (mcfg.moe_shared_expert_intermediate_size or 0)
+        parts["mlp"] = int((routed + shared + h + 8 * (mcfg.num_moe_experts or 0)) * width / tp)
     else:
-        mlp = 3 * mcfg.ffn_hidden_size // tp + h
-    return hc + mixer, mlp
+        parts["mlp"] = (h + 6 * mcfg.ffn_hidden_size // tp) * width
+    parts["mlp_input"] = h * width
+    return parts
 
 
 def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int, device_limit: int | None = None,
@@ -332,12 +370,14 @@ def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int, devi
 
     Weights in ``cfg.dtype`` (experts divided by EP, TP-split matrices by TP), float32 gradient
     buffers, float32 master weights + Adam moments (12 bytes/parameter) divided over the
-    DP x CP ranks by the distributed optimizer; activations: per-token saved elements of every
-    layer (:func:`_activation_elements_per_token`) times ``seq_len / context_parallel`` tokens,
+    DP x CP ranks by the distributed optimizer; activations: per-token saved bytes of every
+    layer (:func:`activation_bytes_per_token`) times ``seq_len / context_parallel`` tokens,
     minus the MLP/MoE part of recomputed layers (``selective``) or all but the layer inputs
-    (``full``); offloaded layers move to pinned host memory. Workspace: one layer's activations
-    (recompute / the backward in flight) plus one float32 logits chunk. Estimates, not
-    measurements; the GPU benchmark reports the measured peak next to it.
+    (``full``); offloaded layers move to pinned host memory (times ``SAVE_ON_CPU_COPIES``).
+    Workspace: 1-3.75x one layer's non-MLP activations (the backward in flight, by recompute and
+    offload mode), one MLP chunk, one float32 logits chunk; plus an allocator reserve of
+    ``ALLOCATOR_RESERVE``. Estimates calibrated on an H200 (table in
+    ``kernels/NOTES.md``); the GPU benchmark reports the measured peak next to it.
 
     Args:
         mcfg: :class:`model.config.Glm5NextConfig`.
@@ -371,28 +411,44 @@ def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int, devi
     grads = int(local_params * 4)
     optimizer = int(local_params * 12 / (dp * cp))
     tokens = cfg.seq_len // cp
-    device_acts, host_acts, layer_max = 0, 0, 0
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    device_acts, host_acts, layer_work, mlp_work = 0, 0, 0, 0
     for i in range(mcfg.num_layers):
-        mixer, mlp = _activation_elements_per_token(mcfg, i, tp)
+        part = activation_bytes_per_token(mcfg, i, tp, width, on_gpu)
+        around = part["mhc"] + part["other"] + part["mixer"] + part["core"]
         moe = mcfg.mlp_layer_types[i] == "sparse"
+        recompute_mlp = cfg.recompute == "full" or (
+            cfg.recompute == "selective" and ("mlp" in cfg.recompute_modules or (moe and "moe" in cfg.recompute_modules)))
         if cfg.recompute == "full":
-            kept = mcfg.hc_mult * mcfg.hidden_size
-        elif cfg.recompute == "selective" and ("mlp" in cfg.recompute_modules or (moe and "moe" in cfg.recompute_modules)):
-            kept = mixer + mcfg.hidden_size
+            # the layer checkpoint keeps its input streams, and the top-k a DSA layer hands on
+            kept = mcfg.hc_mult * mcfg.hidden_size * width
+            if i and mcfg.layer_types[i - 1] != "linear_attention":
+                kept += (mcfg.index_topk + mcfg.index_kpool) * 4
+        elif recompute_mlp:
+            kept = around + part["mlp_input"]
         else:
-            kept = mixer + mlp
-        layer_max = max(layer_max, mixer + mlp)
+            kept = around + part["mlp"]
+        layer_work = max(layer_work, around)
+        mlp_work = max(mlp_work, part["mlp"])
         if i < cfg.offload_layers:
             host_acts += kept
         else:
             device_acts += kept
-    activations = int(device_acts * tokens * width)
-    pinned = int(host_acts * tokens * width)
+    activations = int(device_acts * tokens)
+    pinned = int(host_acts * tokens * SAVE_ON_CPU_COPIES)
     chunk = min(cfg.logits_chunk_tokens, tokens)
-    workspace = int(layer_max * tokens * width + chunk * mcfg.vocab_size / tp * 4 * 3)
-    device_total = weights + grads + optimizer + activations + workspace
+    mlp_tokens = min(cfg.mlp_chunk_tokens, tokens) if cfg.mlp_chunk_tokens > 0 else tokens
+    # Backward in flight, in units of one layer's non-MLP activations, fitted on an H200 (small
+    # preset, kernels/NOTES.md): the gradients of the layer in backward (1; 1.08 measured at 64k
+    # without recompute), a reloaded offloaded layer (+0.75; 1.7 measured at 256k), a recomputed
+    # layer with its gradients (+2; 2.8 measured at 256k full recompute); plus one MLP chunk and
+    # one float32 logits chunk.
+    layers_in_flight = 1 + (2 if cfg.recompute == "full" else 0) + (0.75 if cfg.offload_layers else 0)
+    workspace = int(layers_in_flight * layer_work * tokens + mlp_work * mlp_tokens
+                    + chunk * mcfg.vocab_size / tp * 4 * 3)
+    reserve = int(ALLOCATOR_RESERVE * (weights + grads + optimizer + activations + workspace))
+    device_total = weights + grads + optimizer + activations + workspace + reserve
     host_limit = host_limit or host_memory_limit_bytes()
-    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     if device_limit is None:
         if on_gpu:
             device_limit = torch.cuda.mem_get_info()[0]
@@ -400,7 +456,7 @@ def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int, devi
             device_limit = host_limit // procs_per_node
     on_host = 0 if on_gpu else device_total   # on CPU the "device" is host memory
     host_total = procs_per_node * (pinned + on_host)
-    plan = MemoryPlan(weights, grads, optimizer, activations, workspace, pinned, device_total, device_limit,
+    plan = MemoryPlan(weights, grads, optimizer, activations, workspace, reserve, pinned, device_total, device_limit,
                       host_total, host_limit)
     problems = []
     if device_total > device_limit:

@@ -243,21 +243,22 @@ PRESETS: dict[str, Preset] = {
         device="cuda",
         engine="vllm",
         data_resources=Resources(cpu="8", mem="16Gi"),
-        # Host memory from the memory plan: 8 ranks x 421 GiB of pinned offloaded activations
-        # (3,368 GiB) plus 10% (tests/test_presets.py recomputes it). The reference run needed
-        # ~180 GB per GPU: this implementation's saved activations are not calibrated on GPUs yet.
-        train_resources=Resources(cpu="96", mem="3700Gi", gpu=8, accelerator="nvidia-b200", shared_memory="256Gi"),
-        # The memory plan (tasks.sft.memory_plan) fits 1M tokens on 180 GB B200s only with CP=32 and
-        # every layer's activations offloaded: 16k tokens per GPU. 288 routed experts: 9 per GPU.
-        train_parallel=ParallelSpec(nnodes=8, nproc_per_node=8, tensor_parallel=1, context_parallel=32,
+        # Host memory from the memory plan: 8 ranks x 42 GiB of pinned offloaded layer inputs
+        # (334 GiB per node) plus 10% (tests/test_presets.py recomputes it). The plan's per-token
+        # activation bytes are calibrated on an H200 with the small preset (kernels/NOTES.md).
+        train_resources=Resources(cpu="96", mem="370Gi", gpu=8, accelerator="nvidia-b200", shared_memory="256Gi"),
+        # The memory plan (tasks.sft.memory_plan) fits 1M tokens on 180 GB B200s with CP=64 (16k
+        # tokens per GPU), full-layer recompute and the layer inputs offloaded: 148 GiB per GPU,
+        # 103 GiB of it bf16 weights + float32 grads of 18B local parameters. 288 experts: 9 per GPU.
+        train_parallel=ParallelSpec(nnodes=8, nproc_per_node=8, tensor_parallel=1, context_parallel=64,
                                     expert_parallel=32),
         infer_resources=Resources(cpu="64", mem="1000Gi", gpu=8, accelerator="nvidia-b200", shared_memory="64Gi"),
         evaluate=EvalSpec(context_buckets=(0, 1_024, 4_096, 16_384, 65_536, 262_144), max_windows=16,
                           scorer="engine"),
         verify=VerifySpec(context_lengths=(131_072, 262_144, 524_288, 1_048_576), windows_per_length=4,
                           dtype="bfloat16", mean_abs_diff_max=0.05, p99_abs_diff_max=0.5),
-        # Reference run: offload + chunked MoE at 1M tokens, checkpoints to the cluster's shared mount.
-        sft=SFTSpec(steps=80, lr=1e-5, min_lr=1e-6, warmup_steps=8, dtype="bfloat16", recompute="selective",
+        # 1M tokens: full recompute + offload + chunked MoE, checkpoints to the cluster's shared mount.
+        sft=SFTSpec(steps=80, lr=1e-5, min_lr=1e-6, warmup_steps=8, dtype="bfloat16", recompute="full",
                     recompute_modules=("moe",), offload_layers=45, mlp_chunk_tokens=131_072,
                     indexer_kl_coeff=1.0, checkpoint_uri="/mnt/checkpoints/megabase", checkpoint_every=20,
                     eval_every=20, eval_windows=4),

@@ -75,7 +75,7 @@ def chunk_kda_torch(
         beta (torch.Tensor): delta-rule step sizes in ``(0, 1)`` of shape ``[B, T, H]``.
         scale (float): query scale; default ``K ** -0.5``.
         initial_state (torch.Tensor): ``[B, H, K, V]`` state before token 0 (zeros if None); the
-            final state of the previous sequence segment (context-parallel hand-off).
+            final state of the previous sequence segment (context parallelism).
         output_final_state (bool): also return the ``[B, H, K, V]`` float32 state after token T-1.
         use_qk_l2norm_in_kernel (bool): L2-normalise q and k over K first (in float32).
         chunk_size (int): tokens per chunk (64 as in fla); any positive value gives the same result

@@ -6,8 +6,7 @@ One training forward of a freshly built model (no recompute, no offload) runs un
 ``torch.autograd.graph.saved_tensors_hooks``; every tensor saved for backward is attributed to
 the innermost module running when it was saved (parameters and views of a storage already
 counted are skipped). The table prints saved bytes per token for each layer, split into the
-mHC / mixer / MLP parts, next to :func:`tasks.sft._activation_elements_per_token` times the
-element width, so the plan can be checked on any machine: on CPU the mixers run the
+mHC / mixer / MLP parts, next to :func:`tasks.sft.activation_bytes_per_token`, so the plan can be checked on any machine: on CPU the mixers run the
 plain-torch KDA and blockwise DSA, on CUDA fla ``chunk_kda`` and the Triton DSA kernels (their
 saved tensors differ; the mHC, norms, projections and MoE are the same code on both).
 """
@@ -114,7 +113,7 @@ def main() -> None:
     install_flytekit_stand_in()
     from model.config import preset
     from model.glm5_next import build_model
-    from tasks.sft import _activation_elements_per_token
+    from tasks.sft import activation_bytes_per_token
 
     dtype = getattr(torch, args.dtype)
     cfg = preset(args.preset, mlp_chunk_tokens=args.mlp_chunk_tokens)
@@ -129,8 +128,8 @@ def main() -> None:
           f"{'plan':>8} {'x plan':>7}")
     for i in range(cfg.num_layers):
         got = {k: v / args.seq for k, v in totals.get(str(i), {}).items()}
-        mixer, mlp = _activation_elements_per_token(cfg, i, 1)
-        plan = (mixer + mlp) * width
+        planned = activation_bytes_per_token(cfg, i, 1, width, on_gpu=device.type == "cuda")
+        plan = sum(v for k, v in planned.items() if k != "mlp_input")
         total = sum(got.values())
         kind = f"{cfg.layer_types[i][:6]}/{cfg.mlp_layer_types[i]}"
         core = got.get("kda_core", 0) + got.get("dsa_core", 0)
