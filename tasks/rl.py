@@ -435,7 +435,7 @@ from flytekit import Cache, task  # noqa: E402
 
 from workflows.caching import (  # noqa: E402
     HashedDir, as_output, code_version, hf_export, manifest_sha256, resource_kwargs, run_checkpoint_dir,
-    stage_output_dir,
+    shared_kernel_cache, stage_output_dir,
 )
 from workflows.presets import Preset, active_preset  # noqa: E402
 
@@ -474,6 +474,7 @@ def rl_task(shards: HashedDir, sft: HashedDir, cfg: RLConfig) -> HashedDir:
     """
     identity = dict(shards=manifest_sha256(shards), sft=manifest_sha256(sft), cfg=asdict(cfg))
     cfg = dataclasses.replace(cfg, checkpoint_dir=run_checkpoint_dir(cfg.checkpoint_dir, RL_VERSION, **identity))
+    shared_kernel_cache(cfg.checkpoint_dir)
     out = stage_output_dir("rl", RL_VERSION, **identity)
     rl(hf_export(sft.download()), shards.download(), cfg, out, preset=active_preset().name)
     return as_output(out)

@@ -1245,7 +1245,7 @@ from flytekit.extras.accelerators import GPUAccelerator  # noqa: E402
 from flytekitplugins.kfpytorch import Elastic  # noqa: E402
 
 from workflows.caching import REPO_ROOT, HashedDir, as_output, code_version, requests_for, run_checkpoint_dir  # noqa: E402
-from workflows.caching import stage_output_dir  # noqa: E402
+from workflows.caching import shared_kernel_cache, stage_output_dir  # noqa: E402
 from workflows.presets import Preset, active_preset  # noqa: E402
 
 SFT_VERSION = code_version(
@@ -1298,6 +1298,7 @@ def sft_task(shards: HashedDir, cfg: SFTConfig, init: Optional[HashedDir] = None
     identity = dict(shards=manifest_sha256(shards), cfg=asdict(cfg) | {"init_hf": ""},
                     init=manifest_sha256(init) if init is not None else cfg.init_hf)
     cfg = dataclasses.replace(cfg, checkpoint_dir=run_checkpoint_dir(cfg.checkpoint_dir, SFT_VERSION, **identity))
+    shared_kernel_cache(cfg.checkpoint_dir)
     out = stage_output_dir("sft", SFT_VERSION, **identity)
     train(shards.download(), cfg, out)
     return as_output(out)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -70,3 +71,22 @@ def test_cache_hits_on_same_content_and_misses_on_one_changed_byte(tmp_path, iso
     changed = run(renamed)                            # one base changed: ingest and pack rerun
     assert calls == {"ingest": 2, "pack": 2}
     assert changed != first
+
+
+def test_gpu_workers_share_the_kernel_cache_under_the_checkpoint_root(tmp_path, monkeypatch):
+    from workflows.caching import run_checkpoint_dir, shared_kernel_cache
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+    run_dir = run_checkpoint_dir(str(tmp_path / "ckpt"), "v1", cfg={"a": 1})
+    assert shared_kernel_cache(run_dir, on_gpu=False) is None and "TRITON_CACHE_DIR" not in os.environ
+    # Two runs under one checkpoint root share one cache; the autotuning results are cached too.
+    other = run_checkpoint_dir(str(tmp_path / "ckpt"), "v1", cfg={"a": 2})
+    assert shared_kernel_cache(run_dir, on_gpu=True) == str(tmp_path / "ckpt" / "triton-cache")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "ckpt" / "triton-cache")
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    assert shared_kernel_cache(other, on_gpu=True) == str(tmp_path / "ckpt" / "triton-cache")
+    # A cache the user set stays.
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
+    assert shared_kernel_cache(run_dir, on_gpu=True) is None and os.environ["TRITON_CACHE_DIR"] == "/elsewhere"

@@ -5,10 +5,10 @@ For a block of ``Tq`` queries one kernel launch writes the fused score
 can see into a ``[B, Tq, P_visible]`` float32 buffer (invisible pools -> ``-inf``), without
 the ``[Tq, H, P]`` per-head intermediate a torch implementation materializes. A second
 kernel reads each score row twice: once for a lower bound of its ``n_select``-th value
-(minimum of column maxima), once to keep the entries above it as composite int64 keys
-(score bits, then the complement of the pool index, as the torch path) and sorts those few
-keys in registers: exact, and it applies the tie rule (equal scores: lower pool index
-wins). Memory: ``O(T * n_select + Tq * P)``.
+(the n_select-th largest of ``4 * n_select`` column maxima), once to keep the entries above
+it as composite int64 keys (score bits, then the complement of the pool index, as the torch
+path; slots taken by atomic increments) and sorts those few keys in registers: exact, and it
+applies the tie rule (equal scores: lower pool index wins). Memory: ``O(T * n_select + Tq * P)``.
 
 Per launch, scores: FLOPs ``2 * B * Tq * P_visible * H * D``; bytes ``4 * Tq * P_visible``
 written (and read twice by the selection) plus the queries, re-read from L2 once per
@@ -75,22 +75,26 @@ def _pool_scores_kernel(
 
 
 @triton.autotune(
-    configs=[triton.Config({"CHUNK_ROWS": r}, num_warps=w) for r in (8, 16, 32) for w in (4, 8)],
+    configs=[triton.Config({"CHUNK_ROWS": r}, num_warps=w) for r in (4, 8, 16) for w in (4, 8)],
     key=["N_COLUMNS", "CAPACITY", "size_class"],
 )
 @triton.jit
 def _candidate_keys_kernel(
-    S, CAND, COUNT, OUT, stride_s, stride_c, stride_o, n_cols, p_lo, size_class,
+    S, COUNT, OUT, stride_s, stride_o, n_cols, p_lo, size_class,
     N_SELECT: tl.constexpr, N_COLUMNS: tl.constexpr, CHUNK_ROWS: tl.constexpr, CAPACITY: tl.constexpr,
 ):
     """Per score row: a lower bound on its n_select-th value, then the composite keys above it.
 
-    The row is viewed as ``[*, N_COLUMNS]``; the minimum over columns of the column maxima
-    is met by ``N_COLUMNS >= n_select`` distinct entries, so it bounds the n_select-th
-    largest value from below. Entries at or above it (about ``n_select * ln(N_COLUMNS)`` for
-    random scores) are written as composite int64 keys, in index order, up to CAPACITY, then
-    sorted in registers; the best N_SELECT keys go to OUT (rows over CAPACITY are redone
-    by the caller).
+    The row is viewed as ``[*, N_COLUMNS]`` (``N_COLUMNS >= 4 * n_select``). The n_select-th
+    largest of the column maxima is met by n_select entries of distinct columns, so it bounds
+    the row's n_select-th largest value from below; with 4x more columns than selected pools it
+    is close to it (about ``n_select * (1 + n_select / (2 N_COLUMNS))`` entries pass for random
+    scores, against ``n_select * ln(N_COLUMNS)`` for the minimum of n_select column maxima).
+    Passing entries take a slot with an atomic increment of the row's counter (no scan over the
+    row) and are written as composite int64 keys to a ``CAPACITY``-slot buffer in registers'
+    reach; the sort in registers makes the order exact and deterministic (tie rule: lower pool
+    index first). ``COUNT`` gets the number that passed (rows above CAPACITY are redone by
+    the caller).
     """
     row = tl.program_id(0).to(tl.int64)
     base = S + row * stride_s
@@ -101,26 +105,29 @@ def _candidate_keys_kernel(
         offs = c0 + grid_offs
         vals = tl.load(base + offs, mask=offs < n_cols, other=float("-inf"))
         col_max = tl.maximum(col_max, tl.max(vals, axis=0))
-    bound = tl.min(col_max, axis=0)
-    count = tl.zeros([], tl.int32)
+    ranked = tl.sort(col_max, descending=True)
+    bound = tl.max(tl.where(tl.arange(0, N_COLUMNS) == N_SELECT - 1, ranked, float("-inf")), axis=0)
+    slots = OUT + row * stride_o
+    counter = COUNT + row + tl.zeros([chunk], tl.int32)
     flat = tl.arange(0, chunk)
     for c0 in range(0, n_cols, chunk):
         offs = c0 + flat
         vals = tl.load(base + offs, mask=offs < n_cols, other=float("-inf"))
         keep = (vals >= bound) & (vals > float("-inf"))
-        pos = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        pos = tl.atomic_add(counter, 1, mask=keep)
         vals = tl.where(vals == 0.0, 0.0, vals)  # -0.0 -> +0.0: equal scores get equal keys
         bits = vals.to(tl.int32, bitcast=True).to(tl.int64)
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
         key = (ordered << 32) | (4294967295 - (p_lo + offs).to(tl.int64))
-        tl.store(CAND + row * stride_c + pos, key, mask=keep & (pos < CAPACITY))
-        count += tl.sum(keep.to(tl.int32), axis=0)
-    tl.store(COUNT + row, count)
-    slots = tl.arange(0, CAPACITY)
+        tl.store(slots + pos, key, mask=keep & (pos < CAPACITY))
+    # other threads' slot writes and counter increments must be visible to this one's loads
+    tl.debug_barrier()
+    count = tl.load(COUNT + row)
+    idx = tl.arange(0, CAPACITY)
     # empty slots get INVALID_KEY (int64 min), which sorts last
-    cand = tl.load(CAND + row * stride_c + slots, mask=slots < count, other=-9223372036854775808)
+    cand = tl.load(slots + idx, mask=idx < count, other=-9223372036854775808)
     cand = tl.sort(cand, descending=True)
-    tl.store(OUT + row * stride_o + slots, cand, mask=slots < N_SELECT)
+    tl.store(slots + idx, cand, mask=idx < N_SELECT)
 
 
 def _size_class(n_pools: int) -> int:
@@ -128,24 +135,28 @@ def _size_class(n_pools: int) -> int:
     return min(3, n_pools.bit_length() // 4)
 
 
-def _select_with_tie_rule(scores: torch.Tensor, n_select: int, p_lo: int, capacity: int = 2048) -> torch.Tensor:
+def _select_with_tie_rule(scores: torch.Tensor, n_select: int, p_lo: int, capacity: int | None = None) -> torch.Tensor:
     """Best ``n_select`` pools of ``scores`` ``[B, t, P]`` (pool ``p_lo + j`` in column ``j``),
     ordered by (score desc, index asc); -1 where fewer are visible.
 
     A Triton pass keeps the candidates above a per-row lower bound of the n_select-th value
     as composite keys and sorts them (:func:`_candidate_keys_kernel`); sorting distinct
     composite keys is exact and applies the tie rule. Rows with more than ``capacity``
-    candidates (massive ties) are re-selected from their full score row.
+    (default ``4 * n_select`` rounded up to a power of two) candidates, i.e. massive ties,
+    are re-selected from their full score row.
     """
     batch, n_rows, n_cols = scores.shape
     flat = scores.view(batch * n_rows, n_cols)
-    candidates = torch.empty((batch * n_rows, capacity), dtype=torch.long, device=scores.device)
-    counts = torch.empty(batch * n_rows, dtype=torch.int32, device=scores.device)
-    keys = torch.empty((batch * n_rows, n_select), dtype=torch.long, device=scores.device)
+    columns = triton.next_power_of_2(4 * n_select)
+    capacity = capacity or columns
+    counts = torch.zeros(batch * n_rows, dtype=torch.int32, device=scores.device)
+    # CAPACITY slots per row: candidates in, the best N_SELECT sorted keys out
+    slots = torch.empty((batch * n_rows, max(capacity, n_select)), dtype=torch.long, device=scores.device)
     _candidate_keys_kernel[(batch * n_rows,)](
-        flat, candidates, counts, keys, flat.stride(0), candidates.stride(0), keys.stride(0), n_cols, p_lo,
-        _size_class(n_cols), N_SELECT=n_select, N_COLUMNS=triton.next_power_of_2(n_select), CAPACITY=capacity,
+        flat, counts, slots, flat.stride(0), slots.stride(0), n_cols, p_lo, _size_class(n_cols),
+        N_SELECT=n_select, N_COLUMNS=columns, CAPACITY=capacity,
     )
+    keys = slots[:, :n_select]
     overflow = counts > capacity
     if bool(overflow.any()):
         rows = overflow.nonzero().flatten()

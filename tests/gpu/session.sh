@@ -2,9 +2,11 @@
 # One device call: install the carried wheels, then run the GPU checks and benchmarks named in
 # $PARTS (default: all) with a time limit each, logging to $OUT/<part>.log.
 #   run(command="bash tests/gpu/session.sh", carry=[".whl", "runs/sft_gpu_pack"])
+# .whl holds the fla-core 0.6.0, megatron-core 0.19.2 (cp312) and transformers 5.19.0 wheels.
 # Parts: actbytes (saved bytes per token vs the memory plan), model (tests/gpu/model_small.py),
 # sft (tests/gpu/sft_small.py with $SFT_CONFIGS), model_check (model_small.py's bf16-vs-CPU check
-# only), dsa (tests/gpu/dsa_check.py + dsa_bench.py).
+# only), indexer (tests/benchmarks/indexer_versions.py against .bench/indexer_v4.py, carried),
+# dsa (tests/gpu/dsa_check.py + dsa_bench.py).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -32,9 +34,13 @@ part actbytes "${T_ACTBYTES:-60}" python3 tests/gpu/activation_bytes.py --preset
   --mlp-chunk-tokens 65536 --out "$OUT/actbytes.json"
 part model "${T_MODEL:-150}" python3 tests/gpu/model_small.py --seq 16384 65536 --check-seq 2048 \
   --out "$OUT/model_small.json"
-part sft "${T_SFT:-360}" python3 tests/gpu/sft_small.py --pack runs/sft_gpu_pack --out "$OUT" --steps 3 \
+# SFT_NPROC > 1: one torchrun rank per GPU, CP over all of them.
+part sft "${T_SFT:-360}" python3 -m torch.distributed.run --nproc-per-node "${SFT_NPROC:-1}" tests/gpu/sft_small.py --pack runs/sft_gpu_pack \
+  --out "$OUT" --steps 3 \
   --configs ${SFT_CONFIGS:-64k 256k-sel-off4 256k-sel 256k-full 512k-full}
 part model_check "${T_MODEL:-150}" python3 tests/gpu/model_small.py --seq --check-seq 2048 \
   --out "$OUT/model_check.json"
+part indexer "${T_INDEXER:-170}" python3 tests/benchmarks/indexer_versions.py --anchor .bench/indexer_v4.py \
+  --seq-lens ${INDEXER_SEQ:-1048576 262144} --out "$OUT/indexer_versions.json"
 part dsa "${T_DSA:-300}" bash -c "python3 tests/gpu/dsa_check.py --out $OUT/dsa_check.json && \
   python3 tests/benchmarks/dsa_bench.py --out $OUT/dsa_bench.json"

