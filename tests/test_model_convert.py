@@ -56,3 +56,34 @@ def test_cpu_compat_maps_cuda_calls_and_rng_tracker_forks_on_cpu():
         b = torch.rand(3)
     assert torch.equal(a, b) and not torch.equal(a, before)  # the forked stream is reproducible
     assert torch.zeros(2).pin_memory().device.type == "cpu"
+
+
+SAVE_SCRIPT = """
+import sys, torch
+from model.convert import save_hf_checkpoint
+from model.config import preset
+cfg = preset("tiny")
+torch.manual_seed(0)
+weights = {"model.language_model.embed_tokens.weight": torch.randn(16, 64)}
+save_hf_checkpoint(weights, cfg, sys.argv[1], {"megabase_git_commit": "abc", "megabase_preset": "tiny",
+                                                "megabase_data_manifest_sha256": "f00", "megabase_x": "1"})
+"""
+
+
+def test_exports_of_the_same_weights_are_byte_identical_across_processes(tmp_path):
+    # safetensors orders its header metadata by a per-process hash seed: without the canonical
+    # header, two processes writing the same export produce different bytes (and cache keys).
+    import subprocess
+    import sys
+
+    from safetensors import safe_open
+
+    blobs = []
+    for i in range(3):
+        out = tmp_path / f"export{i}"
+        proc = subprocess.run([sys.executable, "-c", SAVE_SCRIPT, str(out)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        blobs.append((out / "model.safetensors").read_bytes())
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            assert f.metadata()["megabase_preset"] == "tiny" and f.metadata()["megabase_x"] == "1"
+    assert blobs[0] == blobs[1] == blobs[2]
