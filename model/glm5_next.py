@@ -48,7 +48,18 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from model.config import DSA, Glm5NextConfig
 from model.layers import DSAMixer, HyperConnection, KDAMixer, RMSNorm, _init_normal
 
-__all__ = ["Glm5NextLayerSubmodules", "Glm5NextLayer", "Glm5NextModel", "layer_spec", "build_model"]
+__all__ = ["Glm5NextLayerSubmodules", "Glm5NextLayer", "Glm5NextModel", "layer_spec", "build_model", "mlp_recomputed"]
+
+
+def mlp_recomputed(granularity: str | None, modules, is_moe: bool) -> bool:
+    """Whether a layer's MLP/MoE chunks are checkpointed (recomputed in backward).
+
+    ``selective`` with ``"mlp"`` (every MLP) or ``"moe"`` (MoE layers) in ``modules``, and
+    ``full``: full-layer recompute checkpoints the chunks too, so the layer's recompute in
+    backward holds one chunk's MLP activations instead of the whole sequence's.
+    """
+    return granularity == "full" or (
+        granularity == "selective" and ("mlp" in modules or (is_moe and "moe" in modules)))
 
 
 @dataclass
@@ -93,12 +104,7 @@ class Glm5NextLayer(MegatronModule):
         self.mlp = submodules.mlp(config=mlp_config, pg_collection=get_default_pg_collection(), is_mtp_layer=False)
         if hasattr(self.mlp, "set_layer_number"):
             self.mlp.set_layer_number(layer_number)
-        # Full-layer recompute checkpoints the MLP/MoE chunks too: the layer's recompute in
-        # backward then holds one chunk's MLP activations instead of the whole sequence's.
-        self.recompute_mlp = config.recompute_granularity == "full" or (
-            config.recompute_granularity == "selective"
-            and ("mlp" in config.recompute_modules or (self.is_moe and "moe" in config.recompute_modules))
-        )
+        self.recompute_mlp = mlp_recomputed(config.recompute_granularity, config.recompute_modules, self.is_moe)
 
     @staticmethod
     def _merge(post, comb, out, streams):

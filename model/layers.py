@@ -282,7 +282,7 @@ class KDAMixer(MegatronModule):
         and the only communication is collective, which full-layer recompute may repeat. The
         same state-passing idea as fla's ``FLACPContext`` (fla 0.6.0), on top of any ``chunk_kda``.
         """
-        q, k, v = (t.unflatten(-1, (self.heads, self.head_dim)) for t in qkv.split(self.dim, dim=-1))
+        q, k, v = self._heads(qkv)
         b, d = q.shape[0], self.head_dim
         v_ext = torch.cat([v, torch.zeros_like(v)], dim=-1)
         eye = torch.eye(d, device=q.device, dtype=torch.float32).expand(b, self.heads, d, d)
@@ -298,9 +298,12 @@ class KDAMixer(MegatronModule):
         o, _ = self._recurrence(q, k, v, g, beta, state)
         return o
 
+    def _heads(self, qkv):
+        """``(q, k, v)``, each ``[b, s, heads, head_dim]``, of the convolved ``qkv [b, s, 3 * heads * head_dim]``."""
+        return tuple(t.unflatten(-1, (self.heads, self.head_dim)) for t in qkv.split(self.dim, dim=-1))
+
     def _kda(self, qkv, g, beta, state0):
-        q, k, v = (t.unflatten(-1, (self.heads, self.head_dim)) for t in qkv.split(self.dim, dim=-1))
-        return self._recurrence(q, k, v, g, beta, state0)
+        return self._recurrence(*self._heads(qkv), g, beta, state0)
 
     def _gated_norm(self, o: torch.Tensor, gate: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         o = o.float()

@@ -351,9 +351,8 @@ def activation_bytes_per_token(mcfg, layer: int, tp: int, width: int, on_gpu: bo
         kv = mcfg.kv_lora_rank
         parts["mixer"] = (h + 2 * mcfg.q_lora_rank + kv + heads * (mcfg.qk_nope_head_dim + mcfg.v_head_dim)) * width \
             + 2 * f32
-        selected = mcfg.index_topk + mcfg.index_kpool - 1 if mcfg.index_kpool_always_select_tail else mcfg.index_topk
         own_indexer = mcfg.indexer_types[layer] != "shared"
-        parts["core"] = (2 * heads * kv + kv) * width + heads * f32 + (selected * 4 if own_indexer else 0)
+        parts["core"] = (2 * heads * kv + kv) * width + heads * f32 + (mcfg.index_width * 4 if own_indexer else 0)
     if mcfg.mlp_layer_types[layer] == "sparse":
         routed = mcfg.moe_router_topk * (1.25 * h + 6 * (mcfg.moe_ffn_hidden_size or 0))  # permuted copies
         shared = h + 6 * (mcfg.moe_shared_expert_intermediate_size or 0)
@@ -394,7 +393,8 @@ def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int, devi
     """
     import torch
 
-    from model.config import parameter_count
+    from model.config import DSA, parameter_count
+    from model.glm5_next import mlp_recomputed
 
     tp, cp, ep = cfg.tensor_parallel, cfg.context_parallel, cfg.expert_parallel
     if world_size % (tp * cp):
@@ -416,15 +416,12 @@ def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int, devi
     for i in range(mcfg.num_layers):
         part = activation_bytes_per_token(mcfg, i, tp, width, on_gpu)
         around = part["mhc"] + part["other"] + part["mixer"] + part["core"]
-        moe = mcfg.mlp_layer_types[i] == "sparse"
-        recompute_mlp = cfg.recompute == "full" or (
-            cfg.recompute == "selective" and ("mlp" in cfg.recompute_modules or (moe and "moe" in cfg.recompute_modules)))
         if cfg.recompute == "full":
             # the layer checkpoint keeps its input streams, and the top-k a DSA layer hands on
             kept = mcfg.hc_mult * mcfg.hidden_size * width
-            if i and mcfg.layer_types[i - 1] != "linear_attention":
-                kept += (mcfg.index_topk + mcfg.index_kpool) * 4
-        elif recompute_mlp:
+            if i and mcfg.layer_types[i - 1] == DSA:
+                kept += mcfg.index_width * 4
+        elif mlp_recomputed(cfg.recompute, cfg.recompute_modules, mcfg.mlp_layer_types[i] == "sparse"):
             kept = around + part["mlp_input"]
         else:
             kept = around + part["mlp"]
