@@ -24,14 +24,14 @@ SCRIPT = textwrap.dedent(
     from kernels.dsa.sparse_attention import torch_sparse_mla_bwd, torch_sparse_mla_fwd
 
     for kernel, cfg in [(it._pool_scores_kernel, dict(BLOCK_M=16, BLOCK_N=32)),
-                        (it._candidate_keys_kernel, dict(CHUNK_ROWS=2)),
+                        (it._select_kernel, dict(CHUNK=64)),
                         (st._sparse_mla_fwd_kernel, dict(BLOCK_H=16, BLOCK_K=16)),
                         (st._sparse_mla_bwd_kernel, dict(BLOCK_H=16, BLOCK_K=16)),
                         (st._sparse_mla_mass_kernel, dict(BLOCK_H=16, BLOCK_K=16))]:
         kernel.configs = [c for c in kernel.configs[:1]]
         kernel.configs[0].kwargs.update(cfg)
-    select = it._select_with_tie_rule
-    it._select_with_tie_rule = lambda scores, n, p_lo: select(scores, n, p_lo, capacity=16)
+    it._capacity = lambda n_select: 16   # 16 candidate slots: all-equal scores overflow them
+    it._n_columns = lambda n_select: 32  # 32 column groups: the score kernel loops over 48 pools
 
     gen = torch.Generator().manual_seed(0)
     # sparse MLA: 20 heads (two head blocks, masked rows), d_v < Dqk and d_v == Dqk, empty rows
@@ -57,13 +57,25 @@ SCRIPT = textwrap.dedent(
     n, kpool, n_select = 96, 4, 3
     q, w = torch.randn(1, n, 2, 16, generator=gen), torch.randn(1, n, 2, generator=gen)
     k, g, ape = torch.randn(1, n, 16, generator=gen), torch.randn(1, n, 16, generator=gen), torch.randn(kpool, 16, generator=gen)
-    for cu, queries in [(None, q), (torch.tensor([0, 30, 96]), q), (None, torch.zeros_like(q))]:
+    for cu, queries, kpool in [(None, q, 4), (torch.tensor([0, 30, 96]), q, 4), (None, torch.zeros_like(q), 4),
+                               (torch.tensor([0, 10, 96]), q, 2)]:
+        ape = torch.randn(kpool, 16, generator=gen)
         grid = kpool_grid(n, kpool, cu)
         keys = _compress_on_grid(k, g, ape, grid)
         got = it.triton_pool_topk(queries, keys, w, grid, n_select, 0.25, 0, query_block=40)
         ref = _torch_pool_topk(queries, keys, w, grid, n_select, 0.25, 0, 32)
         assert torch.equal(got, ref), (got != ref).nonzero()
+    # one high-index pool above a tie of every other pool at 0: the tie overflows the slots
+    # and the redo must still put pool 40 first
+    grid = kpool_grid(n, 2)
+    keys = torch.zeros(1, 48, 16)
+    keys[0, 40] = 1.0
+    ones, w_pos = torch.ones_like(q), w.abs() + 0.1
+    got = it.triton_pool_topk(ones, keys, w_pos, grid, n_select, 0.25, 0, query_block=40)
+    assert torch.equal(got, _torch_pool_topk(ones, keys, w_pos, grid, n_select, 0.25, 0, 32))
+    assert got[0, -1].tolist() == [40, 0, 1], got[0, -1]
     # context-parallel call: the last 46 queries against all 96 keys, packed documents
+    kpool, ape = 4, torch.randn(4, 16, generator=gen)
     grid = kpool_grid(n, kpool, torch.tensor([0, 30, 96]))
     keys = _compress_on_grid(k, g, ape, grid)
     got = it.triton_pool_topk(q[:, 50:], keys, w[:, 50:], grid, n_select, 0.25, 50, query_block=40)

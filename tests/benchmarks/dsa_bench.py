@@ -215,7 +215,7 @@ def main() -> None:
     from kernels.dsa import indexer_triton, sparse_attention_triton
 
     tuned = {}
-    for module, names in [(indexer_triton, ["_pool_scores_kernel", "_candidate_keys_kernel"]),
+    for module, names in [(indexer_triton, ["_pool_scores_kernel", "_select_kernel"]),
                           (sparse_attention_triton, ["_sparse_mla_fwd_kernel", "_sparse_mla_bwd_kernel",
                                                      "_sparse_mla_mass_kernel"])]:
         for name in names:

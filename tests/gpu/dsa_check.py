@@ -175,7 +175,7 @@ def _cp_worker(rank: int, world: int, seq_len: int, port: int, queue) -> None:
 def check_context_parallel(seq_len: int, world: int = 2) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_cp_worker, args=(world, seq_len, 29533, queue), nprocs=world, start_method="spawn")
+    mp.start_processes(_cp_worker, args=(world, seq_len, 29533 + world, queue), nprocs=world, start_method="spawn")
     return dict(world=world, seq_len=seq_len, indices_equal_single_gpu=queue.get(), ok=None)
 
 
@@ -196,10 +196,13 @@ def main() -> None:
             del indices
             torch.cuda.empty_cache()
     if torch.cuda.device_count() >= 2:
-        cp = check_context_parallel(max(args.seq_lens))
-        cp["ok"] = cp["indices_equal_single_gpu"]
-        print(json.dumps(dict(context_parallel=cp)), flush=True)
-        results.append(dict(context_parallel=cp))
+        for world in (2, 4, 8):   # CP over 2 GPUs and, where the host has them, 4 and 8
+            if world > torch.cuda.device_count():
+                break
+            cp = check_context_parallel(max(args.seq_lens), world)
+            cp["ok"] = cp["indices_equal_single_gpu"]
+            print(json.dumps(dict(context_parallel=cp)), flush=True)
+            results.append(dict(context_parallel=cp))
     else:
         print("context parallel check skipped: fewer than 2 GPUs visible", flush=True)
     all_ok = all(r.get("indexer", {}).get("ok", True) and r.get("attention", {}).get("ok", True)
