@@ -5,8 +5,9 @@
 # .whl holds the fla-core 0.6.0, megatron-core 0.19.2 (cp312) and transformers 5.19.0 wheels.
 # Parts: actbytes (saved bytes per token vs the memory plan), model (tests/gpu/model_small.py),
 # sft (tests/gpu/sft_small.py with $SFT_CONFIGS), model_check (model_small.py's bf16-vs-CPU check
-# only), indexer (tests/benchmarks/indexer_versions.py against .bench/indexer_v4.py, carried),
-# dsa (tests/gpu/dsa_check.py + dsa_bench.py).
+# only), dsacheck (tests/gpu/dsa_check.py: correctness, CP over every GPU pair/quad), indexer
+# (tests/benchmarks/indexer_versions.py against $INDEXER_ANCHOR, default .bench/indexer_v5.py,
+# carried: an earlier kernels/dsa/indexer_triton.py), dsa (dsa_check.py + dsa_bench.py).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -40,7 +41,8 @@ part sft "${T_SFT:-360}" python3 -m torch.distributed.run --nproc-per-node "${SF
   --configs ${SFT_CONFIGS:-64k 256k-sel-off4 256k-sel 256k-full 512k-full}
 part model_check "${T_MODEL:-150}" python3 tests/gpu/model_small.py --seq --check-seq 2048 \
   --out "$OUT/model_check.json"
-part indexer "${T_INDEXER:-170}" python3 tests/benchmarks/indexer_versions.py --anchor .bench/indexer_v4.py \
+part dsacheck "${T_DSA:-200}" python3 tests/gpu/dsa_check.py --out "$OUT/dsa_check.json"
+part indexer "${T_INDEXER:-170}" python3 tests/benchmarks/indexer_versions.py --anchor "${INDEXER_ANCHOR:-.bench/indexer_v5.py}" \
   --seq-lens ${INDEXER_SEQ:-1048576 262144} --out "$OUT/indexer_versions.json"
 part dsa "${T_DSA:-300}" bash -c "python3 tests/gpu/dsa_check.py --out $OUT/dsa_check.json && \
   python3 tests/benchmarks/dsa_bench.py --out $OUT/dsa_bench.json"
