@@ -31,7 +31,8 @@ SCRIPT = textwrap.dedent(
         kernel.configs = [c for c in kernel.configs[:1]]
         kernel.configs[0].kwargs.update(cfg)
     it._capacity = lambda n_select: 16   # 16 candidate slots: all-equal scores overflow them
-    it._n_columns = lambda n_select: 32  # 32 column groups: the score kernel loops over 48 pools
+    it._n_columns = lambda n_select: 32  # 32 column groups, 16 per score program: 2 programs along
+    it.GROUP_N = 16                      # the pools, each folding 2 pools of a tile into a group
 
     gen = torch.Generator().manual_seed(0)
     # sparse MLA: 20 heads (two head blocks, masked rows), d_v < Dqk and d_v == Dqk, empty rows
@@ -58,7 +59,7 @@ SCRIPT = textwrap.dedent(
     q, w = torch.randn(1, n, 2, 16, generator=gen), torch.randn(1, n, 2, generator=gen)
     k, g, ape = torch.randn(1, n, 16, generator=gen), torch.randn(1, n, 16, generator=gen), torch.randn(kpool, 16, generator=gen)
     for cu, queries, kpool in [(None, q, 4), (torch.tensor([0, 30, 96]), q, 4), (None, torch.zeros_like(q), 4),
-                               (torch.tensor([0, 10, 96]), q, 2)]:
+                               (torch.tensor([0, 10, 96]), q, 1)]:   # 96 pools: 2 tiles per program
         ape = torch.randn(kpool, 16, generator=gen)
         grid = kpool_grid(n, kpool, cu)
         keys = _compress_on_grid(k, g, ape, grid)

@@ -4,8 +4,7 @@ For a block of ``Tq`` queries one kernel launch writes the fused score
 ``I[t, p] = sum_h w[t, h] * relu(scale * q[t, h] . pool_key[p])`` of every pool the block
 can see into a ``[B, Tq, P_visible]`` float32 buffer (invisible pools -> ``-inf``), without
 the ``[Tq, H, P]`` per-head intermediate a torch implementation materializes, and in its
-epilogue the row maxima of ``N_COLUMNS`` strided column groups (pool ``j`` in group
-``j mod N_COLUMNS``). A second kernel takes the ``n_select``-th largest column maximum as a
+epilogue the row maxima of ``N_COLUMNS`` disjoint column groups (see the kernel). A second kernel takes the ``n_select``-th largest column maximum as a
 lower bound of the row's ``n_select``-th value, reads the row once to keep the entries above
 it as composite int64 keys (score bits, then the complement of the pool index, as the torch
 path; slots taken by atomic increments), sorts those few keys in registers and writes the
@@ -45,25 +44,29 @@ def _pool_scores_kernel(
     stride_ob, stride_ot,
     stride_cb, stride_ct,
     n_q, n_pools, p_lo, size_class,
-    H: tl.constexpr, D: tl.constexpr, N_COLUMNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, N_COLUMNS: tl.constexpr, GROUP_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Scores of ``BLOCK_M`` queries against the pools ``j = pid_n * BLOCK_N + i * N_COLUMNS + c``
-    (``c < BLOCK_N``, every ``i``): one program owns a ``BLOCK_N``-wide slice of the column
-    groups, so their maxima are reduced in registers and stored once (no atomics)."""
+    """Scores of ``BLOCK_M`` queries against the pool tiles ``pid_n, pid_n + n_prog, ...``
+    (``n_prog = N_COLUMNS / GROUP_N`` programs along the pools) and the row maxima of this
+    program's ``GROUP_N`` column groups: pool ``c`` of a tile (``c < BLOCK_N``) is in group
+    ``pid_n * GROUP_N + c mod GROUP_N``. The maxima fold in registers (``[BLOCK_M, GROUP_N]``,
+    small beside the accumulator) and are stored once: no atomics."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
+    n_prog: tl.constexpr = N_COLUMNS // GROUP_N
     # int64: at 1M tokens x 32 heads x 128 the query offsets pass 2^31
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_c = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     mask_m = offs_m < n_q
     q_pos = tl.load(Q_POS + offs_m, mask=mask_m, other=-1)
     q_doc = tl.load(Q_DOC + offs_m, mask=mask_m, other=-1)
     q_base = Q + b * stride_qb + offs_m[:, None] * stride_qt + offs_d[None, :]
     w_base = W + b * stride_wb + offs_m * stride_wt
-    col_max = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
-    for n0 in range(0, n_pools, N_COLUMNS):
+    col_max = tl.full([BLOCK_M, GROUP_N], float("-inf"), tl.float32)
+    for n0 in range(pid_n * BLOCK_N, n_pools, n_prog * BLOCK_N):
         offs_n = n0 + offs_c
         mask_n = offs_n < n_pools
         pool_end = tl.load(POOL_END + p_lo + offs_n, mask=mask_n, other=2**62)
@@ -80,10 +83,12 @@ def _pool_scores_kernel(
             acc += tl.maximum(tl.dot(q, pk_t), 0.0) * w[:, None]
         visible = (pool_doc[None, :] == q_doc[:, None]) & (pool_end[None, :] <= q_pos[:, None])
         acc = tl.where(visible, acc, float("-inf"))
-        col_max = tl.maximum(col_max, acc)
         tl.store(OUT + b * stride_ob + offs_m[:, None] * stride_ot + offs_n[None, :], acc,
                  mask=mask_m[:, None] & mask_n[None, :])
-    tl.store(COLMAX + b * stride_cb + offs_m[:, None] * stride_ct + offs_c[None, :], col_max, mask=mask_m[:, None])
+        folded = tl.max(tl.reshape(acc, (BLOCK_M, BLOCK_N // GROUP_N, GROUP_N)), axis=1)
+        col_max = tl.maximum(col_max, folded)
+    offs_g = pid_n * GROUP_N + tl.arange(0, GROUP_N)
+    tl.store(COLMAX + b * stride_cb + offs_m[:, None] * stride_ct + offs_g[None, :], col_max, mask=mask_m[:, None])
 
 
 @triton.autotune(
@@ -148,10 +153,14 @@ def _size_class(n_pools: int) -> int:
     return min(3, n_pools.bit_length() // 4)
 
 
+GROUP_N = 32
+"""Column groups per score program (its maxima stay in registers beside the accumulator)."""
+
+
 def _n_columns(n_select: int) -> int:
-    """Column groups per score row: ``>= 4 * n_select`` (a tight bound) and a multiple of
-    every autotuned ``BLOCK_N`` (each score program owns whole groups)."""
-    return max(triton.next_power_of_2(4 * n_select), 256)
+    """Column groups per score row: ``>= 4 * n_select`` (a tight bound), a power of two and a
+    multiple of ``GROUP_N`` (each score program owns ``GROUP_N`` of them)."""
+    return max(triton.next_power_of_2(4 * n_select), GROUP_N)
 
 
 def _capacity(n_select: int) -> int:
@@ -227,7 +236,7 @@ def triton_pool_topk(
         scores = score_buf[: batch * (t1 - t0) * n_pools].view(batch, t1 - t0, n_pools)
 
         def launch(meta, n_rows=t1 - t0):
-            return (columns // meta["BLOCK_N"], triton.cdiv(n_rows, meta["BLOCK_M"]), batch)
+            return (columns // GROUP_N, triton.cdiv(n_rows, meta["BLOCK_M"]), batch)
 
         q_blk, w_blk = q[:, t0:t1], weights[:, t0:t1]
         _pool_scores_kernel[launch](
@@ -237,7 +246,7 @@ def triton_pool_topk(
             w_blk.stride(0), w_blk.stride(1),
             scores.stride(0), scores.stride(1),
             col_max.stride(0), col_max.stride(1),
-            t1 - t0, n_pools, p_lo, _size_class(n_pools), H=heads, D=dim, N_COLUMNS=columns,
+            t1 - t0, n_pools, p_lo, _size_class(n_pools), H=heads, D=dim, N_COLUMNS=columns, GROUP_N=GROUP_N,
         )
         return scores
 
