@@ -16,7 +16,8 @@ megatron's ``TransformerLayer`` (its residual is one ``[s, b, h]`` tensor), so
   ``"selective"`` with ``"mlp"`` / ``"moe"``
   in ``recompute_modules`` checkpoints the MLP/MoE only;
 * activation offload: ``cpu_offloading=True`` saves the activations of the first
-  ``cpu_offloading_num_layers`` layers to pinned host memory (``torch.autograd.graph.save_on_cpu``);
+  ``cpu_offloading_num_layers`` layers to pinned host memory (:class:`model.offload.OffloadActivations`,
+  one host copy per saved storage);
 * sequence-chunked MLP/MoE: ``mlp_chunk_tokens > 0`` runs the MLP/MoE (router and dispatch
   included) on chunks of that many tokens, which bounds the dispatch buffers at 1M tokens and
   balances expert load per chunk.
@@ -47,6 +48,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from model.config import DSA, Glm5NextConfig
 from model.layers import DSAMixer, HyperConnection, KDAMixer, RMSNorm, _init_normal
+from model.offload import OffloadActivations
 
 __all__ = ["Glm5NextLayerSubmodules", "Glm5NextLayer", "Glm5NextModel", "layer_spec", "build_model", "mlp_recomputed"]
 
@@ -170,7 +172,7 @@ class Glm5NextModel(MegatronModule):
     def _layer_call(self, layer: Glm5NextLayer, streams, topk, cu_seqlens):
         c = self.config
         offload = c.cpu_offloading and layer.layer_number <= c.cpu_offloading_num_layers
-        ctx = torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else contextlib.nullcontext()
+        ctx = OffloadActivations() if offload else contextlib.nullcontext()
         with ctx:
             if c.recompute_granularity == "full" and self.training:
                 return tensor_parallel.checkpoint(

@@ -59,7 +59,7 @@ class _Recompute(torch.autograd.Function):
     recompute (mHC maps, the KDA gate and gated norm): plain autograd keeps float32 copies of
     ``[s, b, width]`` tensors at every step. Parameters used by ``fn`` must be among ``tensors``
     so their gradients flow. Saved tensors go through the saved-tensor hooks, so activation
-    offload (``save_on_cpu``) still moves them.
+    offload (:class:`model.offload.OffloadActivations`) still moves them.
     """
 
     @staticmethod

@@ -307,11 +307,17 @@ CPU_KDA_CORE_FACTOR = 30
 """The plain-torch chunked KDA (CPU path) saves 20-30x what fla saves per token (measured with
 ``tests/gpu/activation_bytes.py``: small 491,713 vs 16,464 B/token on an H200; tiny 38,826 vs
 1,952 planned for fla); the CPU plan uses the upper end."""
-SAVE_ON_CPU_COPIES = 1.75
-"""Host bytes per planned offloaded byte: ``torch.autograd.graph.save_on_cpu`` copies every saved
-tensor, so an activation saved by several ops (the mixer input by six projections, the streams
-by the mHC maps and the merge) is copied once per op: 110.6 GiB pinned vs 63.5 GiB of distinct
-activations for 4 offloaded layers of ``small`` at 256k on an H200."""
+OFFLOAD_PINNED_FACTOR = 1.083
+"""Pinned host bytes per planned offloaded byte. :class:`model.offload.OffloadActivations` copies
+each saved storage once (1.002 x the distinct saved bytes) and CUDA's caching host allocator
+rounds every pinned block up to a power of two. Measured on an H200 for ``small`` with MLP
+recompute: 1.083 by ``python tests/gpu/activation_bytes.py --preset small --seq 65536
+--mlp-chunk-tokens 65536 --recompute-mlp --offload`` (every layer offloaded, the rounding applied
+to each copy), 1.081 as the pinned peak of ``tests/gpu/sft_small.py --configs 256k-sel-off4``
+(68.6 GiB for 63.5 GiB planned). ``torch.autograd.graph.save_on_cpu``, one copy per op that saves
+a tensor or a view of it, measured 1.745 and 1.743 (110.6 GiB) the same ways. The rounding depends
+on the tensor sizes: for ``b200-64`` (full recompute, 16k tokens per rank, 512 MiB layer inputs
+and 129 MiB top-k per DSA layer) it works out to 1.06."""
 ALLOCATOR_RESERVE = 0.05
 """Fraction of the planned device total added for allocator fragmentation and communicator
 buffers (a 512k full-recompute run on one H200 failed at 126 GiB allocated + 26 GiB reserved)."""
@@ -372,7 +378,7 @@ def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int, devi
     DP x CP ranks by the distributed optimizer; activations: per-token saved bytes of every
     layer (:func:`activation_bytes_per_token`) times ``seq_len / context_parallel`` tokens,
     minus the MLP/MoE part of recomputed layers (``selective``) or all but the layer inputs
-    (``full``); offloaded layers move to pinned host memory (times ``SAVE_ON_CPU_COPIES``).
+    (``full``); offloaded layers move to pinned host memory (times ``OFFLOAD_PINNED_FACTOR``).
     Workspace: 1-3.75x one layer's non-MLP activations (the backward in flight, by recompute and
     offload mode), one MLP chunk, one float32 logits chunk; plus an allocator reserve of
     ``ALLOCATOR_RESERVE``. Estimates calibrated on an H200 (table in
@@ -432,7 +438,7 @@ def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int, devi
         else:
             device_acts += kept
     activations = int(device_acts * tokens)
-    pinned = int(host_acts * tokens * SAVE_ON_CPU_COPIES)
+    pinned = int(host_acts * tokens * OFFLOAD_PINNED_FACTOR)
     chunk = min(cfg.logits_chunk_tokens, tokens)
     mlp_tokens = min(cfg.mlp_chunk_tokens, tokens) if cfg.mlp_chunk_tokens > 0 else tokens
     # Backward in flight, in units of one layer's non-MLP activations, fitted on an H200 (small
@@ -597,8 +603,8 @@ def model_config(cfg: SFTConfig):
     if not 0 <= cfg.offload_layers <= mcfg.num_layers:
         raise SFTConfigError(f"offload_layers={cfg.offload_layers} must be in [0, num_layers={mcfg.num_layers}]")
     # TransformerConfig rejects cpu_offloading together with recompute because TE's offload
-    # hooks cannot see recomputed tensors; the model offloads with save_on_cpu around whole
-    # layers, which composes with selective MLP recompute, so the fields are set after validation.
+    # hooks cannot see recomputed tensors; the model offloads with saved-tensor hooks around whole
+    # layers (model.offload), which compose with selective MLP recompute, so the fields are set after validation.
     mcfg.cpu_offloading = cfg.offload_layers > 0
     mcfg.cpu_offloading_num_layers = cfg.offload_layers
     return mcfg

@@ -243,10 +243,10 @@ PRESETS: dict[str, Preset] = {
         device="cuda",
         engine="vllm",
         data_resources=Resources(cpu="8", mem="16Gi"),
-        # Host memory from the memory plan: 8 ranks x 42 GiB of pinned offloaded layer inputs
-        # (334 GiB per node) plus 10% (tests/test_presets.py recomputes it). The plan's per-token
+        # Host memory from the memory plan: 8 ranks x 25.9 GiB of pinned offloaded layer inputs
+        # (207 GiB per node) plus 10% (tests/test_presets.py recomputes it). The plan's per-token
         # activation bytes are calibrated on an H200 with the small preset (kernels/NOTES.md).
-        train_resources=Resources(cpu="96", mem="370Gi", gpu=8, accelerator="nvidia-b200", shared_memory="256Gi"),
+        train_resources=Resources(cpu="96", mem="228Gi", gpu=8, accelerator="nvidia-b200", shared_memory="256Gi"),
         # The memory plan (tasks.sft.memory_plan) fits 1M tokens on 180 GB B200s with CP=64 (16k
         # tokens per GPU), full-layer recompute and the layer inputs offloaded: 148 GiB per GPU,
         # 103 GiB of it bf16 weights + float32 grads of 18B local parameters. 288 experts: 9 per GPU.

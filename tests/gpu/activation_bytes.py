@@ -9,6 +9,14 @@ counted are skipped). The table prints saved bytes per token for each layer, spl
 mHC / mixer / MLP parts, next to :func:`tasks.sft.activation_bytes_per_token`, so the plan can be checked on any machine: on CPU the mixers run the
 plain-torch KDA and blockwise DSA, on CUDA fla ``chunk_kda`` and the Triton DSA kernels (their
 saved tensors differ; the mHC, norms, projections and MoE are the same code on both).
+
+``--offload`` adds, per layer, the host bytes the activation offload copies when every layer is
+offloaded (one more training forward of the same model and batch each): through
+``torch.autograd.graph.save_on_cpu`` (a copy per save) and through
+:class:`model.offload.OffloadActivations` (a copy per storage), exact and rounded up to powers of
+two as CUDA's caching host allocator allocates pinned blocks; the totals over distinct saved
+bytes calibrate ``tasks.sft.OFFLOAD_PINNED_FACTOR``. ``--recompute-mlp`` measures with every MLP
+chunk checkpointed (``recompute="selective"``, the offload runs' setting).
 """
 
 from __future__ import annotations
@@ -99,12 +107,68 @@ def measure(model, ids: torch.Tensor) -> dict[str, dict[str, int]]:
     return {k: dict(v) for k, v in totals.items()}
 
 
+def offload_host_bytes(model, ids: torch.Tensor) -> dict[str, list[int]]:
+    """Host bytes per layer that offloading every layer of ``model`` copies in one training forward.
+
+    Keys ``save_on_cpu`` and ``dedupe`` (:class:`model.offload.OffloadActivations`), each also
+    ``..._pow2``: the copies rounded up to powers of two (CUDA's caching host allocator rounds
+    pinned blocks so). Each context instance is one layer's forward.
+    """
+    import model.glm5_next as glm5_next
+    from model.offload import OffloadActivations
+
+    counts: dict[str, list[int]] = {}
+
+    def count(kind: str, nbytes: int) -> None:
+        counts[kind][-1] += nbytes
+        counts[kind + "_pow2"][-1] += 1 << max(nbytes - 1, 0).bit_length()
+
+    class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
+        def __init__(self):
+            super().__init__(pin_memory=True)
+            counts["save_on_cpu"].append(0)
+            counts["save_on_cpu_pow2"].append(0)
+            pack = self.pack_hook
+
+            def counting_pack(tensor):
+                count("save_on_cpu", tensor.numel() * tensor.element_size())
+                return pack(tensor)
+
+            self.pack_hook = counting_pack
+
+    class CountingOffload(OffloadActivations):
+        def __init__(self):
+            super().__init__()
+            counts["dedupe"].append(0)
+            counts["dedupe_pow2"].append(0)
+
+        def _copy_to_host(self, tensor, pin):
+            count("dedupe", tensor.numel() * tensor.element_size())
+            return super()._copy_to_host(tensor, pin)
+
+    config = model.config
+    saved = config.cpu_offloading, config.cpu_offloading_num_layers
+    config.cpu_offloading, config.cpu_offloading_num_layers = True, config.num_layers
+    try:
+        for kind, hook in (("save_on_cpu", CountingSaveOnCpu), ("dedupe", CountingOffload)):
+            counts[kind], counts[kind + "_pow2"] = [], []
+            glm5_next.OffloadActivations = hook
+            loss = model(ids[:, :-1], labels=ids[:, 1:]).sum()
+            del loss
+    finally:
+        glm5_next.OffloadActivations = OffloadActivations
+        config.cpu_offloading, config.cpu_offloading_num_layers = saved
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--mlp-chunk-tokens", type=int, default=0)
+    parser.add_argument("--recompute-mlp", action="store_true", help="checkpoint every MLP chunk")
+    parser.add_argument("--offload", action="store_true", help="also count the offload's host copies")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -116,11 +180,13 @@ def main() -> None:
     from tasks.sft import activation_bytes_per_token
 
     dtype = getattr(torch, args.dtype)
-    cfg = preset(args.preset, mlp_chunk_tokens=args.mlp_chunk_tokens)
+    recompute = dict(recompute_granularity="selective", recompute_modules=["mlp"]) if args.recompute_mlp else {}
+    cfg = preset(args.preset, mlp_chunk_tokens=args.mlp_chunk_tokens, **recompute)
     model = build_model(cfg, seed=0, dtype=dtype).train()
     device = next(model.parameters()).device
     ids = torch.randint(4, 9, (1, args.seq + 1), device=device)
     totals = measure(model, ids)
+    host = offload_host_bytes(model, ids) if args.offload else {}
     width = torch.finfo(dtype).bits // 8
     rows = []
     print(f"{args.preset} {args.dtype} on {device}, {args.seq} tokens: saved bytes per token")
@@ -129,7 +195,7 @@ def main() -> None:
     for i in range(cfg.num_layers):
         got = {k: v / args.seq for k, v in totals.get(str(i), {}).items()}
         planned = activation_bytes_per_token(cfg, i, 1, width, on_gpu=device.type == "cuda")
-        plan = sum(v for k, v in planned.items() if k != "mlp_input")
+        plan = sum(v for k, v in planned.items() if k != ("mlp" if args.recompute_mlp else "mlp_input"))
         total = sum(got.values())
         kind = f"{cfg.layer_types[i][:6]}/{cfg.mlp_layer_types[i]}"
         core = got.get("kda_core", 0) + got.get("dsa_core", 0)
@@ -138,10 +204,19 @@ def main() -> None:
         rows.append({"layer": i, "kind": kind, **{k: round(v) for k, v in got.items()}, "plan": plan})
     head = sum(totals.get("head", {}).values()) / args.seq
     print(f" head (embedding, final norm, loss): {head:.0f} B/token")
+    offload = {}
+    if host:
+        distinct = sum(sum(totals.get(str(i), {}).values()) for i in range(cfg.num_layers))
+        offload = {kind: round(sum(v) / distinct, 4) for kind, v in host.items()}
+        print("host bytes per distinct saved byte, every layer offloaded: "
+              + ", ".join(f"{kind} {ratio:.3f}" for kind, ratio in offload.items()))
+        for row, i in zip(rows, range(cfg.num_layers)):
+            row["offload"] = {kind: round(v[i] / args.seq) for kind, v in host.items()}
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"preset": args.preset, "dtype": args.dtype, "seq": args.seq, "device": str(device),
-                       "layers": rows, "head": head}, f, indent=1)
+                       "recompute_mlp": args.recompute_mlp, "layers": rows, "head": head,
+                       "offload_host_per_distinct_byte": offload}, f, indent=1)
 
 
 if __name__ == "__main__":
