@@ -1135,8 +1135,10 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
             if "event" in record:
                 log.info("sft %s", json.dumps(record))
             else:
-                log.info("sft step %d/%d: loss %.4f nats (%.3f bits/base), %.0f tokens/s, %.1f s/step", record["step"],
-                         cfg.steps, record["loss"], record["bits_per_base"], record["tokens_per_s"], record["step_time_s"])
+                log.info("sft step %d/%d: loss %.4f nats (%.3f bits/base), %.0f tokens/s, %.1f s/step, peak %.2f GiB "
+                         "device, %.2f GiB pinned (rank 0)", record["step"], cfg.steps, record["loss"],
+                         record["bits_per_base"], record["tokens_per_s"], record["step_time_s"],
+                         record["peak_memory_gib"], record["peak_pinned_host_gib"])
 
     def save(step_done: int, best: bool) -> None:
         path = ckpt.save(checkpoint_state(False, step_done, consumed, best_eval), step_done, best, cfg.keep_checkpoints)

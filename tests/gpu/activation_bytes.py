@@ -217,6 +217,8 @@ def main() -> None:
             json.dump({"preset": args.preset, "dtype": args.dtype, "seq": args.seq, "device": str(device),
                        "recompute_mlp": args.recompute_mlp, "layers": rows, "head": head,
                        "offload_host_per_distinct_byte": offload}, f, indent=1)
+    if torch.distributed.is_initialized():   # build_model's one-rank group: its threads end before exit
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
