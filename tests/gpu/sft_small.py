@@ -80,16 +80,19 @@ def main() -> None:
         row = {"config": name, "gpus": world, "context_parallel": args.context_parallel,
                "expert_parallel": args.expert_parallel,
                **{k: list(v) if isinstance(v, tuple) else v for k, v in knobs.items()}}
-        error = None
+        error, interrupted = None, False
         try:
             result = train(args.pack, cfg, out)
         except Exception as err:  # report, keep the steps that ran, go on to the next configuration
             traceback.print_exc()
             result, error = None, err
+        except KeyboardInterrupt as err:  # the session's time limit (SIGINT): report what ran, stop
+            result, error, interrupted = None, err, True
         peak = torch.tensor([float(torch.cuda.max_memory_allocated())], device="cuda")
-        if world > 1 and torch.distributed.is_initialized():
+        if world > 1 and torch.distributed.is_initialized() and not interrupted:
             torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)  # busiest GPU
-        row["peak_gib"] = round(peak.item() / 2**30, 2)
+        # interrupted ranks may stand in different collectives: this rank's peak only
+        row["peak_gib" if not interrupted else f"peak_gib_rank{rank}"] = round(peak.item() / 2**30, 2)
         try:
             plan = memory_plan(model_config(cfg), cfg, world, world,
                                device_limit=torch.cuda.get_device_properties(0).total_memory)
@@ -121,6 +124,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
             Path(args.out, "sft_small.json").write_text(json.dumps(rows, indent=1))
+        if interrupted:
+            break
 
 
 if __name__ == "__main__":
