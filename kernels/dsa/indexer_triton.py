@@ -3,9 +3,10 @@
 For a block of ``Tq`` queries one kernel launch writes the fused score
 ``I[t, p] = sum_h w[t, h] * relu(scale * q[t, h] . pool_key[p])`` of every pool the block
 can see into a ``[B, Tq, P_visible]`` float32 buffer (invisible pools -> ``-inf``), without
-the ``[Tq, H, P]`` per-head intermediate a torch implementation materializes, and in its
-epilogue the row maxima of ``N_COLUMNS`` disjoint column groups (see the kernel). A second kernel takes the ``n_select``-th largest column maximum as a
-lower bound of the row's ``n_select``-th value, reads the row once to keep the entries above
+the ``[Tq, H, P]`` per-head intermediate a torch implementation materializes, and the row
+maxima of ``N_COLUMNS`` disjoint column groups (see the kernel). A second kernel takes the
+``n_select``-th largest group maximum as a lower bound of the row's ``n_select``-th value,
+reads the row once to keep the entries above
 it as composite int64 keys (score bits, then the complement of the pool index, as the torch
 path; slots taken by atomic increments), sorts those few keys in registers and writes the
 decoded pool indices: exact, with the tie rule (equal scores: lower pool index wins).
