@@ -341,10 +341,18 @@ class EvalResult:
     report: dict = field(repr=False)
 
 
-def _markov_baseline(shards_dir: Path, order: int) -> _MarkovSource:
+def _markov_baseline(shards_dir: Path, order: int) -> _MarkovSource | None:
+    """The order-``order`` Markov model fitted on the pack's train split; ``None`` when the split
+    holds no tokens (an evaluation-only pack): an unfitted model is a uniform guess, not a baseline."""
     model = MarkovModel(order)
-    for shard in split_shards(shards_dir, "train"):
-        model.fit(ShardStreams(shards_dir, shard["path"]).tokens)
+    fitted = 0
+    splits = json.loads((shards_dir / "manifest.json").read_text())["splits"]
+    for shard in split_shards(shards_dir, "train") if "train" in splits else []:
+        tokens = ShardStreams(shards_dir, shard["path"]).tokens
+        model.fit(tokens)
+        fitted += len(tokens)
+    if not fitted:
+        return None
     return _MarkovSource(model, f"Markov order {order}, add-one smoothing, backoff; fitted on the train split")
 
 
@@ -388,7 +396,12 @@ def evaluate(sources: Mapping[str, LogProbSource | Callable[[], LogProbSource]],
 
     all_sources = dict(sources)
     if cfg.markov_order:
-        all_sources[f"markov-{cfg.markov_order}"] = _markov_baseline(shards_dir, cfg.markov_order)
+        baseline = _markov_baseline(shards_dir, cfg.markov_order)
+        if baseline is None:
+            log.warning("evaluate: %s has no train split (an evaluation-only pack): no markov-%d baseline",
+                        shards_dir, cfg.markov_order)
+        else:
+            all_sources[f"markov-{cfg.markov_order}"] = baseline
     results: dict[str, dict] = {}
     bar = tqdm(total=len(all_sources) * (len(windows) + len(rc_windows)), desc="evaluate", unit="window", disable=None)
     for label, factory in all_sources.items():

@@ -735,6 +735,19 @@ def _peak_tflops(cfg: SFTConfig) -> float | None:
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
+def step_log_line(record: dict, steps: int) -> str:
+    """One progress line of a step's metrics record (the keys :func:`train` writes): loss in
+    nats/token and bits/base, tokens/s, seconds, rank 0's peak memory in GiB (the device's on
+    CUDA, the process's max RSS on CPU) and its peak pinned host GiB where measured (CUDA;
+    ``None`` is left out)."""
+    line = (f"sft step {record['step']}/{steps}: loss {record['loss']:.4f} nats ({record['bits_per_base']:.3f} "
+            f"bits/base), {record['tokens_per_s']:.0f} tokens/s, {record['step_time_s']:.1f} s/step")
+    peaks = [f"{record[key]:.2f} GiB {what}" for key, what in (("peak_memory_gib", "memory"),
+                                                              ("peak_pinned_host_gib", "pinned"))
+             if record.get(key) is not None]
+    return line + (f", peak {', '.join(peaks)} (rank 0)" if peaks else "")
+
+
 def _peak_memory_gib() -> float:
     import resource
 
@@ -1135,10 +1148,7 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
             if "event" in record:
                 log.info("sft %s", json.dumps(record))
             else:
-                log.info("sft step %d/%d: loss %.4f nats (%.3f bits/base), %.0f tokens/s, %.1f s/step, peak %.2f GiB "
-                         "device, %.2f GiB pinned (rank 0)", record["step"], cfg.steps, record["loss"],
-                         record["bits_per_base"], record["tokens_per_s"], record["step_time_s"],
-                         record["peak_memory_gib"], record["peak_pinned_host_gib"])
+                log.info("%s", step_log_line(record, cfg.steps))
 
     def save(step_done: int, best: bool) -> None:
         path = ckpt.save(checkpoint_state(False, step_done, consumed, best_eval), step_done, best, cfg.keep_checkpoints)

@@ -237,3 +237,21 @@ def test_evaluate_checkpoints_uses_the_preset_window_buckets_and_scorer(setup, t
     with pytest.raises(EvalError, match="evaluate.scorer='sglang'"):
         evaluate_checkpoints({"base": root / "base"}, root / "pack", dataclasses.replace(
             small, evaluate=dataclasses.replace(small.evaluate, scorer="sglang")), tmp_path / "bad")
+
+
+def test_an_evaluation_only_pack_gets_no_markov_baseline(setup, tmp_path):
+    # Without train tokens the Markov model is a uniform 2 bits/base guess: it must not be
+    # reported as the baseline "fitted on the train split" (the standalone evaluate workflow
+    # packs the held-out chromosomes only).
+    import shutil
+
+    root, _, _ = setup
+    pack_dir = tmp_path / "pack"
+    shutil.copytree(root / "pack", pack_dir)
+    manifest = json.loads((pack_dir / "manifest.json").read_text())
+    manifest["splits"]["train"]["shards"] = []
+    (pack_dir / "manifest.json").write_text(json.dumps(manifest))
+    cfg = EvalConfig(window_tokens=WINDOW, context_buckets=BUCKETS, max_windows=1, markov_order=3)
+    result = evaluate({"base": TransformersEngine(root / "base", max_model_len=WINDOW)}, pack_dir, cfg, tmp_path / "out")
+    assert result.report["baselines"] == {}
+    assert set(result.report["checkpoints"]) == {"base"}

@@ -24,7 +24,7 @@ from tasks.corpora import CORPORA
 from tasks.ingest import IngestConfig, ingest
 from tasks.pack import PackConfig, pack
 from tasks.sft import (OFFLOAD_PINNED_FACTOR, MemoryPlanError, SFTConfig, WindowSampler, activation_bytes_per_token,
-                       host_memory_limit_bytes, memory_plan)
+                       host_memory_limit_bytes, memory_plan, step_log_line)
 
 BASE = dict(model="tiny", seq_len=1024, eval_seq_len=1024, eval_windows=1, steps=6, warmup_steps=2, lr=3e-3,
             checkpoint_every=3)
@@ -376,3 +376,14 @@ def test_recompute_and_offload_change_memory_not_losses_and_indexer_kl_trains(sh
             safe_open(str(tmp_path / "indexer_kl/hf/model.safetensors"), "pt") as b:
         # Without the KL term the indexer gets no gradient (selection is under no_grad).
         assert (a.get_tensor(name) - b.get_tensor(name)).abs().max() > 1e-4
+
+
+def test_step_log_line_formats_cpu_and_gpu_records():
+    # A CPU record has no pinned-memory peak (None): the line must still format (a None in a
+    # %-format once dropped every SFT progress line into a logging traceback).
+    record = {"step": 3, "loss": 1.3862943611198906, "bits_per_base": 2.0, "tokens_per_s": 1234.4,
+              "step_time_s": 6.64, "peak_memory_gib": 1.8225, "peak_pinned_host_gib": None}
+    assert step_log_line(record, 24) == ("sft step 3/24: loss 1.3863 nats (2.000 bits/base), 1234 tokens/s, "
+                                         "6.6 s/step, peak 1.82 GiB memory (rank 0)")
+    record.update(peak_pinned_host_gib=68.6)
+    assert step_log_line(record, 24).endswith("peak 1.82 GiB memory, 68.60 GiB pinned (rank 0)")
