@@ -2,6 +2,8 @@
 # One device call: install the carried wheels, then run the GPU checks and benchmarks named in
 # $PARTS (default: all) with a time limit each, logging to $OUT/<part>.log.
 #   run(command="bash tests/gpu/session.sh", carry=[".whl", "runs/sft_gpu_pack"])
+#   (with an earlier call's $OUT/triton_autotune.tgz saved as .triton/autotune.tgz:
+#    command="TRITON_CACHE_TGZ=.triton/autotune.tgz bash tests/gpu/session.sh", carry += ".triton")
 # .whl holds the fla-core 0.6.0, megatron-core 0.19.2 (cp312) and transformers 5.19.0 wheels.
 # Parts: actbytes (saved bytes per token vs the memory plan), model (tests/gpu/model_small.py),
 # sft (tests/gpu/sft_small.py with $SFT_CONFIGS), model_check (model_small.py's bf16-vs-CPU check
@@ -14,12 +16,17 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-# Compiled kernels and autotuning results (Triton's, fla's) persist across the parts of a call;
-# a cache tarball carried from an earlier call ($TRITON_CACHE_TGZ) skips the first-step compile.
+# Compiled kernels and autotuning results (Triton's, fla's) persist across the parts of a call.
+# The autotuning results alone (*.autotune.json, kilobytes; the compiled cache of an SFT call is
+# too large to come back) leave as $OUT/triton_autotune.tgz: carried into a later call as
+# $TRITON_CACHE_TGZ (e.g. .triton/autotune.tgz, git-ignored), every tuned kernel compiles its
+# best config only instead of benchmarking all of them (keys: Triton version, GPU, kernel source).
 export TRITON_CACHE_DIR=/tmp/triton_cache TRITON_CACHE_AUTOTUNING=1
 mkdir -p "$TRITON_CACHE_DIR"
-if [ -n "${TRITON_CACHE_TGZ:-}" ] && [ -f "$TRITON_CACHE_TGZ" ]; then tar -xzf "$TRITON_CACHE_TGZ" -C "$TRITON_CACHE_DIR"; fi
-save_cache() { tar -czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null; }
+if [ -n "${TRITON_CACHE_TGZ:-}" ] && [ -f "$TRITON_CACHE_TGZ" ]; then
+  tar -xzf "$TRITON_CACHE_TGZ" -C "$TRITON_CACHE_DIR" && echo "autotune cache: $(tar -tzf "$TRITON_CACHE_TGZ" | grep -c autotune.json) results from $TRITON_CACHE_TGZ"
+fi
+save_cache() { (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/triton_autotune.tgz" -T -) 2>/dev/null; }
 trap save_cache EXIT
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 PARTS=${PARTS:-"actbytes model sft dsa"}
