@@ -32,9 +32,6 @@ class CPContext:
         else:
             self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
 
-    def global_rank(self, cp_rank: int) -> int:
-        return dist.get_global_rank(self.group, cp_rank)
-
 
 class _AllGatherSeq(torch.autograd.Function):
     @staticmethod

@@ -343,16 +343,13 @@ class EvalResult:
 
 def _markov_baseline(shards_dir: Path, order: int) -> _MarkovSource | None:
     """The order-``order`` Markov model fitted on the pack's train split; ``None`` when the split
-    holds no tokens (an evaluation-only pack): an unfitted model is a uniform guess, not a baseline."""
-    model = MarkovModel(order)
-    fitted = 0
-    splits = json.loads((shards_dir / "manifest.json").read_text())["splits"]
-    for shard in split_shards(shards_dir, "train") if "train" in splits else []:
-        tokens = ShardStreams(shards_dir, shard["path"]).tokens
-        model.fit(tokens)
-        fitted += len(tokens)
-    if not fitted:
+    has no shards (an evaluation-only pack): an unfitted model is a uniform guess, not a baseline."""
+    shards = split_shards(shards_dir, "train")
+    if not shards:
         return None
+    model = MarkovModel(order)
+    for shard in shards:
+        model.fit(ShardStreams(shards_dir, shard["path"]).tokens)
     return _MarkovSource(model, f"Markov order {order}, add-one smoothing, backoff; fitted on the train split")
 
 

@@ -6,10 +6,10 @@ can see into a ``[B, Tq, P_visible]`` float32 buffer (invisible pools -> ``-inf`
 the ``[Tq, H, P]`` per-head intermediate a torch implementation materializes, and the row
 maxima of ``N_COLUMNS`` disjoint column groups (see the kernel). A second kernel takes the
 ``n_select``-th largest group maximum as a lower bound of the row's ``n_select``-th value,
-reads the row once to keep the entries above
-it as composite int64 keys (score bits, then the complement of the pool index, as the torch
-path; slots taken by atomic increments), sorts those few keys in registers and writes the
-decoded pool indices: exact, with the tie rule (equal scores: lower pool index wins).
+reads the row once to keep the entries above it as composite int64 keys (score bits, then
+the complement of the pool index, as the torch path; slots taken by atomic increments),
+sorts those few keys in registers and writes the decoded pool indices: exact, with the tie
+rule (equal scores: lower pool index wins).
 Rows with more candidates than the slots hold (massive ties) are redone from their scores
 after the last block. The host synchronizes twice per call (block bounds before, overflow
 count after), not per block. Memory: ``O(T * n_select + Tq * P)``.
@@ -217,12 +217,12 @@ def triton_pool_topk(
         return selected
     # visible pools of each query block: [first pool of the first query's document, pools
     # complete by the last query); one host read for all blocks
-    starts = torch.arange(0, n_q, query_block, device=q.device)
-    ends = (starts + query_block).clamp_max(n_q)
-    p_lo_all = grid.doc_first_pool[q_doc[starts]]
-    p_hi_all = torch.searchsorted(grid.end, q_pos[ends - 1], right=True)
-    blocks = [(t0, min(t0 + query_block, n_q), lo, hi)
-              for t0, lo, hi in zip(range(0, n_q, query_block), p_lo_all.tolist(), p_hi_all.tolist()) if hi > lo]
+    starts = list(range(0, n_q, query_block))
+    ends = [min(t0 + query_block, n_q) for t0 in starts]
+    first, last = (torch.tensor(v, device=q.device) for v in (starts, [t1 - 1 for t1 in ends]))
+    p_lo_all, p_hi_all = torch.stack(
+        [grid.doc_first_pool[q_doc[first]], torch.searchsorted(grid.end, q_pos[last], right=True)]).tolist()
+    blocks = [(t0, t1, lo, hi) for t0, t1, lo, hi in zip(starts, ends, p_lo_all, p_hi_all) if hi > lo]
     if not blocks:
         return selected
     columns, capacity = _n_columns(n_select), _capacity(n_select)
