@@ -316,11 +316,17 @@ recompute: 1.083 by ``python tests/gpu/activation_bytes.py --preset small --seq 
 to each copy), 1.081 as the pinned peak of ``tests/gpu/sft_small.py --configs 256k-sel-off4``
 (68.6 GiB for 63.5 GiB planned). ``torch.autograd.graph.save_on_cpu``, one copy per op that saves
 a tensor or a view of it, measured 1.745 and 1.743 (110.6 GiB) the same ways. The rounding depends
-on the tensor sizes: for ``b200-64`` (full recompute, 16k tokens per rank, 512 MiB layer inputs
-and 129 MiB top-k per DSA layer) it works out to 1.06."""
+on the tensor sizes; under full recompute (the offloaded tensors are each layer's input streams and
+top-k, a few large blocks) the plan rounds each block itself (:func:`pinned_block_bytes`)."""
 ALLOCATOR_RESERVE = 0.05
 """Fraction of the planned device total added for allocator fragmentation and communicator
 buffers (a 512k full-recompute run on one H200 failed at 126 GiB allocated + 26 GiB reserved)."""
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """Pinned host bytes CUDA's caching host allocator takes for a request of ``nbytes`` bytes:
+    the next power of two (``CachingHostAllocator``, PyTorch ``aten/src/ATen/core/CachingHostAllocator.h``)."""
+    return 1 << max(int(nbytes) - 1, 0).bit_length()
 
 
 def activation_bytes_per_token(mcfg, layer: int, tp: int, width: int, on_gpu: bool = True) -> dict[str, int]:
@@ -418,15 +424,19 @@ def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int, devi
     optimizer = int(local_params * 12 / (dp * cp))
     tokens = cfg.seq_len // cp
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
-    device_acts, host_acts, layer_work, mlp_work = 0, 0, 0, 0
+    device_acts, host_acts, layer_work, mlp_work, reload_work, pinned_exact = 0, 0, 0, 0, 0, 0
     for i in range(mcfg.num_layers):
         part = activation_bytes_per_token(mcfg, i, tp, width, on_gpu)
         around = part["mhc"] + part["other"] + part["mixer"] + part["core"]
         if cfg.recompute == "full":
             # the layer checkpoint keeps its input streams, and the top-k a DSA layer hands on
-            kept = mcfg.hc_mult * mcfg.hidden_size * width
+            kept_tensors = [mcfg.hc_mult * mcfg.hidden_size * width]
             if i and mcfg.layer_types[i - 1] == DSA:
-                kept += mcfg.index_width * 4
+                kept_tensors.append(mcfg.index_width * 4)
+            kept = sum(kept_tensors)
+            if i < cfg.offload_layers:   # two large tensors: the host allocator's rounding, exactly
+                pinned_exact += sum(pinned_block_bytes(b * tokens) for b in kept_tensors)
+                reload_work = max(reload_work, kept)
         elif mlp_recomputed(cfg.recompute, cfg.recompute_modules, mcfg.mlp_layer_types[i] == "sparse"):
             kept = around + part["mlp_input"]
         else:
@@ -438,16 +448,18 @@ def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int, devi
         else:
             device_acts += kept
     activations = int(device_acts * tokens)
-    pinned = int(host_acts * tokens * OFFLOAD_PINNED_FACTOR)
+    pinned = pinned_exact if cfg.recompute == "full" else int(host_acts * tokens * OFFLOAD_PINNED_FACTOR)
     chunk = min(cfg.logits_chunk_tokens, tokens)
     mlp_tokens = min(cfg.mlp_chunk_tokens, tokens) if cfg.mlp_chunk_tokens > 0 else tokens
     # Backward in flight, in units of one layer's non-MLP activations, fitted on an H200 (small
     # preset, kernels/NOTES.md): the gradients of the layer in backward (1; 1.08 measured at 64k
     # without recompute), a reloaded offloaded layer (+0.75; 1.7 measured at 256k), a recomputed
     # layer with its gradients (+2; 2.8 measured at 256k full recompute); plus one MLP chunk and
-    # one float32 logits chunk.
-    layers_in_flight = 1 + (2 if cfg.recompute == "full" else 0) + (0.75 if cfg.offload_layers else 0)
-    workspace = int(layers_in_flight * layer_work * tokens + mlp_work * mlp_tokens
+    # one float32 logits chunk. Under full recompute an offloaded layer reloads only its inputs
+    # (``reload_work``) before its forward is recomputed on the device.
+    offload_reload = 0.75 if cfg.offload_layers and cfg.recompute != "full" else 0
+    layers_in_flight = 1 + (2 if cfg.recompute == "full" else 0) + offload_reload
+    workspace = int(layers_in_flight * layer_work * tokens + reload_work * tokens + mlp_work * mlp_tokens
                     + chunk * mcfg.vocab_size / tp * 4 * 3)
     reserve = int(ALLOCATOR_RESERVE * (weights + grads + optimizer + activations + workspace))
     device_total = weights + grads + optimizer + activations + workspace + reserve

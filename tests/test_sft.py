@@ -338,7 +338,9 @@ model.glm5_next.OffloadActivations = CountingOffload
 base = json.loads(sys.argv[2])
 results = {}
 for name, knobs in [("plain", {}), ("selective_recompute", {"recompute": "selective", "recompute_modules": ("mlp",)}),
-                    ("offload", {"offload_layers": 2}), ("indexer_kl", {"indexer_kl_coeff": 1.0})]:
+                    ("offload", {"offload_layers": 2}), ("indexer_kl", {"indexer_kl_coeff": 1.0}),
+                    ("full_recompute", {"recompute": "full"}),
+                    ("full_recompute_offload", {"recompute": "full", "offload_layers": 2})]:
     offloaded.append(0)
     out = f"{sys.argv[3]}/{name}"
     train(sys.argv[1], SFTConfig(**base, **knobs), out)
@@ -365,6 +367,15 @@ def test_recompute_and_offload_change_memory_not_losses_and_indexer_kl_trains(sh
     assert plain["offloaded_bytes"] == 0
     # Layers 1-2 save at least their inputs: 4 mHC streams x hidden 64 x 1024 tokens x float32, per layer.
     assert results["offload"]["offloaded_bytes"] >= 2 * 4 * 64 * 1024 * 4 * base["steps"]
+    # Under full recompute a layer keeps only its input: the mHC streams (hc_mult x hidden,
+    # float32 on CPU) and, after a DSA layer, its int32 top-k; offload moves exactly those.
+    from model.config import preset
+
+    tiny = preset("tiny")
+    assert results["full_recompute_offload"]["losses"] == results["full_recompute"]["losses"]
+    streams = tiny.hc_mult * tiny.hidden_size * 4 * base["seq_len"]
+    topk = sum(tiny.index_width * 4 * base["seq_len"] for i in (1,) if tiny.layer_types[i - 1] == "indexed_attention")
+    assert results["full_recompute_offload"]["offloaded_bytes"] == (2 * streams + topk) * base["steps"]
     kl = results["indexer_kl"]
     assert all(v > 0 for v in kl["indexer_kl"]) and all(v == 0 for v in plain["indexer_kl"])
     # The KL loss trains the indexer only; the first step's LM loss is computed before any update.

@@ -44,6 +44,10 @@ CONFIGS = {
     # One H200 runs out of memory at 512k (kernels/NOTES.md): these need CP >= 2 (torchrun).
     "512k-full": dict(seq_len=524_288, recompute="full"),
     "1m-full": dict(seq_len=1_048_576, recompute="full"),
+    # Full recompute with every layer's input streams (and top-k) in pinned host memory: what
+    # is left on the device is the backward in flight, so 512k fits one H200, 1M two (CP=2).
+    "512k-full-off8": dict(seq_len=524_288, recompute="full", offload_layers=8),
+    "1m-full-off8": dict(seq_len=1_048_576, recompute="full", offload_layers=8),
 }
 
 
