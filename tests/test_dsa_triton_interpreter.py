@@ -54,33 +54,45 @@ SCRIPT = textwrap.dedent(
         mass = torch.where(idx[:, :, None] >= 0, torch.exp(scores - lse[..., None]), 0.0).sum(2).nan_to_num(0.0)
         assert torch.allclose(st.triton_sparse_mla_mass(q, kv, idx, lse, 0.3), mass, atol=1e-5)
 
-    # indexer: random scores, packed documents, and all-equal scores (the overflow path)
-    n, kpool, n_select = 96, 4, 3
-    q, w = torch.randn(1, n, 2, 16, generator=gen), torch.randn(1, n, 2, generator=gen)
-    k, g, ape = torch.randn(1, n, 16, generator=gen), torch.randn(1, n, 16, generator=gen), torch.randn(kpool, 16, generator=gen)
-    for cu, queries, kpool in [(None, q, 4), (torch.tensor([0, 30, 96]), q, 4), (None, torch.zeros_like(q), 4),
-                               (torch.tensor([0, 10, 96]), q, 1)]:   # 96 pools: 2 tiles per program
-        ape = torch.randn(kpool, 16, generator=gen)
-        grid = kpool_grid(n, kpool, cu)
+    # indexer: random scores, packed documents, and all-equal scores (the overflow path); every
+    # fold of the column maxima (FOLD), paired head products (PAIR) and the split candidate sort
+
+
+    def check_indexer(*variant):
+        gen = torch.Generator().manual_seed(1)
+        n, kpool, n_select = 96, 4, 3
+        q, w = torch.randn(1, n, 2, 16, generator=gen), torch.randn(1, n, 2, generator=gen)
+        k, g, ape = torch.randn(1, n, 16, generator=gen), torch.randn(1, n, 16, generator=gen), torch.randn(kpool, 16, generator=gen)
+        for cu, queries, kpool in [(None, q, 4), (torch.tensor([0, 30, 96]), q, 4), (None, torch.zeros_like(q), 4),
+                                   (torch.tensor([0, 10, 96]), q, 1)]:   # 96 pools: 2 tiles per program
+            ape = torch.randn(kpool, 16, generator=gen)
+            grid = kpool_grid(n, kpool, cu)
+            keys = _compress_on_grid(k, g, ape, grid)
+            got = it.triton_pool_topk(queries, keys, w, grid, n_select, 0.25, 0, query_block=40)
+            ref = _torch_pool_topk(queries, keys, w, grid, n_select, 0.25, 0, 32)
+            assert torch.equal(got, ref), (variant, (got != ref).nonzero())
+        # one high-index pool above a tie of every other pool at 0: the tie overflows the slots
+        # and the redo must still put pool 40 first
+        grid = kpool_grid(n, 2)
+        keys = torch.zeros(1, 48, 16)
+        keys[0, 40] = 1.0
+        ones, w_pos = torch.ones_like(q), w.abs() + 0.1
+        got = it.triton_pool_topk(ones, keys, w_pos, grid, n_select, 0.25, 0, query_block=40)
+        assert torch.equal(got, _torch_pool_topk(ones, keys, w_pos, grid, n_select, 0.25, 0, 32))
+        assert got[0, -1].tolist() == [40, 0, 1], got[0, -1]
+        # context-parallel call: the last 46 queries against all 96 keys, packed documents
+        kpool, ape = 4, torch.randn(4, 16, generator=gen)
+        grid = kpool_grid(n, kpool, torch.tensor([0, 30, 96]))
         keys = _compress_on_grid(k, g, ape, grid)
-        got = it.triton_pool_topk(queries, keys, w, grid, n_select, 0.25, 0, query_block=40)
-        ref = _torch_pool_topk(queries, keys, w, grid, n_select, 0.25, 0, 32)
-        assert torch.equal(got, ref), (got != ref).nonzero()
-    # one high-index pool above a tie of every other pool at 0: the tie overflows the slots
-    # and the redo must still put pool 40 first
-    grid = kpool_grid(n, 2)
-    keys = torch.zeros(1, 48, 16)
-    keys[0, 40] = 1.0
-    ones, w_pos = torch.ones_like(q), w.abs() + 0.1
-    got = it.triton_pool_topk(ones, keys, w_pos, grid, n_select, 0.25, 0, query_block=40)
-    assert torch.equal(got, _torch_pool_topk(ones, keys, w_pos, grid, n_select, 0.25, 0, 32))
-    assert got[0, -1].tolist() == [40, 0, 1], got[0, -1]
-    # context-parallel call: the last 46 queries against all 96 keys, packed documents
-    kpool, ape = 4, torch.randn(4, 16, generator=gen)
-    grid = kpool_grid(n, kpool, torch.tensor([0, 30, 96]))
-    keys = _compress_on_grid(k, g, ape, grid)
-    got = it.triton_pool_topk(q[:, 50:], keys, w[:, 50:], grid, n_select, 0.25, 50, query_block=40)
-    assert torch.equal(got, _torch_pool_topk(q[:, 50:], keys, w[:, 50:], grid, n_select, 0.25, 50, 32))
+        got = it.triton_pool_topk(q[:, 50:], keys, w[:, 50:], grid, n_select, 0.25, 50, query_block=40)
+        assert torch.equal(got, _torch_pool_topk(q[:, 50:], keys, w[:, 50:], grid, n_select, 0.25, 50, 32)), variant
+
+
+    score_cfg, select_cfg = it._pool_scores_kernel.configs[0].kwargs, it._select_kernel.configs[0].kwargs
+    for fold, pair, split in [(0, False, False), (1, True, True), (2, False, True)]:
+        score_cfg.update(FOLD=fold, PAIR=pair)
+        select_cfg.update(SPLIT_SORT=split)
+        check_indexer(fold, pair, split)
     print("TRITON_INTERPRETER_OK")
     """
 )

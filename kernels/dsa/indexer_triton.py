@@ -29,13 +29,48 @@ from kernels.dsa.errors import DSAInputError
 from kernels.dsa.indexer import KPoolGrid, _query_docs, _selection_keys, decode_selection_keys
 
 
-@triton.autotune(
-    configs=[
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
-        for bm, bn, w, st in [(64, 256, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 256, 8, 2)]
-    ],
-    key=["H", "D", "size_class", "N_COLUMNS"],
-)
+@triton.jit
+def _fold_pairs(x, BLOCK_M: tl.constexpr, N: tl.constexpr):
+    """``[BLOCK_M, N] -> [BLOCK_M, N / 2]``: the maximum of columns ``2c`` and ``2c + 1``."""
+    even, odd = tl.split(tl.reshape(x, (BLOCK_M, N // 2, 2)))
+    return tl.maximum(even, odd)
+
+
+@triton.jit
+def _fold_tile(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr, FOLD: tl.constexpr):
+    """Row maxima of ``GROUP_N`` disjoint column groups of a ``[BLOCK_M, BLOCK_N]`` tile.
+
+    ``FOLD`` 0: group ``c mod GROUP_N`` (a reshape to ``[BLOCK_M, BLOCK_N / GROUP_N, GROUP_N]``
+    reduced over the middle axis); 1: group ``c // (BLOCK_N / GROUP_N)`` (contiguous columns,
+    reduced over the last axis); 2: the same contiguous groups by halving splits of column pairs
+    (``tl.split``), up to 8 columns a group. Any partition gives the selection a valid bound;
+    the variants differ only in how the compiler lays out the reduction.
+    """
+    if FOLD == 0:
+        return tl.max(tl.reshape(acc, (BLOCK_M, BLOCK_N // GROUP_N, GROUP_N)), axis=1)
+    elif FOLD == 1:
+        return tl.max(tl.reshape(acc, (BLOCK_M, GROUP_N, BLOCK_N // GROUP_N)), axis=2)
+    else:
+        tl.static_assert(BLOCK_N // GROUP_N <= 8)
+        x = acc
+        if BLOCK_N // GROUP_N >= 2:
+            x = _fold_pairs(x, BLOCK_M, BLOCK_N)
+        if BLOCK_N // GROUP_N >= 4:
+            x = _fold_pairs(x, BLOCK_M, BLOCK_N // 2)
+        if BLOCK_N // GROUP_N >= 8:
+            x = _fold_pairs(x, BLOCK_M, BLOCK_N // 4)
+        return x
+
+
+SCORE_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "FOLD": 0, "PAIR": False}, num_warps=w, num_stages=st)
+    for bm, bn, w, st in [(64, 256, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 256, 8, 2)]
+]
+"""Autotuned configurations of :func:`_pool_scores_kernel` (tests/benchmarks/indexer_score_variants.py
+times every tile x ``FOLD`` x ``PAIR`` combination directly; kernels/NOTES.md has the results)."""
+
+
+@triton.autotune(configs=SCORE_CONFIGS, key=["H", "D", "size_class", "N_COLUMNS"])
 @triton.jit
 def _pool_scores_kernel(
     Q, PK, W, OUT, COLMAX, POOL_END, POOL_DOC, Q_POS, Q_DOC,
@@ -46,13 +81,15 @@ def _pool_scores_kernel(
     stride_cb, stride_ct,
     n_q, n_pools, p_lo, size_class,
     H: tl.constexpr, D: tl.constexpr, N_COLUMNS: tl.constexpr, GROUP_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FOLD: tl.constexpr, PAIR: tl.constexpr,
 ):
     """Scores of ``BLOCK_M`` queries against the pool tiles ``pid_n, pid_n + n_prog, ...``
     (``n_prog = N_COLUMNS / GROUP_N`` programs along the pools) and the row maxima of this
     program's ``GROUP_N`` column groups: pool ``c`` of a tile (``c < BLOCK_N``) is in group
-    ``pid_n * GROUP_N + c mod GROUP_N``. The maxima fold in registers (``[BLOCK_M, GROUP_N]``,
-    small beside the accumulator) and are stored once: no atomics."""
+    ``pid_n * GROUP_N + c mod GROUP_N`` (``FOLD`` picks the grouping, :func:`_fold_tile`). The
+    maxima fold in registers (``[BLOCK_M, GROUP_N]``, small beside the accumulator) and are
+    stored once: no atomics. ``PAIR``: two heads' products are issued before either's ReLU-weighted
+    accumulation (same summation order), so one head's epilogue can overlap the other's MMA."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -77,32 +114,55 @@ def _pool_scores_kernel(
         )
         pk_t = tl.trans(pk)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for h in range(H):
-            q = tl.load(q_base + h * stride_qh, mask=mask_m[:, None], other=0.0)
-            w = tl.load(w_base + h, mask=mask_m, other=0.0).to(tl.float32)
-            # relu(scale * s) * w == relu(s) * (scale * w) for scale > 0: W arrives pre-scaled
-            acc += tl.maximum(tl.dot(q, pk_t), 0.0) * w[:, None]
+        # relu(scale * s) * w == relu(s) * (scale * w) for scale > 0: W arrives pre-scaled
+        if PAIR:
+            tl.static_assert(H % 2 == 0)
+            for h in range(0, H, 2):
+                q0 = tl.load(q_base + h * stride_qh, mask=mask_m[:, None], other=0.0)
+                q1 = tl.load(q_base + (h + 1) * stride_qh, mask=mask_m[:, None], other=0.0)
+                w0 = tl.load(w_base + h, mask=mask_m, other=0.0).to(tl.float32)
+                w1 = tl.load(w_base + h + 1, mask=mask_m, other=0.0).to(tl.float32)
+                s0 = tl.dot(q0, pk_t)
+                s1 = tl.dot(q1, pk_t)
+                acc += tl.maximum(s0, 0.0) * w0[:, None]
+                acc += tl.maximum(s1, 0.0) * w1[:, None]
+        else:
+            for h in range(H):
+                q = tl.load(q_base + h * stride_qh, mask=mask_m[:, None], other=0.0)
+                w = tl.load(w_base + h, mask=mask_m, other=0.0).to(tl.float32)
+                acc += tl.maximum(tl.dot(q, pk_t), 0.0) * w[:, None]
         visible = (pool_doc[None, :] == q_doc[:, None]) & (pool_end[None, :] <= q_pos[:, None])
         acc = tl.where(visible, acc, float("-inf"))
         tl.store(OUT + b * stride_ob + offs_m[:, None] * stride_ot + offs_n[None, :], acc,
                  mask=mask_m[:, None] & mask_n[None, :])
-        folded = tl.max(tl.reshape(acc, (BLOCK_M, BLOCK_N // GROUP_N, GROUP_N)), axis=1)
-        col_max = tl.maximum(col_max, folded)
+        col_max = tl.maximum(col_max, _fold_tile(acc, BLOCK_M, BLOCK_N, GROUP_N, FOLD))
     offs_g = pid_n * GROUP_N + tl.arange(0, GROUP_N)
     tl.store(COLMAX + b * stride_cb + offs_m[:, None] * stride_ct + offs_g[None, :], col_max, mask=mask_m[:, None])
 
 
-@triton.autotune(
-    configs=[triton.Config({"CHUNK": c}, num_warps=w) for c in (2048, 4096, 8192) for w in (4, 8)],
-    key=["N_COLUMNS", "CAPACITY", "size_class"],
-)
+SELECT_CONFIGS = [triton.Config({"CHUNK": c, "SPLIT_SORT": False}, num_warps=w) for c in (2048, 4096, 8192) for w in (4, 8)]
+"""Autotuned configurations of :func:`_select_kernel`."""
+
+
+@triton.jit
+def _sorted_pools(slots, count, n_keys: tl.constexpr):
+    """The pools of the first ``count`` (``<= n_keys``) composite keys at ``slots``, best first
+    (``[n_keys]`` int64, -1 past ``count``)."""
+    idx = tl.arange(0, n_keys)
+    # empty slots get INVALID_KEY (int64 min), which sorts last and decodes to -1
+    cand = tl.load(slots + idx, mask=idx < count, other=-9223372036854775808)
+    cand = tl.sort(cand, descending=True)
+    return tl.where(cand == -9223372036854775808, -1, 4294967295 - (cand & 4294967295))
+
+
+@triton.autotune(configs=SELECT_CONFIGS, key=["N_COLUMNS", "CAPACITY", "size_class"])
 @triton.jit
 def _select_kernel(
     S, COLMAX, COUNT, SLOTS, OUT,
     stride_sb, stride_st, stride_cb, stride_ct, stride_nb, stride_ob, stride_ot,
     n_rows, n_cols, p_lo, size_class,
     N_SELECT: tl.constexpr, N_COLUMNS: tl.constexpr, CAPACITY: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, SPLIT_SORT: tl.constexpr,
 ):
     """Per score row: a lower bound on its n_select-th value, the composite keys above it,
     and the decoded pool indices of the best ``N_SELECT`` (-1 where fewer are visible).
@@ -115,7 +175,8 @@ def _select_kernel(
     the row's counter (no scan over the row) and are written as composite int64 keys to a
     ``CAPACITY``-slot scratch row; the sort in registers makes the order exact and
     deterministic (tie rule: lower pool index first). ``COUNT`` gets the number that passed:
-    rows above ``CAPACITY`` are redone by the caller.
+    rows above ``CAPACITY`` are redone by the caller. ``SPLIT_SORT``: rows with at most
+    ``CAPACITY / 2`` candidates (nearly all) sort half as many keys.
     """
     row = tl.program_id(0).to(tl.int64)
     b = row // n_rows
@@ -141,12 +202,14 @@ def _select_kernel(
     # other threads' slot writes and counter increments must be visible to this one's loads
     tl.debug_barrier()
     count = tl.load(count_ptr)
-    idx = tl.arange(0, CAPACITY)
-    # empty slots get INVALID_KEY (int64 min), which sorts last and decodes to -1
-    cand = tl.load(slots + idx, mask=idx < count, other=-9223372036854775808)
-    cand = tl.sort(cand, descending=True)
-    pools = tl.where(cand == -9223372036854775808, -1, 4294967295 - (cand & 4294967295))
-    tl.store(OUT + b * stride_ob + t * stride_ot + idx, pools, mask=idx < N_SELECT)
+    out = OUT + b * stride_ob + t * stride_ot
+    if SPLIT_SORT and count <= CAPACITY // 2:
+        tl.static_assert(CAPACITY // 2 >= N_SELECT)
+        idx = tl.arange(0, CAPACITY // 2)
+        tl.store(out + idx, _sorted_pools(slots, count, CAPACITY // 2), mask=idx < N_SELECT)
+    else:
+        idx = tl.arange(0, CAPACITY)
+        tl.store(out + idx, _sorted_pools(slots, count, CAPACITY), mask=idx < N_SELECT)
 
 
 def _size_class(n_pools: int) -> int:

@@ -9,7 +9,8 @@
 # sft (tests/gpu/sft_small.py with $SFT_CONFIGS), model_check (model_small.py's bf16-vs-CPU check
 # only), dsacheck (tests/gpu/dsa_check.py: correctness, CP over every GPU pair/quad), indexer
 # (tests/benchmarks/indexer_versions.py against $INDEXER_ANCHOR, default .bench/indexer_v5.py,
-# carried: an earlier kernels/dsa/indexer_triton.py), dsa (dsa_check.py + dsa_bench.py).
+# carried: an earlier kernels/dsa/indexer_triton.py), variants (tests/benchmarks/indexer_score_variants.py),
+# dsa (dsa_check.py + dsa_bench.py).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -22,6 +23,9 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # $TRITON_CACHE_TGZ (e.g. .triton/autotune.tgz, git-ignored), every tuned kernel compiles its
 # best config only instead of benchmarking all of them (keys: Triton version, GPU, kernel source).
 export TRITON_CACHE_DIR=/tmp/triton_cache TRITON_CACHE_AUTOTUNING=1
+# 1M tokens on 2 H200s failed at its third step with 99 GiB allocated and 29.8 GiB reserved but
+# unallocated (fragmentation by the 8 GiB reloads and recomputes): grow segments instead.
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 mkdir -p "$TRITON_CACHE_DIR"
 if [ -n "${TRITON_CACHE_TGZ:-}" ] && [ -f "$TRITON_CACHE_TGZ" ]; then
   tar -xzf "$TRITON_CACHE_TGZ" -C "$TRITON_CACHE_DIR" && echo "autotune cache: $(tar -tzf "$TRITON_CACHE_TGZ" | grep -c autotune.json) results from $TRITON_CACHE_TGZ"
@@ -51,5 +55,7 @@ part model_check "${T_MODEL:-150}" python3 tests/gpu/model_small.py --seq --chec
 part dsacheck "${T_DSA:-200}" python3 tests/gpu/dsa_check.py --out "$OUT/dsa_check.json"
 part indexer "${T_INDEXER:-170}" python3 tests/benchmarks/indexer_versions.py --anchor "${INDEXER_ANCHOR:-.bench/indexer_v5.py}" \
   --seq-lens ${INDEXER_SEQ:-1048576 262144} --shapes ${INDEXER_SHAPES:-full small} --out "$OUT/indexer_versions.json"
+part variants "${T_VARIANTS:-240}" python3 tests/benchmarks/indexer_score_variants.py --shapes small full --profile \
+  --out "$OUT/indexer_score_variants.json"
 part dsa "${T_DSA:-300}" bash -c "python3 tests/gpu/dsa_check.py --out $OUT/dsa_check.json && \
   python3 tests/benchmarks/dsa_bench.py --out $OUT/dsa_bench.json"

@@ -1,0 +1,306 @@
+"""Lightning indexer kernels, variant by variant, on the largest query block of a 1M-token sequence.
+
+    python tests/benchmarks/indexer_score_variants.py [--shapes full small] [--profile] [--out f.json]
+
+One block of 8192 queries against 65,536 visible pools (the last block at 1M tokens, kpool 16)
+per DSA shape (``dsa_bench.SHAPES``). Times, in the same run and on the same bf16 inputs:
+
+* :func:`kernels.dsa.indexer_triton._pool_scores_kernel` for every tile x ``FOLD`` (how the
+  column-group maxima are folded) x ``PAIR`` (two heads' products issued back to back) variant,
+  called directly (``.fn``, no autotuner), and the v5 score kernel (no maxima;
+  ``--anchor .bench/indexer_v5.py``, an earlier copy of the file) as the no-fold baseline;
+* :func:`kernels.dsa.indexer_triton._select_kernel` for every ``CHUNK`` x warps x
+  ``SPLIT_SORT`` variant on the scores of the first variant.
+
+Every score variant must write the same scores as the first and the maxima of its own column
+groups (recomputed here with torch from the scores); every selection variant the same indices,
+equal to ``torch.topk`` over the composite keys. ``--profile`` adds the CUDA time per kernel of
+one end-to-end :func:`kernels.dsa.lightning_indexer_topk` call at 1M tokens (full shape).
+Score TFLOP/s are quoted against a bf16 matmul measured in the same run. Prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import kernels.dsa.indexer_triton as it  # noqa: E402
+from dsa_bench import KPOOL, SHAPES, TOPK, ceilings  # noqa: E402
+from kernels.dsa.indexer import _selection_keys, decode_selection_keys  # noqa: E402
+
+ROWS, POOLS, DEVICE = 8192, 65536, "cuda"
+N_SELECT = TOPK // KPOOL
+# (BLOCK_M, BLOCK_N, warps, stages, FOLD, PAIR): the tile the autotuner chose in v5/v6b with
+# every fold and pairing, and one other tile
+SCORE_VARIANTS = {
+    "full": [(128, 128, 8, 3, f, p) for f in (0, 1, 2) for p in (False, True)] + [(64, 256, 8, 3, 1, False)],
+    "small": [(128, 128, 8, 3, f, False) for f in (0, 1, 2)] + [(128, 128, 8, 3, 1, True), (64, 128, 4, 3, 1, False)],
+}
+# (CHUNK, warps, SPLIT_SORT)
+SELECT_VARIANTS = [(4096, 4, False), (4096, 4, True), (4096, 8, False), (4096, 8, True), (8192, 8, True)]
+
+
+def cuda_ms(fn, reps: int = 5) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` runs after one warm-up (CUDA events)."""
+    fn()
+    if DEVICE == "cpu":   # the interpreter check of this script (--device cpu): one timed run
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def group_maxima(scores: torch.Tensor, block_n: int, fold: int) -> torch.Tensor:
+    """``[ROWS, N_COLUMNS]`` row maxima of the column groups the score kernel's ``FOLD`` defines."""
+    columns, group_n = it._n_columns(N_SELECT), it.GROUP_N
+    n_prog = columns // group_n
+    pool = torch.arange(scores.shape[-1], device=scores.device)
+    tile, c = pool // block_n, pool % block_n
+    inner = c % group_n if fold == 0 else c // (block_n // group_n)
+    group = (tile % n_prog) * group_n + inner
+    out = torch.full((scores.shape[0], columns), float("-inf"), device=scores.device)
+    return out.scatter_reduce(1, group.expand_as(scores), scores, "amax")
+
+
+def end_to_end(shape, best, best_sel, ceil, report) -> None:
+    """:func:`kernels.dsa.lightning_indexer_topk` at 256k and 1M tokens with the fastest score and
+    selection variants against the same tiles with the v6b fold (FOLD 0, no PAIR, no SPLIT_SORT),
+    same run, same inputs; the two must select identical indices."""
+    from dsa_bench import timed
+    from kernels.dsa import lightning_indexer_topk
+
+    h, d = SHAPES[shape]["index_heads"], SHAPES[shape]["index_dim"]
+    _, _, score_kw, score_warps, score_stages = best
+    _, _, select_kw, select_warps = best_sel
+    variants = {
+        "v6b fold": (dict(score_kw, FOLD=0, PAIR=False), dict(select_kw, SPLIT_SORT=False)),
+        "fastest": (score_kw, select_kw),
+    }
+    for seq_len in (262144, 1048576):
+        gen = torch.Generator(device="cuda").manual_seed(seq_len)
+        q = torch.randn(1, seq_len, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, g = (torch.randn(1, seq_len, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        ape = torch.randn(KPOOL, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        w = torch.randn(1, seq_len, h, device="cuda", generator=gen) * h**-0.5
+        kw = dict(kpool=KPOOL, topk=TOPK, select_tail=True, softmax_scale=d**-0.5)
+        flops = 2 * seq_len * (seq_len // KPOOL / 2) * h * d
+        picked = {}
+        for name, (skw, selkw) in variants.items():
+            pin_configs(skw, score_warps, score_stages, selkw, select_warps)
+            picked[name] = lightning_indexer_topk(q, k, g, ape, w, **kw).cpu()
+            t, peak = timed(lambda: lightning_indexer_topk(q, k, g, ape, w, **kw), 1 if seq_len > 262144 else 3)
+            report(dict(shape=shape, seq_len=seq_len, end_to_end=name, seconds=t, peak_gib=peak,
+                        pct_of_matmul=100 * flops / t / 1e12 / ceil["matmul_tflops"]))
+        report(dict(shape=shape, seq_len=seq_len, identical=bool(torch.equal(picked["v6b fold"], picked["fastest"]))))
+        del q, k, g, w
+        torch.cuda.empty_cache()
+    pin_configs(score_kw, score_warps, score_stages, select_kw, select_warps)
+
+
+def pin_configs(score_kw: dict, score_warps: int, score_stages: int, select_kw: dict, select_warps: int) -> None:
+    """Give both autotuned kernels one configuration (no tuning, no other compiles)."""
+    it._pool_scores_kernel.configs = [triton.Config(score_kw, num_warps=score_warps, num_stages=score_stages)]
+    it._select_kernel.configs = [triton.Config(select_kw, num_warps=select_warps)]
+    it._pool_scores_kernel.cache.clear()
+    it._select_kernel.cache.clear()
+
+
+def main() -> None:
+    global ROWS, POOLS, DEVICE
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["full", "small"], choices=list(SHAPES))
+    parser.add_argument("--anchor", default=".bench/indexer_v5.py")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--rows", type=int, default=ROWS)
+    parser.add_argument("--pools", type=int, default=POOLS)
+    parser.add_argument("--device", default="cuda",
+                        help="cpu: check the script under TRITON_INTERPRET=1 (float32, small --rows/--pools)")
+    args = parser.parse_args()
+    ROWS, POOLS, DEVICE = args.rows, args.pools, args.device
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    spec = importlib.util.spec_from_file_location("indexer_anchor", args.anchor)
+    v5 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(v5)
+    ceil = ceilings() if DEVICE == "cuda" else dict(matmul_tflops=float("nan"), copy_tbps=float("nan"))
+    print(json.dumps(dict(ceilings=ceil)), flush=True)
+    rows = []
+
+    def report(row):
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+    columns, capacity = it._n_columns(N_SELECT), it._capacity(N_SELECT)
+    for shape in args.shapes:
+        h, d = SHAPES[shape]["index_heads"], SHAPES[shape]["index_dim"]
+        gen = torch.Generator(device=DEVICE).manual_seed(h * d)
+        q = torch.randn(1, ROWS, h, d, device=DEVICE, dtype=dtype, generator=gen)
+        pk = torch.randn(1, POOLS, d, device=DEVICE, dtype=dtype, generator=gen)
+        w = (torch.randn(1, ROWS, h, device=DEVICE, generator=gen) * h**-0.5 * d**-0.5).contiguous()
+        pool_end = (torch.arange(1, POOLS + 1, device=DEVICE) * KPOOL).contiguous()
+        pool_doc = torch.zeros(POOLS, dtype=torch.long, device=DEVICE)
+        q_pos = POOLS * KPOOL + torch.arange(ROWS, device=DEVICE)   # every pool complete and visible
+        q_doc = torch.zeros(ROWS, dtype=torch.long, device=DEVICE)
+        flops = 2 * ROWS * POOLS * h * d
+        scores = torch.empty(1, ROWS, POOLS, device=DEVICE)
+        col_max = torch.empty(1, ROWS, columns, device=DEVICE)
+        size_class = it._size_class(POOLS)
+        ref_scores = None
+
+        def score_args(out, cmax):
+            return (q, pk, w, out, cmax, pool_end, pool_doc, q_pos, q_doc,
+                    q.stride(0), q.stride(1), q.stride(2), pk.stride(0), pk.stride(1), w.stride(0), w.stride(1),
+                    out.stride(0), out.stride(1), cmax.stride(0), cmax.stride(1), ROWS, POOLS, 0, size_class)
+
+        best = None
+        for bm, bn, warps, stages, fold, pair in SCORE_VARIANTS[shape]:
+                    name = f"scores {bm}x{bn} w{warps} s{stages} FOLD={fold} PAIR={int(pair)}"
+
+                    def run(bm=bm, bn=bn, warps=warps, stages=stages, fold=fold, pair=pair):
+                        it._pool_scores_kernel.fn[(columns // it.GROUP_N, triton.cdiv(ROWS, bm), 1)](
+                            *score_args(scores, col_max), H=h, D=d, N_COLUMNS=columns, GROUP_N=it.GROUP_N,
+                            BLOCK_M=bm, BLOCK_N=bn, FOLD=fold, PAIR=pair, num_warps=warps, num_stages=stages)
+                    try:
+                        scores.fill_(float("nan"))
+                        col_max.fill_(float("nan"))
+                        run()
+                        sync()
+                        if ref_scores is None:
+                            ref_scores = scores.clone()
+                        same = bool(torch.equal(scores, ref_scores))
+                        maxima_ok = bool(torch.equal(col_max[0], group_maxima(ref_scores[0], bn, fold)))
+                        ms = cuda_ms(run)
+                        row = dict(shape=shape, kernel=name, ms=ms, tflops=flops / ms / 1e9,
+                                   pct_of_matmul=100 * flops / ms / 1e9 / ceil["matmul_tflops"],
+                                   scores_equal=same, maxima_equal=maxima_ok)
+                        if same and maxima_ok and (best is None or ms < best[0]):
+                            best = (ms, name, dict(BLOCK_M=bm, BLOCK_N=bn, FOLD=fold, PAIR=pair), warps, stages)
+                    except Exception as err:  # report and go on
+                        row = dict(shape=shape, kernel=name, error=repr(err)[:400])
+                    report(row)
+        # the v5 score kernel: one tile per program, no column maxima
+        v5_scores = torch.empty_like(scores)
+
+        def run_v5():
+            v5._pool_scores_kernel.fn[(triton.cdiv(POOLS, 128), triton.cdiv(ROWS, 128), 1)](
+                q, pk, w, v5_scores, pool_end, pool_doc, q_pos, q_doc,
+                q.stride(0), q.stride(1), q.stride(2), pk.stride(0), pk.stride(1), w.stride(0), w.stride(1),
+                v5_scores.stride(0), v5_scores.stride(1), ROWS, POOLS, 0, size_class, H=h, D=d,
+                BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+        try:
+            run_v5()
+            ms = cuda_ms(run_v5)
+            report(dict(shape=shape, kernel="scores v5 128x128 w8 s3 (no maxima)", ms=ms, tflops=flops / ms / 1e9,
+                        pct_of_matmul=100 * flops / ms / 1e9 / ceil["matmul_tflops"],
+                        scores_equal=bool(torch.equal(v5_scores, ref_scores))))
+        except Exception as err:
+            report(dict(shape=shape, kernel="scores v5", error=repr(err)[:400]))
+        del v5_scores
+        if ref_scores is None:
+            continue
+        # selection on the reference scores with the maxima of FOLD 0, 128x128 (the first variant)
+        col_ref = group_maxima(ref_scores[0], SCORE_VARIANTS[shape][0][1], 0)[None].contiguous()
+        keys = _selection_keys(ref_scores[0], torch.arange(POOLS, device=DEVICE), torch.isfinite(ref_scores[0]))
+        want, _ = decode_selection_keys(keys.topk(N_SELECT, dim=-1).values)
+        counts = torch.zeros(1, ROWS, dtype=torch.int32, device=DEVICE)
+        slots = torch.empty(ROWS, capacity, dtype=torch.long, device=DEVICE)
+        selected = torch.empty(1, ROWS, N_SELECT, dtype=torch.long, device=DEVICE)
+        read_gb = ROWS * POOLS * 4 / 1e9
+        best_sel = None
+        for chunk, warps, split in SELECT_VARIANTS:
+                    name = f"select CHUNK={chunk} w{warps} SPLIT_SORT={int(split)}"
+
+                    def run_sel(chunk=chunk, warps=warps, split=split):
+                        counts.zero_()
+                        it._select_kernel.fn[(ROWS,)](
+                            ref_scores, col_ref, counts, slots, selected,
+                            ref_scores.stride(0), ref_scores.stride(1), col_ref.stride(0), col_ref.stride(1),
+                            counts.stride(0), selected.stride(0), selected.stride(1), ROWS, POOLS, 0, size_class,
+                            N_SELECT=N_SELECT, N_COLUMNS=columns, CAPACITY=capacity, CHUNK=chunk,
+                            SPLIT_SORT=split, num_warps=warps)
+                    try:
+                        selected.fill_(-7)
+                        run_sel()
+                        sync()
+                        ok = bool(torch.equal(selected[0], want)) and int(counts.max()) <= capacity
+                        ms = cuda_ms(run_sel)
+                        row = dict(shape=shape, kernel=name, ms=ms, read_tbps=read_gb / ms,
+                                   pct_of_copy=100 * read_gb / ms / ceil["copy_tbps"],
+                                   indices_equal=ok, candidates_mean=float(counts.float().mean()),
+                                   candidates_max=int(counts.max()))
+                        if ok and (best_sel is None or ms < best_sel[0]):
+                            best_sel = (ms, name, dict(CHUNK=chunk, SPLIT_SORT=split), warps)
+                    except Exception as err:
+                        row = dict(shape=shape, kernel=name, error=repr(err)[:400])
+                    report(row)
+        del ref_scores, scores, col_max, keys, want
+        torch.cuda.empty_cache()
+        if best and best_sel:
+            report(dict(shape=shape, fastest_scores=best[1], ms=best[0], fastest_select=best_sel[1],
+                        select_ms=best_sel[0]))
+            if DEVICE == "cuda":
+                end_to_end(shape, best, best_sel, ceil, report)
+
+    if args.profile:   # with the last shape's fastest configurations pinned (end_to_end leaves them)
+        from kernels.dsa import lightning_indexer_topk
+
+        h, d = SHAPES["full"]["index_heads"], SHAPES["full"]["index_dim"]
+        n = 1 << 20
+        q = torch.randn(1, n, h, d, device=DEVICE, dtype=torch.bfloat16)
+        k, g = (torch.randn(1, n, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+        ape = torch.randn(KPOOL, d, device=DEVICE, dtype=torch.bfloat16)
+        wt = torch.randn(1, n, h, device=DEVICE) * h**-0.5
+        kw = dict(kpool=KPOOL, topk=TOPK, select_tail=True, softmax_scale=d**-0.5)
+        lightning_indexer_topk(q, k, g, ape, wt, **kw)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            lightning_indexer_topk(q, k, g, ape, wt, **kw)
+            torch.cuda.synchronize()
+        events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+        for e in events[:14]:
+            report(dict(profile="full 1M", kernel=e.key[:90], calls=e.count, ms=e.device_time_total / 1e3))
+
+    for r in rows:
+        if "end_to_end" in r:
+            print(f"end to end {r['shape']} {r['seq_len']} {r['end_to_end']}: {r['seconds']:.4f} s "
+                  f"({r['pct_of_matmul']:.0f}% of matmul), peak {r['peak_gib']:.1f} GiB")
+    print("\n| shape | kernel | ms | TFLOP/s or TB/s | % of ceiling | equal |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if "ms" in r and "shape" in r and "kernel" in r:
+            rate = r.get("tflops", r.get("read_tbps", 0))
+            pct = r.get("pct_of_matmul", r.get("pct_of_copy", 0))
+            eq = r.get("scores_equal", r.get("indices_equal"))
+            eq = f"{eq}/{r['maxima_equal']}" if "maxima_equal" in r else eq
+            print(f"| {r['shape']} | {r['kernel']} | {r['ms']:.2f} | {rate:.1f} | {pct:.0f}% | {eq} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
