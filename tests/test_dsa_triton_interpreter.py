@@ -91,7 +91,7 @@ SCRIPT = textwrap.dedent(
     score_cfg, select_cfg = it._pool_scores_kernel.configs[0].kwargs, it._select_kernel.configs[0].kwargs
     for fold, pair, split in [(0, False, False), (1, True, True), (2, False, True)]:
         score_cfg.update(FOLD=fold, PAIR=pair)
-        select_cfg.update(SPLIT_SORT=split)
+        select_cfg.update(SPLIT_SORT=split, LOOP_STAGES=2 if split else 1)
         check_indexer(fold, pair, split)
     print("TRITON_INTERPRETER_OK")
     """

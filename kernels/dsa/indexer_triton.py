@@ -140,7 +140,8 @@ def _pool_scores_kernel(
     tl.store(COLMAX + b * stride_cb + offs_m[:, None] * stride_ct + offs_g[None, :], col_max, mask=mask_m[:, None])
 
 
-SELECT_CONFIGS = [triton.Config({"CHUNK": c, "SPLIT_SORT": False}, num_warps=w) for c in (2048, 4096, 8192) for w in (4, 8)]
+SELECT_CONFIGS = [triton.Config({"CHUNK": c, "SPLIT_SORT": False, "LOOP_STAGES": 1}, num_warps=w)
+                  for c in (2048, 4096, 8192) for w in (4, 8)]
 """Autotuned configurations of :func:`_select_kernel`."""
 
 
@@ -162,7 +163,7 @@ def _select_kernel(
     stride_sb, stride_st, stride_cb, stride_ct, stride_nb, stride_ob, stride_ot,
     n_rows, n_cols, p_lo, size_class,
     N_SELECT: tl.constexpr, N_COLUMNS: tl.constexpr, CAPACITY: tl.constexpr,
-    CHUNK: tl.constexpr, SPLIT_SORT: tl.constexpr,
+    CHUNK: tl.constexpr, SPLIT_SORT: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     """Per score row: a lower bound on its n_select-th value, the composite keys above it,
     and the decoded pool indices of the best ``N_SELECT`` (-1 where fewer are visible).
@@ -189,7 +190,7 @@ def _select_kernel(
     count_ptr = COUNT + b * stride_nb + t
     counter = count_ptr + tl.zeros([CHUNK], tl.int32)
     flat = tl.arange(0, CHUNK)
-    for c0 in range(0, n_cols, CHUNK):
+    for c0 in tl.range(0, n_cols, CHUNK, num_stages=LOOP_STAGES):
         offs = c0 + flat
         vals = tl.load(base + offs, mask=offs < n_cols, other=float("-inf"))
         keep = (vals >= bound) & (vals > float("-inf"))
@@ -203,10 +204,14 @@ def _select_kernel(
     tl.debug_barrier()
     count = tl.load(count_ptr)
     out = OUT + b * stride_ob + t * stride_ot
-    if SPLIT_SORT and count <= CAPACITY // 2:
-        tl.static_assert(CAPACITY // 2 >= N_SELECT)
-        idx = tl.arange(0, CAPACITY // 2)
-        tl.store(out + idx, _sorted_pools(slots, count, CAPACITY // 2), mask=idx < N_SELECT)
+    # (a runtime branch may not rebind a name to another shape: each branch stores its own)
+    if SPLIT_SORT:
+        if count <= CAPACITY // 2:   # CAPACITY // 2 >= 2 * N_SELECT (_capacity)
+            half = tl.arange(0, CAPACITY // 2)
+            tl.store(out + half, _sorted_pools(slots, count, CAPACITY // 2), mask=half < N_SELECT)
+        else:
+            whole = tl.arange(0, CAPACITY)
+            tl.store(out + whole, _sorted_pools(slots, count, CAPACITY), mask=whole < N_SELECT)
     else:
         idx = tl.arange(0, CAPACITY)
         tl.store(out + idx, _sorted_pools(slots, count, CAPACITY), mask=idx < N_SELECT)

@@ -47,8 +47,10 @@ SCORE_VARIANTS = {
     "full": [(128, 128, 8, 3, f, p) for f in (0, 1, 2) for p in (False, True)] + [(64, 256, 8, 3, 1, False)],
     "small": [(128, 128, 8, 3, f, False) for f in (0, 1, 2)] + [(128, 128, 8, 3, 1, True), (64, 128, 4, 3, 1, False)],
 }
-# (CHUNK, warps, SPLIT_SORT)
-SELECT_VARIANTS = [(4096, 4, False), (4096, 4, True), (4096, 8, False), (4096, 8, True), (8192, 8, True)]
+# (CHUNK, warps, SPLIT_SORT, LOOP_STAGES)
+SELECT_VARIANTS = [(4096, 4, False, 1), (2048, 4, False, 1), (2048, 4, True, 1), (2048, 4, True, 2),
+                   (2048, 4, True, 3), (1024, 4, True, 3), (1024, 2, True, 3), (4096, 4, True, 2)]
+QUICK_SCORE_VARIANTS = [(128, 128, 8, 3, 0, False), (128, 128, 8, 3, 0, True)]
 
 
 def cuda_ms(fn, reps: int = 5) -> float:
@@ -88,8 +90,9 @@ def group_maxima(scores: torch.Tensor, block_n: int, fold: int) -> torch.Tensor:
 
 def end_to_end(shape, best, best_sel, ceil, report) -> None:
     """:func:`kernels.dsa.lightning_indexer_topk` at 256k and 1M tokens with the fastest score and
-    selection variants against the same tiles with the v6b fold (FOLD 0, no PAIR, no SPLIT_SORT),
-    same run, same inputs; the two must select identical indices."""
+    selection variants against the same score tile with the v6b kernels (FOLD 0, no PAIR; selection
+    CHUNK 4096, 4 warps, no SPLIT_SORT, no loop pipelining), same run, same inputs; the two must
+    select identical indices."""
     from dsa_bench import timed
     from kernels.dsa import lightning_indexer_topk
 
@@ -97,7 +100,7 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
     _, _, score_kw, score_warps, score_stages = best
     _, _, select_kw, select_warps = best_sel
     variants = {
-        "v6b fold": (dict(score_kw, FOLD=0, PAIR=False), dict(select_kw, SPLIT_SORT=False)),
+        "v6b fold": (dict(score_kw, FOLD=0, PAIR=False), dict(CHUNK=4096, SPLIT_SORT=False, LOOP_STAGES=1)),
         "fastest": (score_kw, select_kw),
     }
     for seq_len in (262144, 1048576):
@@ -110,7 +113,7 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
         flops = 2 * seq_len * (seq_len // KPOOL / 2) * h * d
         picked = {}
         for name, (skw, selkw) in variants.items():
-            pin_configs(skw, score_warps, score_stages, selkw, select_warps)
+            pin_configs(skw, score_warps, score_stages, selkw, 4 if name == "v6b fold" else select_warps)
             picked[name] = lightning_indexer_topk(q, k, g, ape, w, **kw).cpu()
             t, peak = timed(lambda: lightning_indexer_topk(q, k, g, ape, w, **kw), 1 if seq_len > 262144 else 3)
             report(dict(shape=shape, seq_len=seq_len, end_to_end=name, seconds=t, peak_gib=peak,
@@ -135,6 +138,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["full", "small"], choices=list(SHAPES))
     parser.add_argument("--anchor", default=".bench/indexer_v5.py")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--quick", action="store_true",
+                        help="the fold-0 tile with and without PAIR only, no v5 baseline")
     parser.add_argument("--out", default=None)
     parser.add_argument("--rows", type=int, default=ROWS)
     parser.add_argument("--pools", type=int, default=POOLS)
@@ -177,7 +182,7 @@ def main() -> None:
                     out.stride(0), out.stride(1), cmax.stride(0), cmax.stride(1), ROWS, POOLS, 0, size_class)
 
         best = None
-        for bm, bn, warps, stages, fold, pair in SCORE_VARIANTS[shape]:
+        for bm, bn, warps, stages, fold, pair in (QUICK_SCORE_VARIANTS if args.quick else SCORE_VARIANTS[shape]):
                     name = f"scores {bm}x{bn} w{warps} s{stages} FOLD={fold} PAIR={int(pair)}"
 
                     def run(bm=bm, bn=bn, warps=warps, stages=stages, fold=fold, pair=pair):
@@ -212,6 +217,8 @@ def main() -> None:
                 v5_scores.stride(0), v5_scores.stride(1), ROWS, POOLS, 0, size_class, H=h, D=d,
                 BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
         try:
+            if args.quick:
+                raise RuntimeError("skipped (--quick)")
             run_v5()
             ms = cuda_ms(run_v5)
             report(dict(shape=shape, kernel="scores v5 128x128 w8 s3 (no maxima)", ms=ms, tflops=flops / ms / 1e9,
@@ -231,17 +238,17 @@ def main() -> None:
         selected = torch.empty(1, ROWS, N_SELECT, dtype=torch.long, device=DEVICE)
         read_gb = ROWS * POOLS * 4 / 1e9
         best_sel = None
-        for chunk, warps, split in SELECT_VARIANTS:
-                    name = f"select CHUNK={chunk} w{warps} SPLIT_SORT={int(split)}"
+        for chunk, warps, split, loop_stages in SELECT_VARIANTS:
+                    name = f"select CHUNK={chunk} w{warps} SPLIT_SORT={int(split)} LOOP_STAGES={loop_stages}"
 
-                    def run_sel(chunk=chunk, warps=warps, split=split):
+                    def run_sel(chunk=chunk, warps=warps, split=split, loop_stages=loop_stages):
                         counts.zero_()
                         it._select_kernel.fn[(ROWS,)](
                             ref_scores, col_ref, counts, slots, selected,
                             ref_scores.stride(0), ref_scores.stride(1), col_ref.stride(0), col_ref.stride(1),
                             counts.stride(0), selected.stride(0), selected.stride(1), ROWS, POOLS, 0, size_class,
                             N_SELECT=N_SELECT, N_COLUMNS=columns, CAPACITY=capacity, CHUNK=chunk,
-                            SPLIT_SORT=split, num_warps=warps)
+                            SPLIT_SORT=split, LOOP_STAGES=loop_stages, num_warps=warps)
                     try:
                         selected.fill_(-7)
                         run_sel()
@@ -253,7 +260,7 @@ def main() -> None:
                                    indices_equal=ok, candidates_mean=float(counts.float().mean()),
                                    candidates_max=int(counts.max()))
                         if ok and (best_sel is None or ms < best_sel[0]):
-                            best_sel = (ms, name, dict(CHUNK=chunk, SPLIT_SORT=split), warps)
+                            best_sel = (ms, name, dict(CHUNK=chunk, SPLIT_SORT=split, LOOP_STAGES=loop_stages), warps)
                     except Exception as err:
                         row = dict(shape=shape, kernel=name, error=repr(err)[:400])
                     report(row)

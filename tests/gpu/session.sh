@@ -55,7 +55,7 @@ part model_check "${T_MODEL:-150}" python3 tests/gpu/model_small.py --seq --chec
 part dsacheck "${T_DSA:-200}" python3 tests/gpu/dsa_check.py --out "$OUT/dsa_check.json"
 part indexer "${T_INDEXER:-170}" python3 tests/benchmarks/indexer_versions.py --anchor "${INDEXER_ANCHOR:-.bench/indexer_v5.py}" \
   --seq-lens ${INDEXER_SEQ:-1048576 262144} --shapes ${INDEXER_SHAPES:-full small} --out "$OUT/indexer_versions.json"
-part variants "${T_VARIANTS:-240}" python3 tests/benchmarks/indexer_score_variants.py --shapes small full --profile \
+part variants "${T_VARIANTS:-240}" python3 tests/benchmarks/indexer_score_variants.py ${VARIANTS_ARGS:---shapes small full --profile} \
   --out "$OUT/indexer_score_variants.json"
 part dsa "${T_DSA:-300}" bash -c "python3 tests/gpu/dsa_check.py --out $OUT/dsa_check.json && \
   python3 tests/benchmarks/dsa_bench.py --out $OUT/dsa_bench.json"
