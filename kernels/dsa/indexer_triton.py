@@ -63,11 +63,13 @@ def _fold_tile(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_N: tl.co
 
 
 SCORE_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "FOLD": 0, "PAIR": False}, num_warps=w, num_stages=st)
-    for bm, bn, w, st in [(64, 256, 8, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 256, 8, 2)]
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "FOLD": 0, "PAIR": pair}, num_warps=w, num_stages=st)
+    for bm, bn, w, st, pair in [(128, 128, 8, 3, True), (128, 128, 8, 3, False), (64, 256, 8, 3, False),
+                                (64, 128, 4, 3, False), (128, 256, 8, 2, False)]
 ]
-"""Autotuned configurations of :func:`_pool_scores_kernel` (tests/benchmarks/indexer_score_variants.py
-times every tile x ``FOLD`` x ``PAIR`` combination directly; kernels/NOTES.md has the results)."""
+"""Autotuned configurations of :func:`_pool_scores_kernel`. ``tests/benchmarks/indexer_score_variants.py``
+times tile x ``FOLD`` x ``PAIR`` directly (kernels/NOTES.md, v7): the folds run within 3% of
+each other, ``PAIR`` takes the full shape's 128x128 tile from 53% to 57% of the matmul rate."""
 
 
 @triton.autotune(configs=SCORE_CONFIGS, key=["H", "D", "size_class", "N_COLUMNS"])
@@ -140,9 +142,12 @@ def _pool_scores_kernel(
     tl.store(COLMAX + b * stride_cb + offs_m[:, None] * stride_ct + offs_g[None, :], col_max, mask=mask_m[:, None])
 
 
-SELECT_CONFIGS = [triton.Config({"CHUNK": c, "SPLIT_SORT": False, "LOOP_STAGES": 1}, num_warps=w)
-                  for c in (2048, 4096, 8192) for w in (4, 8)]
-"""Autotuned configurations of :func:`_select_kernel`."""
+SELECT_CONFIGS = [triton.Config({"CHUNK": c, "SPLIT_SORT": True, "LOOP_STAGES": st}, num_warps=4)
+                  for c, st in [(512, 3), (1024, 3), (1024, 2), (2048, 1), (4096, 1)]]
+"""Autotuned configurations of :func:`_select_kernel`. The kernel is latency-bound (a load, an
+atomic and a store per chunk, serially): small chunks keep few registers (64-80 at 1024-2048 vs
+151 at 8192: more programs per SM) and pipelined loads overlap the chain; at 65,536 pools
+CHUNK 1024 with 3 stages took 1.17 ms per 8192 rows against 1.51 for v6b's 4096 (kernels/NOTES.md, v7)."""
 
 
 @triton.jit
