@@ -55,7 +55,7 @@ SCRIPT = textwrap.dedent(
         assert torch.allclose(st.triton_sparse_mla_mass(q, kv, idx, lse, 0.3), mass, atol=1e-5)
 
     # indexer: random scores, packed documents, and all-equal scores (the overflow path); every
-    # fold of the column maxima (FOLD), paired head products (PAIR) and the split candidate sort
+    # source of the selection bound, paired head products (PAIR) and the split candidate sort
 
 
     def check_indexer(*variant):
@@ -89,10 +89,12 @@ SCRIPT = textwrap.dedent(
 
 
     score_cfg, select_cfg = it._pool_scores_kernel.configs[0].kwargs, it._select_kernel.configs[0].kwargs
-    for fold, pair, split in [(0, False, False), (1, True, True), (2, False, True)]:
-        score_cfg.update(FOLD=fold, PAIR=pair)
+    # the bound from the score kernel's column maxima or from the selection's own first pass
+    for bound_pass, pair, split in [(False, False, False), (True, True, True), (False, True, True), (True, False, False)]:
+        it.BOUND_IN_SELECTION = bound_pass
+        score_cfg.update(PAIR=pair)
         select_cfg.update(SPLIT_SORT=split, LOOP_STAGES=2 if split else 1)
-        check_indexer(fold, pair, split)
+        check_indexer(bound_pass, pair, split)
     print("TRITON_INTERPRETER_OK")
     """
 )

@@ -63,7 +63,7 @@ def _fold_tile(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_N: tl.co
 
 
 SCORE_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "FOLD": 0, "PAIR": pair}, num_warps=w, num_stages=st)
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "PAIR": pair}, num_warps=w, num_stages=st)
     for bm, bn, w, st, pair in [(128, 128, 8, 3, True), (128, 128, 8, 3, False), (64, 256, 8, 3, False),
                                 (64, 128, 4, 3, False), (128, 256, 8, 2, False)]
 ]
@@ -72,7 +72,7 @@ times tile x ``FOLD`` x ``PAIR`` directly (kernels/NOTES.md, v7): the folds run 
 each other, ``PAIR`` takes the full shape's 128x128 tile from 53% to 57% of the matmul rate."""
 
 
-@triton.autotune(configs=SCORE_CONFIGS, key=["H", "D", "size_class", "N_COLUMNS"])
+@triton.autotune(configs=SCORE_CONFIGS, key=["H", "D", "size_class", "N_COLUMNS", "FOLD"])
 @triton.jit
 def _pool_scores_kernel(
     Q, PK, W, OUT, COLMAX, POOL_END, POOL_DOC, Q_POS, Q_DOC,
@@ -88,9 +88,9 @@ def _pool_scores_kernel(
     """Scores of ``BLOCK_M`` queries against the pool tiles ``pid_n, pid_n + n_prog, ...``
     (``n_prog = N_COLUMNS / GROUP_N`` programs along the pools) and the row maxima of this
     program's ``GROUP_N`` column groups: pool ``c`` of a tile (``c < BLOCK_N``) is in group
-    ``pid_n * GROUP_N + c mod GROUP_N`` (``FOLD`` picks the grouping, :func:`_fold_tile`). The
-    maxima fold in registers (``[BLOCK_M, GROUP_N]``, small beside the accumulator) and are
-    stored once: no atomics. ``PAIR``: two heads' products are issued before either's ReLU-weighted
+    ``pid_n * GROUP_N + c mod GROUP_N`` (``FOLD`` picks the grouping, :func:`_fold_tile`;
+    ``FOLD = -1``: no maxima, the selection computes its bound itself). The maxima fold in
+    registers (``[BLOCK_M, GROUP_N]``, small beside the accumulator) and are stored once: no atomics. ``PAIR``: two heads' products are issued before either's ReLU-weighted
     accumulation (same summation order), so one head's epilogue can overlap the other's MMA."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -137,9 +137,12 @@ def _pool_scores_kernel(
         acc = tl.where(visible, acc, float("-inf"))
         tl.store(OUT + b * stride_ob + offs_m[:, None] * stride_ot + offs_n[None, :], acc,
                  mask=mask_m[:, None] & mask_n[None, :])
-        col_max = tl.maximum(col_max, _fold_tile(acc, BLOCK_M, BLOCK_N, GROUP_N, FOLD))
-    offs_g = pid_n * GROUP_N + tl.arange(0, GROUP_N)
-    tl.store(COLMAX + b * stride_cb + offs_m[:, None] * stride_ct + offs_g[None, :], col_max, mask=mask_m[:, None])
+        if FOLD >= 0:
+            col_max = tl.maximum(col_max, _fold_tile(acc, BLOCK_M, BLOCK_N, GROUP_N, FOLD))
+    if FOLD >= 0:
+        offs_g = pid_n * GROUP_N + tl.arange(0, GROUP_N)
+        tl.store(COLMAX + b * stride_cb + offs_m[:, None] * stride_ct + offs_g[None, :], col_max,
+                 mask=mask_m[:, None])
 
 
 SELECT_CONFIGS = [triton.Config({"CHUNK": c, "SPLIT_SORT": True, "LOOP_STAGES": st}, num_warps=4)
@@ -161,14 +164,14 @@ def _sorted_pools(slots, count, n_keys: tl.constexpr):
     return tl.where(cand == -9223372036854775808, -1, 4294967295 - (cand & 4294967295))
 
 
-@triton.autotune(configs=SELECT_CONFIGS, key=["N_COLUMNS", "CAPACITY", "size_class"])
+@triton.autotune(configs=SELECT_CONFIGS, key=["N_COLUMNS", "CAPACITY", "size_class", "BOUND_PASS"])
 @triton.jit
 def _select_kernel(
     S, COLMAX, COUNT, SLOTS, OUT,
     stride_sb, stride_st, stride_cb, stride_ct, stride_nb, stride_ob, stride_ot,
     n_rows, n_cols, p_lo, size_class,
     N_SELECT: tl.constexpr, N_COLUMNS: tl.constexpr, CAPACITY: tl.constexpr,
-    CHUNK: tl.constexpr, SPLIT_SORT: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    CHUNK: tl.constexpr, SPLIT_SORT: tl.constexpr, LOOP_STAGES: tl.constexpr, BOUND_PASS: tl.constexpr,
 ):
     """Per score row: a lower bound on its n_select-th value, the composite keys above it,
     and the decoded pool indices of the best ``N_SELECT`` (-1 where fewer are visible).
@@ -182,19 +185,29 @@ def _select_kernel(
     ``CAPACITY``-slot scratch row; the sort in registers makes the order exact and
     deterministic (tie rule: lower pool index first). ``COUNT`` gets the number that passed:
     rows above ``CAPACITY`` are redone by the caller. ``SPLIT_SORT``: rows with at most
-    ``CAPACITY / 2`` candidates (nearly all) sort half as many keys.
+    ``CAPACITY / 2`` candidates (nearly all) sort half as many keys. ``BOUND_PASS``: the column
+    maxima (group ``c mod N_COLUMNS``) come from a first read of the row here instead of from
+    the score kernel (``COLMAX`` unused; ``CHUNK`` must be a multiple of ``N_COLUMNS``).
     """
     row = tl.program_id(0).to(tl.int64)
     b = row // n_rows
     t = row % n_rows
     base = S + b * stride_sb + t * stride_st
-    col_max = tl.load(COLMAX + b * stride_cb + t * stride_ct + tl.arange(0, N_COLUMNS))
+    flat = tl.arange(0, CHUNK)
+    if BOUND_PASS:
+        tl.static_assert(CHUNK % N_COLUMNS == 0)
+        col_max = tl.full([N_COLUMNS], float("-inf"), tl.float32)
+        for c0 in tl.range(0, n_cols, CHUNK, num_stages=LOOP_STAGES):
+            offs = c0 + flat
+            vals = tl.load(base + offs, mask=offs < n_cols, other=float("-inf"))
+            col_max = tl.maximum(col_max, tl.max(tl.reshape(vals, (CHUNK // N_COLUMNS, N_COLUMNS)), axis=0))
+    else:
+        col_max = tl.load(COLMAX + b * stride_cb + t * stride_ct + tl.arange(0, N_COLUMNS))
     ranked = tl.sort(col_max, descending=True)
     bound = tl.max(tl.where(tl.arange(0, N_COLUMNS) == N_SELECT - 1, ranked, float("-inf")), axis=0)
     slots = SLOTS + row * CAPACITY
     count_ptr = COUNT + b * stride_nb + t
     counter = count_ptr + tl.zeros([CHUNK], tl.int32)
-    flat = tl.arange(0, CHUNK)
     for c0 in tl.range(0, n_cols, CHUNK, num_stages=LOOP_STAGES):
         offs = c0 + flat
         vals = tl.load(base + offs, mask=offs < n_cols, other=float("-inf"))
@@ -230,6 +243,12 @@ def _size_class(n_pools: int) -> int:
 GROUP_N = 32
 """Column groups per score program (its maxima stay in registers beside the accumulator)."""
 
+BOUND_IN_SELECTION = False
+"""Where the selection's bound comes from by default: False (v7) the score kernel folds column
+maxima into each tile; True (v8) the selection kernel reads each score row once more to compute
+them, and the score kernel (v5's work plus ``PAIR``) keeps none. Measured against each other by
+``tests/benchmarks/indexer_score_variants.py`` (kernels/NOTES.md)."""
+
 
 def _n_columns(n_select: int) -> int:
     """Column groups per score row: ``>= 4 * n_select`` (a tight bound), a power of two and a
@@ -264,6 +283,7 @@ def triton_pool_topk(
     softmax_scale: float,
     q_offset: int,
     query_block: int = 8192,
+    bound_pass: bool | None = None,
 ) -> torch.Tensor:
     """``[B, T, n_select]`` int64 selected pool indices (-1 = none), best first.
 
@@ -272,6 +292,8 @@ def triton_pool_topk(
     ``query_block`` queries: :func:`_pool_scores_kernel` (scores + column maxima), then
     :func:`_select_kernel` (bound, candidates, sort, decode) into the output. The block
     bounds are read to the host once, the overflow count once after the last block.
+    ``bound_pass`` (default :data:`BOUND_IN_SELECTION`): the selection reads each score row twice and
+    computes the column maxima itself, the score kernel keeps none (same indices).
 
     Raises:
         DSAInputError: the index head dim is not a power of two >= 16.
@@ -299,10 +321,11 @@ def triton_pool_topk(
     if not blocks:
         return selected
     columns, capacity = _n_columns(n_select), _capacity(n_select)
+    bound_pass = BOUND_IN_SELECTION if bound_pass is None else bound_pass
     rows_max = max(t1 - t0 for t0, t1, _, _ in blocks)
     pools_max = max(hi - lo for _, _, lo, hi in blocks)
     score_buf = torch.empty(batch * rows_max * pools_max, dtype=torch.float32, device=q.device)
-    col_max = torch.empty(batch, rows_max, columns, dtype=torch.float32, device=q.device)
+    col_max = torch.empty(batch, 1 if bound_pass else rows_max, columns, dtype=torch.float32, device=q.device)
     slots = torch.empty(batch * rows_max, capacity, dtype=torch.long, device=q.device)
     counts = torch.zeros(batch, n_q, dtype=torch.int32, device=q.device)
 
@@ -321,6 +344,7 @@ def triton_pool_topk(
             scores.stride(0), scores.stride(1),
             col_max.stride(0), col_max.stride(1),
             t1 - t0, n_pools, p_lo, _size_class(n_pools), H=heads, D=dim, N_COLUMNS=columns, GROUP_N=GROUP_N,
+            FOLD=-1 if bound_pass else 0,
         )
         return scores
 
@@ -333,7 +357,7 @@ def triton_pool_topk(
             scores.stride(0), scores.stride(1), col_max.stride(0), col_max.stride(1), cnt.stride(0),
             out.stride(0), out.stride(1),
             t1 - t0, n_pools, p_lo, _size_class(n_pools),
-            N_SELECT=min(n_select, n_pools), N_COLUMNS=columns, CAPACITY=capacity,
+            N_SELECT=min(n_select, n_pools), N_COLUMNS=columns, CAPACITY=capacity, BOUND_PASS=bound_pass,
         )
     if bool((counts > capacity).any()):
         for t0, t1, p_lo, p_hi in blocks:

@@ -7,10 +7,13 @@ per DSA shape (``dsa_bench.SHAPES``). Times, in the same run and on the same bf1
 
 * :func:`kernels.dsa.indexer_triton._pool_scores_kernel` for every tile x ``FOLD`` (how the
   column-group maxima are folded) x ``PAIR`` (two heads' products issued back to back) variant,
-  called directly (``.fn``, no autotuner), and the v5 score kernel (no maxima;
+  called directly (``.fn``, no autotuner; ``FOLD = -1``: no maxima, the v8 split), and the v5
+  score kernel (no maxima;
   ``--anchor .bench/indexer_v5.py``, an earlier copy of the file) as the no-fold baseline;
 * :func:`kernels.dsa.indexer_triton._select_kernel` for every ``CHUNK`` x warps x
-  ``SPLIT_SORT`` variant on the scores of the first variant.
+  ``SPLIT_SORT`` x ``LOOP_STAGES`` x ``BOUND_PASS`` variant on the scores of the first variant;
+* end to end (:func:`end_to_end`): v6b against the fastest v7 (bound from the score kernel) and
+  v8 (bound from the selection's own pass) at 256k and 1M tokens.
 
 Every score variant must write the same scores as the first and the maxima of its own column
 groups (recomputed here with torch from the scores); every selection variant the same indices,
@@ -40,17 +43,19 @@ from dsa_bench import KPOOL, SHAPES, TOPK, ceilings  # noqa: E402
 from kernels.dsa.indexer import _selection_keys, decode_selection_keys  # noqa: E402
 
 ROWS, POOLS, DEVICE = 8192, 65536, "cuda"
+REPORTED: list[dict] = []   # every row printed, in order
 N_SELECT = TOPK // KPOOL
 # (BLOCK_M, BLOCK_N, warps, stages, FOLD, PAIR): the tile the autotuner chose in v5/v6b with
 # every fold and pairing, and one other tile
 SCORE_VARIANTS = {
-    "full": [(128, 128, 8, 3, f, p) for f in (0, 1, 2) for p in (False, True)] + [(64, 256, 8, 3, 1, False)],
-    "small": [(128, 128, 8, 3, f, False) for f in (0, 1, 2)] + [(128, 128, 8, 3, 1, True), (64, 128, 4, 3, 1, False)],
+    "full": [(128, 128, 8, 3, f, p) for f in (0, 1, 2, -1) for p in (False, True)] + [(64, 256, 8, 3, 1, False)],
+    "small": [(128, 128, 8, 3, f, False) for f in (0, 1, 2, -1)] + [(128, 128, 8, 3, f, True) for f in (0, -1)],
 }
-# (CHUNK, warps, SPLIT_SORT, LOOP_STAGES)
-SELECT_VARIANTS = [(4096, 4, False, 1), (2048, 4, False, 1), (2048, 4, True, 1), (2048, 4, True, 2),
-                   (2048, 4, True, 3), (1024, 4, True, 3), (1024, 2, True, 3), (4096, 4, True, 2)]
-QUICK_SCORE_VARIANTS = [(128, 128, 8, 3, 0, False), (128, 128, 8, 3, 0, True)]
+# (CHUNK, warps, SPLIT_SORT, LOOP_STAGES, BOUND_PASS)
+SELECT_VARIANTS = [(4096, 4, False, 1, False), (2048, 4, True, 1, False), (1024, 4, True, 3, False),
+                   (512, 4, True, 3, False), (1024, 4, True, 2, False)] + [
+                  (c, 4, True, st, True) for c, st in [(512, 3), (1024, 3), (1024, 4), (2048, 2), (2048, 3)]]
+QUICK_SCORE_VARIANTS = [(128, 128, 8, 3, f, p) for f in (0, -1) for p in (False, True)]
 
 
 def cuda_ms(fn, reps: int = 5) -> float:
@@ -89,20 +94,22 @@ def group_maxima(scores: torch.Tensor, block_n: int, fold: int) -> torch.Tensor:
 
 
 def end_to_end(shape, best, best_sel, ceil, report) -> None:
-    """:func:`kernels.dsa.lightning_indexer_topk` at 256k and 1M tokens with the fastest score and
-    selection variants against the same score tile with the v6b kernels (FOLD 0, no PAIR; selection
-    CHUNK 4096, 4 warps, no SPLIT_SORT, no loop pipelining), same run, same inputs; the two must
-    select identical indices."""
+    """:func:`kernels.dsa.lightning_indexer_topk` at 256k and 1M tokens, same run, same inputs, with
+    the v6b kernels (the bound from the score kernel's maxima, no PAIR; selection CHUNK 4096, 4 warps,
+    no SPLIT_SORT, no loop pipelining), the fastest variants with the bound from the score kernel
+    ("v7") and with the bound from the selection's own pass ("v8"). ``best``/``best_sel`` map the
+    bound's source (``False``: scores, ``True``: selection) to the fastest variant; all select
+    identical indices."""
     from dsa_bench import timed
     from kernels.dsa import lightning_indexer_topk
 
     h, d = SHAPES[shape]["index_heads"], SHAPES[shape]["index_dim"]
-    _, _, score_kw, score_warps, score_stages = best
-    _, _, select_kw, select_warps = best_sel
-    variants = {
-        "v6b fold": (dict(score_kw, FOLD=0, PAIR=False), dict(CHUNK=4096, SPLIT_SORT=False, LOOP_STAGES=1)),
-        "fastest": (score_kw, select_kw),
-    }
+    first = best[False]
+    variants = {"v6b": (False, (dict(first[2], PAIR=False), first[3], first[4]),
+                        (dict(CHUNK=4096, SPLIT_SORT=False, LOOP_STAGES=1), 4))}
+    for bound_pass, name in [(False, "v7"), (True, "v8")]:
+        if bound_pass in best and bound_pass in best_sel:
+            variants[name] = (bound_pass, best[bound_pass][2:], best_sel[bound_pass][2:])
     for seq_len in (262144, 1048576):
         gen = torch.Generator(device="cuda").manual_seed(seq_len)
         q = torch.randn(1, seq_len, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -112,16 +119,23 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
         kw = dict(kpool=KPOOL, topk=TOPK, select_tail=True, softmax_scale=d**-0.5)
         flops = 2 * seq_len * (seq_len // KPOOL / 2) * h * d
         picked = {}
-        for name, (skw, selkw) in variants.items():
-            pin_configs(skw, score_warps, score_stages, selkw, 4 if name == "v6b fold" else select_warps)
+        for name, (bound_pass, (skw, sw, sst), (selkw, selw)) in variants.items():
+            it.BOUND_IN_SELECTION = bound_pass
+            pin_configs(skw, sw, sst, selkw, selw)
             picked[name] = lightning_indexer_topk(q, k, g, ape, w, **kw).cpu()
             t, peak = timed(lambda: lightning_indexer_topk(q, k, g, ape, w, **kw), 1 if seq_len > 262144 else 3)
             report(dict(shape=shape, seq_len=seq_len, end_to_end=name, seconds=t, peak_gib=peak,
                         pct_of_matmul=100 * flops / t / 1e12 / ceil["matmul_tflops"]))
-        report(dict(shape=shape, seq_len=seq_len, identical=bool(torch.equal(picked["v6b fold"], picked["fastest"]))))
+        report(dict(shape=shape, seq_len=seq_len, identical=all(torch.equal(picked["v6b"], v) for v in picked.values())))
         del q, k, g, w
         torch.cuda.empty_cache()
-    pin_configs(score_kw, score_warps, score_stages, select_kw, select_warps)
+    # leave the fastest end-to-end variant pinned (for --profile)
+    fastest = min((r for r in REPORTED if r.get("end_to_end") and r["shape"] == shape and r["seq_len"] == 1048576),
+                  key=lambda r: r["seconds"])["end_to_end"]
+    bound_pass, (skw, sw, sst), (selkw, selw) = variants[fastest]
+    it.BOUND_IN_SELECTION = bound_pass
+    pin_configs(skw, sw, sst, selkw, selw)
+    report(dict(shape=shape, profiled_variant=fastest))
 
 
 def pin_configs(score_kw: dict, score_warps: int, score_stages: int, select_kw: dict, select_warps: int) -> None:
@@ -153,7 +167,7 @@ def main() -> None:
     spec.loader.exec_module(v5)
     ceil = ceilings() if DEVICE == "cuda" else dict(matmul_tflops=float("nan"), copy_tbps=float("nan"))
     print(json.dumps(dict(ceilings=ceil)), flush=True)
-    rows = []
+    rows = REPORTED
 
     def report(row):
         print(json.dumps(row), flush=True)
@@ -181,7 +195,7 @@ def main() -> None:
                     q.stride(0), q.stride(1), q.stride(2), pk.stride(0), pk.stride(1), w.stride(0), w.stride(1),
                     out.stride(0), out.stride(1), cmax.stride(0), cmax.stride(1), ROWS, POOLS, 0, size_class)
 
-        best = None
+        best = {}   # bound source (False: score kernel maxima, True: selection pass) -> fastest
         for bm, bn, warps, stages, fold, pair in (QUICK_SCORE_VARIANTS if args.quick else SCORE_VARIANTS[shape]):
                     name = f"scores {bm}x{bn} w{warps} s{stages} FOLD={fold} PAIR={int(pair)}"
 
@@ -197,13 +211,13 @@ def main() -> None:
                         if ref_scores is None:
                             ref_scores = scores.clone()
                         same = bool(torch.equal(scores, ref_scores))
-                        maxima_ok = bool(torch.equal(col_max[0], group_maxima(ref_scores[0], bn, fold)))
+                        maxima_ok = fold < 0 or bool(torch.equal(col_max[0], group_maxima(ref_scores[0], bn, fold)))
                         ms = cuda_ms(run)
                         row = dict(shape=shape, kernel=name, ms=ms, tflops=flops / ms / 1e9,
                                    pct_of_matmul=100 * flops / ms / 1e9 / ceil["matmul_tflops"],
                                    scores_equal=same, maxima_equal=maxima_ok)
-                        if same and maxima_ok and (best is None or ms < best[0]):
-                            best = (ms, name, dict(BLOCK_M=bm, BLOCK_N=bn, FOLD=fold, PAIR=pair), warps, stages)
+                        if same and maxima_ok and ((fold < 0) not in best or ms < best[fold < 0][0]):
+                            best[fold < 0] = (ms, name, dict(BLOCK_M=bm, BLOCK_N=bn, PAIR=pair), warps, stages)
                     except Exception as err:  # report and go on
                         row = dict(shape=shape, kernel=name, error=repr(err)[:400])
                     report(row)
@@ -237,18 +251,19 @@ def main() -> None:
         slots = torch.empty(ROWS, capacity, dtype=torch.long, device=DEVICE)
         selected = torch.empty(1, ROWS, N_SELECT, dtype=torch.long, device=DEVICE)
         read_gb = ROWS * POOLS * 4 / 1e9
-        best_sel = None
-        for chunk, warps, split, loop_stages in SELECT_VARIANTS:
-                    name = f"select CHUNK={chunk} w{warps} SPLIT_SORT={int(split)} LOOP_STAGES={loop_stages}"
+        best_sel = {}
+        for chunk, warps, split, loop_stages, bound_pass in SELECT_VARIANTS:
+                    name = (f"select CHUNK={chunk} w{warps} SPLIT_SORT={int(split)} LOOP_STAGES={loop_stages} "
+                            f"BOUND_PASS={int(bound_pass)}")
 
-                    def run_sel(chunk=chunk, warps=warps, split=split, loop_stages=loop_stages):
+                    def run_sel(chunk=chunk, warps=warps, split=split, loop_stages=loop_stages, bound_pass=bound_pass):
                         counts.zero_()
                         it._select_kernel.fn[(ROWS,)](
                             ref_scores, col_ref, counts, slots, selected,
                             ref_scores.stride(0), ref_scores.stride(1), col_ref.stride(0), col_ref.stride(1),
                             counts.stride(0), selected.stride(0), selected.stride(1), ROWS, POOLS, 0, size_class,
                             N_SELECT=N_SELECT, N_COLUMNS=columns, CAPACITY=capacity, CHUNK=chunk,
-                            SPLIT_SORT=split, LOOP_STAGES=loop_stages, num_warps=warps)
+                            SPLIT_SORT=split, LOOP_STAGES=loop_stages, BOUND_PASS=bound_pass, num_warps=warps)
                     try:
                         selected.fill_(-7)
                         run_sel()
@@ -259,16 +274,20 @@ def main() -> None:
                                    pct_of_copy=100 * read_gb / ms / ceil["copy_tbps"],
                                    indices_equal=ok, candidates_mean=float(counts.float().mean()),
                                    candidates_max=int(counts.max()))
-                        if ok and (best_sel is None or ms < best_sel[0]):
-                            best_sel = (ms, name, dict(CHUNK=chunk, SPLIT_SORT=split, LOOP_STAGES=loop_stages), warps)
+                        if ok and (bound_pass not in best_sel or ms < best_sel[bound_pass][0]):
+                            best_sel[bound_pass] = (ms, name, dict(CHUNK=chunk, SPLIT_SORT=split,
+                                                                   LOOP_STAGES=loop_stages), warps)
                     except Exception as err:
                         row = dict(shape=shape, kernel=name, error=repr(err)[:400])
                     report(row)
         del ref_scores, scores, col_max, keys, want
         torch.cuda.empty_cache()
-        if best and best_sel:
-            report(dict(shape=shape, fastest_scores=best[1], ms=best[0], fastest_select=best_sel[1],
-                        select_ms=best_sel[0]))
+        for bound_pass in (False, True):
+            if bound_pass in best and bound_pass in best_sel:
+                report(dict(shape=shape, bound_in_selection=bound_pass, fastest_scores=best[bound_pass][1],
+                            ms=best[bound_pass][0], fastest_select=best_sel[bound_pass][1],
+                            select_ms=best_sel[bound_pass][0]))
+        if False in best and False in best_sel:
             if DEVICE == "cuda":
                 end_to_end(shape, best, best_sel, ceil, report)
 
