@@ -88,6 +88,16 @@ SCRIPT = textwrap.dedent(
         assert torch.equal(got, _torch_pool_topk(q[:, 50:], keys, w[:, 50:], grid, n_select, 0.25, 50, 32)), variant
 
 
+    # expansion of pool indices to token indices (and tails), one kernel against the torch path:
+    # packed documents, a kpool that is not a power of two, unselected pools, a CP query offset
+    from kernels.dsa.indexer import _expand_selection
+    for kpool, tail, q_off in [(4, True, 0), (3, True, 20), (4, False, 0)]:
+        grid = kpool_grid(96, kpool, torch.tensor([0, 30, 96]))
+        n_pools = int(grid.start.numel())
+        pools = torch.randint(-1, n_pools, (1, 96 - q_off, 5), generator=gen)
+        got = it.triton_expand_selection(pools, grid, 96 - q_off, q_off, 5 * kpool, tail, block_t=4)
+        assert torch.equal(got, _expand_selection(pools, grid, 96 - q_off, q_off, 5 * kpool, tail)), (kpool, tail)
+
     score_cfg, select_cfg = it._pool_scores_kernel.configs[0].kwargs, it._select_kernel.configs[0].kwargs
     # the bound from the score kernel's column maxima or from the selection's own first pass
     for bound_pass, pair, split in [(False, False, False), (True, True, True), (False, True, True), (True, False, False)]:

@@ -263,6 +263,10 @@ def lightning_indexer_topk(
         pools = triton_pool_topk(q, pool_keys, weights, grid, topk // kpool, softmax_scale, q_offset)
     else:
         pools = _torch_pool_topk(q, pool_keys, weights, grid, topk // kpool, softmax_scale, q_offset, block_size)
+    if q.is_cuda:
+        from kernels.dsa.indexer_triton import triton_expand_selection
+
+        return triton_expand_selection(pools, grid, q.shape[1], q_offset, topk, select_tail)
     return _expand_selection(pools, grid, q.shape[1], q_offset, topk, select_tail)
 
 

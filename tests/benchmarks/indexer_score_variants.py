@@ -96,20 +96,27 @@ def group_maxima(scores: torch.Tensor, block_n: int, fold: int) -> torch.Tensor:
 def end_to_end(shape, best, best_sel, ceil, report) -> None:
     """:func:`kernels.dsa.lightning_indexer_topk` at 256k and 1M tokens, same run, same inputs, with
     the v6b kernels (the bound from the score kernel's maxima, no PAIR; selection CHUNK 4096, 4 warps,
-    no SPLIT_SORT, no loop pipelining), the fastest variants with the bound from the score kernel
-    ("v7") and with the bound from the selection's own pass ("v8"). ``best``/``best_sel`` map the
+    no SPLIT_SORT, no loop pipelining; the torch expansion to token indices), the fastest variants
+    with the bound from the score kernel ("v7") and with the bound from the selection's own pass
+    ("v8"), both with the one-kernel expansion (``triton_expand_selection``), and the faster of
+    the two with the torch expansion. ``best``/``best_sel`` map the
     bound's source (``False``: scores, ``True``: selection) to the fastest variant; all select
     identical indices."""
     from dsa_bench import timed
     from kernels.dsa import lightning_indexer_topk
 
     h, d = SHAPES[shape]["index_heads"], SHAPES[shape]["index_dim"]
+    from kernels.dsa.indexer import _expand_selection
+
     first = best[False]
     variants = {"v6b": (False, (dict(first[2], PAIR=False), first[3], first[4]),
-                        (dict(CHUNK=4096, SPLIT_SORT=False, LOOP_STAGES=1), 4))}
+                        (dict(CHUNK=4096, SPLIT_SORT=False, LOOP_STAGES=1), 4), "torch")}
     for bound_pass, name in [(False, "v7"), (True, "v8")]:
         if bound_pass in best and bound_pass in best_sel:
-            variants[name] = (bound_pass, best[bound_pass][2:], best_sel[bound_pass][2:])
+            variants[name] = (bound_pass, best[bound_pass][2:], best_sel[bound_pass][2:], "triton")
+    faster = "v8" if "v8" in variants and best[True][0] + best_sel[True][0] < best[False][0] + best_sel[False][0] else "v7"
+    variants[f"{faster}, torch expansion"] = variants[faster][:3] + ("torch",)
+    one_kernel = it.triton_expand_selection
     for seq_len in (262144, 1048576):
         gen = torch.Generator(device="cuda").manual_seed(seq_len)
         q = torch.randn(1, seq_len, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -119,8 +126,11 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
         kw = dict(kpool=KPOOL, topk=TOPK, select_tail=True, softmax_scale=d**-0.5)
         flops = 2 * seq_len * (seq_len // KPOOL / 2) * h * d
         picked = {}
-        for name, (bound_pass, (skw, sw, sst), (selkw, selw)) in variants.items():
+        for name, (bound_pass, (skw, sw, sst), (selkw, selw), expand) in variants.items():
             it.BOUND_IN_SELECTION = bound_pass
+            # lightning_indexer_topk imports the expansion at call time
+            it.triton_expand_selection = one_kernel if expand == "triton" else (
+                lambda pools, grid, n_q, q_offset, topk, tail: _expand_selection(pools, grid, n_q, q_offset, topk, tail))
             pin_configs(skw, sw, sst, selkw, selw)
             picked[name] = lightning_indexer_topk(q, k, g, ape, w, **kw).cpu()
             t, peak = timed(lambda: lightning_indexer_topk(q, k, g, ape, w, **kw), 1 if seq_len > 262144 else 3)
@@ -132,8 +142,9 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
     # leave the fastest end-to-end variant pinned (for --profile)
     fastest = min((r for r in REPORTED if r.get("end_to_end") and r["shape"] == shape and r["seq_len"] == 1048576),
                   key=lambda r: r["seconds"])["end_to_end"]
-    bound_pass, (skw, sw, sst), (selkw, selw) = variants[fastest]
+    bound_pass, (skw, sw, sst), (selkw, selw), expand = variants[fastest]
     it.BOUND_IN_SELECTION = bound_pass
+    it.triton_expand_selection = one_kernel if expand == "triton" else it.triton_expand_selection
     pin_configs(skw, sw, sst, selkw, selw)
     report(dict(shape=shape, profiled_variant=fastest))
 
