@@ -97,14 +97,22 @@ def check_indexer(seq_len: int, shape: dict, gen: torch.Generator, n_rows: int =
         a, b = set(got_pools[0, r].tolist()) - {-1}, set(ref_pools[0, r].tolist()) - {-1}
         boundary = min(s_same[i, p].item() for p in a | b)
         max_tie_gap = max(max_tie_gap, max(abs(s_same[i, p].item() - boundary) for p in a ^ b))
+    # the one-kernel expansion (triton_expand_selection) against the torch expansion of the
+    # pools the same Triton selection picks (deterministic): every token and tail entry
+    from kernels.dsa.indexer import _expand_selection
+    from kernels.dsa.indexer_triton import triton_pool_topk
+
+    pools = triton_pool_topk(inp["q"], pool_keys, inp["weights"], grid, n_sel, scale, 0)
+    expansion_equal = bool(torch.equal(indices, _expand_selection(pools, grid, seq_len, 0, TOPK, True)))
     result = dict(
+        expansion_equal=expansion_equal,
         nan_or_poison=bool((indices < -1).any() or (indices >= seq_len).any()),
         rows_differing_from_torch_same_precision=int(differing.sum()),
         max_float64_gap_of_differing_pools=max_tie_gap,
         mass_capture_min=float(capture.min()), mass_capture_mean=float(capture.mean()),
     )
     result["ok"] = (
-        not result["nan_or_poison"] and max_tie_gap <= 1e-3 and result["mass_capture_min"] >= 0.99
+        expansion_equal and not result["nan_or_poison"] and max_tie_gap <= 1e-3 and result["mass_capture_min"] >= 0.99
     )
     return result, indices
 
