@@ -326,7 +326,7 @@ buffers (a 512k full-recompute run on one H200 failed at 126 GiB allocated + 26 
 def pinned_block_bytes(nbytes: int) -> int:
     """Pinned host bytes CUDA's caching host allocator takes for a request of ``nbytes`` bytes:
     the next power of two (``CachingHostAllocator``, PyTorch ``aten/src/ATen/core/CachingHostAllocator.h``)."""
-    return 1 << max(int(nbytes) - 1, 0).bit_length()
+    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
 
 
 def activation_bytes_per_token(mcfg, layer: int, tp: int, width: int, on_gpu: bool = True,

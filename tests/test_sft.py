@@ -236,6 +236,23 @@ def test_memory_plan_scales_with_tokens_and_moves_offloaded_layers_to_host():
     assert cp2.activations == pytest.approx(short.activations + extra * 4096, rel=1e-6)
 
 
+def test_full_recompute_offload_plans_the_layer_inputs_in_power_of_two_pinned_blocks():
+    from model.config import preset
+
+    tiny = preset("tiny")   # hidden 64, 4 mHC streams, top-k width 79, layers: KDA, DSA, DSA, KDA
+    big = dict(world_size=1, procs_per_node=1, device_limit=1 << 40, host_limit=1 << 41)
+    plan = memory_plan(tiny, SFTConfig(seq_len=4096, recompute="full", offload_layers=4), **big)
+    streams = 4 * 64 * 4 * 4096          # float32 streams: 4 MiB, a power of two already
+    topk = 79 * 4 * 4096                 # 1.23 MiB of int32 top-k after each DSA layer -> 2 MiB blocks
+    assert plan.pinned_host == 4 * streams + 2 * (2 << 20)
+    assert plan.activations == 0
+    kept = memory_plan(tiny, SFTConfig(seq_len=4096, recompute="full"), **big)
+    # on the device instead: the same bytes, unrounded
+    assert kept.activations == 4 * streams + 2 * topk
+    # the backward reloads one layer's input (the largest: streams + top-k) instead of keeping all
+    assert plan.workspace - kept.workspace == streams + topk
+
+
 def test_planned_activation_bytes_match_what_autograd_saves(tmp_path):
     # tests/gpu/activation_bytes.py counts the tensors autograd really keeps (saved-tensor hooks,
     # one count per storage) in a bf16 training forward, attributed to mHC / mixer / core / MLP /

@@ -92,11 +92,14 @@ def main() -> None:
             result, error = None, err
         except KeyboardInterrupt as err:  # the session's time limit (SIGINT): report what ran, stop
             result, error, interrupted = None, err, True
+        # A rank that failed or was interrupted may stand in another collective than the others
+        # (a CUDA OOM on one rank left the other waiting in the step's collectives until the call's
+        # time limit): no all-reduce then, this rank reports alone and the launch is ended below.
+        alone = interrupted or (error is not None and world > 1)
         peak = torch.tensor([float(torch.cuda.max_memory_allocated())], device="cuda")
-        if world > 1 and torch.distributed.is_initialized() and not interrupted:
+        if world > 1 and torch.distributed.is_initialized() and not alone:
             torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)  # busiest GPU
-        # interrupted ranks may stand in different collectives: this rank's peak only
-        row["peak_gib" if not interrupted else f"peak_gib_rank{rank}"] = round(peak.item() / 2**30, 2)
+        row["peak_gib" if not alone else f"peak_gib_rank{rank}"] = round(peak.item() / 2**30, 2)
         try:
             plan = memory_plan(model_config(cfg), cfg, world, world,
                                device_limit=torch.cuda.get_device_properties(0).total_memory)
@@ -124,12 +127,15 @@ def main() -> None:
             row["eval_loss"] = evals[-1]["eval_loss"]
         if error is not None:
             row["error"] = repr(error)[:800]
-        if rank == 0:
+        if rank == 0 or alone:
             print(json.dumps(row), flush=True)
             rows.append(row)
-            Path(args.out, "sft_small.json").write_text(json.dumps(rows, indent=1))
+            Path(args.out, "sft_small.json" if rank == 0 else f"sft_small.rank{rank}.json").write_text(
+                json.dumps(rows, indent=1))
         if interrupted:
             break
+        if alone:   # a failed rank of a multi-rank launch: exit so torchrun tears the others down
+            raise SystemExit(f"rank {rank}: configuration {name} failed: {error!r}"[:500])
 
 
 if __name__ == "__main__":
