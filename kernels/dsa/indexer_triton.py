@@ -12,7 +12,10 @@ sorts those few keys in registers and writes the decoded pool indices: exact, wi
 rule (equal scores: lower pool index wins).
 Rows with more candidates than the slots hold (massive ties) are redone from their scores
 after the last block. The host synchronizes twice per call (block bounds before, overflow
-count after), not per block. Memory: ``O(T * n_select + Tq * P)``.
+count after), not per block. Memory: ``O(T * n_select + Tq * P)``. With ``bound_pass`` the
+selection computes the column maxima itself from a first read of the row and the score kernel
+keeps none (:data:`BOUND_IN_SELECTION`). :func:`triton_expand_selection` turns the pool indices
+into the ``[B, T, W]`` int32 token indices in one kernel.
 
 Per launch, scores: FLOPs ``2 * B * Tq * P_visible * H * D``; bytes ``4 * Tq * P_visible``
 written and read once by the selection, plus the queries, re-read from L2 once per
@@ -90,8 +93,9 @@ def _pool_scores_kernel(
     program's ``GROUP_N`` column groups: pool ``c`` of a tile (``c < BLOCK_N``) is in group
     ``pid_n * GROUP_N + c mod GROUP_N`` (``FOLD`` picks the grouping, :func:`_fold_tile`;
     ``FOLD = -1``: no maxima, the selection computes its bound itself). The maxima fold in
-    registers (``[BLOCK_M, GROUP_N]``, small beside the accumulator) and are stored once: no atomics. ``PAIR``: two heads' products are issued before either's ReLU-weighted
-    accumulation (same summation order), so one head's epilogue can overlap the other's MMA."""
+    registers (``[BLOCK_M, GROUP_N]``, small beside the accumulator) and are stored once: no
+    atomics. ``PAIR``: two heads' products are issued before either's ReLU-weighted accumulation
+    (same summation order), so one head's epilogue can overlap the other's MMA."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
