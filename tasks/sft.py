@@ -344,11 +344,12 @@ def activation_bytes_per_token(mcfg, layer: int, tp: int, width: int, on_gpu: bo
     * ``mixer``: projections, convolutions, gates and norms around the token mixer;
     * ``core``: fla ``chunk_kda`` on GPU (``CPU_KDA_CORE_FACTOR`` x on CPU) or the DSA sparse
       attention (absorbed queries, latent, output, LSE) plus the int32 top-k of a layer with its
-      own indexer. With ``context_parallel > 1`` a KDA layer runs ``chunk_kda`` twice
+      own indexer;
+    * ``cp_state``: with ``context_parallel > 1`` a KDA layer runs ``chunk_kda`` twice
       (:meth:`model.layers.KDAMixer._kda_context_parallel`: the state pass with values ``[v | 0]``,
-      then the output pass), so it keeps two cores and the second value half: ``2 core + kd``
-      elements (256k tokens with CP=2 on 2 H200s, MLP recompute: 91.0 GiB peak, 76.7 GiB planned
-      without this term, 90.2 GiB with it, 94.7 GiB with the allocator reserve);
+      then the output pass), so it keeps a second core and the second value half: ``core + kd``
+      elements, else 0 (256k tokens with CP=2 on 2 H200s, MLP recompute: 91.0 GiB peak, 76.7 GiB
+      planned without this part, 90.2 GiB with it, 94.7 GiB with the allocator reserve);
     * ``mlp``: dense SwiGLU (input, gate/up output, clamp/SiLU/product intermediates) or MoE
       (``topk`` routed copies, the shared expert, router and dispatch; sequence split over TP);
     * ``mlp_input``: what a recomputed MLP chunk keeps (its input).
@@ -362,8 +363,8 @@ def activation_bytes_per_token(mcfg, layer: int, tp: int, width: int, on_gpu: bo
         kd, d = heads * mcfg.linear_head_dim, mcfg.linear_head_dim
         parts["mixer"] = (h + 10 * kd + 2 * d) * width + heads * f32   # x, conv in/out, f, gate, o, low-rank
         core = (5 * kd + 2 * heads * FLA_CHUNK) * width + kd * f32 + 2 * heads * f32  # q k v, l2-normed q k, g
-        core = core if on_gpu else CPU_KDA_CORE_FACTOR * core
-        parts["core"] = core if context_parallel == 1 else 2 * core + kd * width
+        parts["core"] = core if on_gpu else CPU_KDA_CORE_FACTOR * core
+        parts["cp_state"] = 0 if context_parallel == 1 else parts["core"] + kd * width
     else:
         heads = mcfg.num_attention_heads // tp
         kv = mcfg.kv_lora_rank
@@ -371,6 +372,7 @@ def activation_bytes_per_token(mcfg, layer: int, tp: int, width: int, on_gpu: bo
             + 2 * f32
         own_indexer = mcfg.indexer_types[layer] != "shared"
         parts["core"] = (2 * heads * kv + kv) * width + heads * f32 + (mcfg.index_width * 4 if own_indexer else 0)
+        parts["cp_state"] = 0
     if mcfg.mlp_layer_types[layer] == "sparse":
         routed = mcfg.moe_router_topk * (1.25 * h + 6 * (mcfg.moe_ffn_hidden_size or 0))  # permuted copies
         shared = h + 6 * (mcfg.moe_shared_expert_intermediate_size or 0)
@@ -433,11 +435,10 @@ def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int, devi
     device_acts, host_acts, layer_work, mlp_work, reload_work, pinned_exact = 0, 0, 0, 0, 0, 0
     for i in range(mcfg.num_layers):
         part = activation_bytes_per_token(mcfg, i, tp, width, on_gpu, cp)
-        around = part["mhc"] + part["other"] + part["mixer"] + part["core"]
-        # the workspace unit stays the CP=1 layer, the one its in-flight factors were fitted on
-        # (1M tokens, CP=2, full recompute: 107.7 GiB measured, 112.9 GiB planned)
-        single = activation_bytes_per_token(mcfg, i, tp, width, on_gpu)
-        single_around = single["mhc"] + single["other"] + single["mixer"] + single["core"]
+        # the workspace unit is the layer without the CP state pass, the one its in-flight factors
+        # were fitted on (1M tokens, CP=2, full recompute: 107.7 GiB measured, 112.9 GiB planned)
+        unit = part["mhc"] + part["other"] + part["mixer"] + part["core"]
+        around = unit + part["cp_state"]
         if cfg.recompute == "full":
             # the layer checkpoint keeps its input streams, and the top-k a DSA layer hands on
             kept_tensors = [mcfg.hc_mult * mcfg.hidden_size * width]
@@ -451,7 +452,7 @@ def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int, devi
             kept = around + part["mlp_input"]
         else:
             kept = around + part["mlp"]
-        layer_work = max(layer_work, single_around)
+        layer_work = max(layer_work, unit)
         mlp_work = max(mlp_work, part["mlp"])
         if i < cfg.offload_layers:
             host_acts += kept

@@ -32,50 +32,18 @@ from kernels.dsa.errors import DSAInputError
 from kernels.dsa.indexer import KPoolGrid, _query_docs, _selection_keys, decode_selection_keys
 
 
-@triton.jit
-def _fold_pairs(x, BLOCK_M: tl.constexpr, N: tl.constexpr):
-    """``[BLOCK_M, N] -> [BLOCK_M, N / 2]``: the maximum of columns ``2c`` and ``2c + 1``."""
-    even, odd = tl.split(tl.reshape(x, (BLOCK_M, N // 2, 2)))
-    return tl.maximum(even, odd)
-
-
-@triton.jit
-def _fold_tile(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr, FOLD: tl.constexpr):
-    """Row maxima of ``GROUP_N`` disjoint column groups of a ``[BLOCK_M, BLOCK_N]`` tile.
-
-    ``FOLD`` 0: group ``c mod GROUP_N`` (a reshape to ``[BLOCK_M, BLOCK_N / GROUP_N, GROUP_N]``
-    reduced over the middle axis); 1: group ``c // (BLOCK_N / GROUP_N)`` (contiguous columns,
-    reduced over the last axis); 2: the same contiguous groups by halving splits of column pairs
-    (``tl.split``), up to 8 columns a group. Any partition gives the selection a valid bound;
-    the variants differ only in how the compiler lays out the reduction.
-    """
-    if FOLD == 0:
-        return tl.max(tl.reshape(acc, (BLOCK_M, BLOCK_N // GROUP_N, GROUP_N)), axis=1)
-    elif FOLD == 1:
-        return tl.max(tl.reshape(acc, (BLOCK_M, GROUP_N, BLOCK_N // GROUP_N)), axis=2)
-    else:
-        tl.static_assert(BLOCK_N // GROUP_N <= 8)
-        x = acc
-        if BLOCK_N // GROUP_N >= 2:
-            x = _fold_pairs(x, BLOCK_M, BLOCK_N)
-        if BLOCK_N // GROUP_N >= 4:
-            x = _fold_pairs(x, BLOCK_M, BLOCK_N // 2)
-        if BLOCK_N // GROUP_N >= 8:
-            x = _fold_pairs(x, BLOCK_M, BLOCK_N // 4)
-        return x
-
-
 SCORE_CONFIGS = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "PAIR": pair}, num_warps=w, num_stages=st)
     for bm, bn, w, st, pair in [(128, 128, 8, 3, True), (128, 128, 8, 3, False), (64, 256, 8, 3, False),
                                 (64, 128, 4, 3, False), (128, 256, 8, 2, False)]
 ]
 """Autotuned configurations of :func:`_pool_scores_kernel`. ``tests/benchmarks/indexer_score_variants.py``
-times tile x ``FOLD`` x ``PAIR`` directly (kernels/NOTES.md, v7): the folds run within 3% of
-each other, ``PAIR`` takes the full shape's 128x128 tile from 53% to 57% of the matmul rate."""
+times tile x ``PAIR`` directly (kernels/NOTES.md, v7): ``PAIR`` takes the full shape's 128x128
+tile from 53% to 57% of the matmul rate. (Two other folds of the column maxima, contiguous
+groups by reshape or by pairwise ``tl.split``, ran within 3% of this one and were removed.)"""
 
 
-@triton.autotune(configs=SCORE_CONFIGS, key=["H", "D", "size_class", "N_COLUMNS", "FOLD"])
+@triton.autotune(configs=SCORE_CONFIGS, key=["H", "D", "size_class", "N_COLUMNS", "MAXIMA"])
 @triton.jit
 def _pool_scores_kernel(
     Q, PK, W, OUT, COLMAX, POOL_END, POOL_DOC, Q_POS, Q_DOC,
@@ -86,13 +54,14 @@ def _pool_scores_kernel(
     stride_cb, stride_ct,
     n_q, n_pools, p_lo, size_class,
     H: tl.constexpr, D: tl.constexpr, N_COLUMNS: tl.constexpr, GROUP_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FOLD: tl.constexpr, PAIR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAXIMA: tl.constexpr, PAIR: tl.constexpr,
 ):
     """Scores of ``BLOCK_M`` queries against the pool tiles ``pid_n, pid_n + n_prog, ...``
     (``n_prog = N_COLUMNS / GROUP_N`` programs along the pools) and the row maxima of this
     program's ``GROUP_N`` column groups: pool ``c`` of a tile (``c < BLOCK_N``) is in group
-    ``pid_n * GROUP_N + c mod GROUP_N`` (``FOLD`` picks the grouping, :func:`_fold_tile`;
-    ``FOLD = -1``: no maxima, the selection computes its bound itself). The maxima fold in
+    ``pid_n * GROUP_N + c mod GROUP_N`` (a reshape to ``[BLOCK_M, BLOCK_N / GROUP_N, GROUP_N]``
+    reduced over the middle axis; ``MAXIMA`` False: none, the selection computes its bound
+    itself). The maxima fold in
     registers (``[BLOCK_M, GROUP_N]``, small beside the accumulator) and are stored once: no
     atomics. ``PAIR``: two heads' products are issued before either's ReLU-weighted accumulation
     (same summation order), so one head's epilogue can overlap the other's MMA."""
@@ -141,9 +110,9 @@ def _pool_scores_kernel(
         acc = tl.where(visible, acc, float("-inf"))
         tl.store(OUT + b * stride_ob + offs_m[:, None] * stride_ot + offs_n[None, :], acc,
                  mask=mask_m[:, None] & mask_n[None, :])
-        if FOLD >= 0:
-            col_max = tl.maximum(col_max, _fold_tile(acc, BLOCK_M, BLOCK_N, GROUP_N, FOLD))
-    if FOLD >= 0:
+        if MAXIMA:
+            col_max = tl.maximum(col_max, tl.max(tl.reshape(acc, (BLOCK_M, BLOCK_N // GROUP_N, GROUP_N)), axis=1))
+    if MAXIMA:
         offs_g = pid_n * GROUP_N + tl.arange(0, GROUP_N)
         tl.store(COLMAX + b * stride_cb + offs_m[:, None] * stride_ct + offs_g[None, :], col_max,
                  mask=mask_m[:, None])
@@ -408,7 +377,7 @@ def triton_pool_topk(
             scores.stride(0), scores.stride(1),
             col_max.stride(0), col_max.stride(1),
             t1 - t0, n_pools, p_lo, _size_class(n_pools), H=heads, D=dim, N_COLUMNS=columns, GROUP_N=GROUP_N,
-            FOLD=-1 if bound_pass else 0,
+            MAXIMA=not bound_pass,
         )
         return scores
 

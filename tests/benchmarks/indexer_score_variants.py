@@ -5,9 +5,9 @@
 One block of 8192 queries against 65,536 visible pools (the last block at 1M tokens, kpool 16)
 per DSA shape (``dsa_bench.SHAPES``). Times, in the same run and on the same bf16 inputs:
 
-* :func:`kernels.dsa.indexer_triton._pool_scores_kernel` for every tile x ``FOLD`` (how the
-  column-group maxima are folded) x ``PAIR`` (two heads' products issued back to back) variant,
-  called directly (``.fn``, no autotuner; ``FOLD = -1``: no maxima, the v8 split), and the v5
+* :func:`kernels.dsa.indexer_triton._pool_scores_kernel` for every tile x ``MAXIMA`` (whether
+  it folds the column-group maxima) x ``PAIR`` (two heads' products issued back to back) variant,
+  called directly (``.fn``, no autotuner; ``MAXIMA`` False: the v8 split), and the v5
   score kernel (no maxima;
   ``--anchor .bench/indexer_v5.py``, an earlier copy of the file) as the no-fold baseline;
 * :func:`kernels.dsa.indexer_triton._select_kernel` for every ``CHUNK`` x warps x
@@ -28,7 +28,6 @@ import argparse
 import importlib.util
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -39,41 +38,33 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import kernels.dsa.indexer_triton as it  # noqa: E402
-from dsa_bench import KPOOL, SHAPES, TOPK, ceilings  # noqa: E402
+from dsa_bench import KPOOL, SHAPES, TOPK, ceilings, timed  # noqa: E402
 from kernels.dsa.indexer import _selection_keys, decode_selection_keys  # noqa: E402
 
 ROWS, POOLS, DEVICE = 8192, 65536, "cuda"
 REPORTED: list[dict] = []   # every row printed, in order
 N_SELECT = TOPK // KPOOL
-# (BLOCK_M, BLOCK_N, warps, stages, FOLD, PAIR): the tile the autotuner chose in v5/v6b with
-# every fold and pairing, and one other tile
+# (BLOCK_M, BLOCK_N, warps, stages, MAXIMA, PAIR): the tile the autotuner chose in v5/v6b with
+# and without maxima and pairing, and one other tile
 SCORE_VARIANTS = {
-    "full": [(128, 128, 8, 3, f, p) for f in (0, 1, 2, -1) for p in (False, True)] + [(64, 256, 8, 3, 1, False)],
-    "small": [(128, 128, 8, 3, f, False) for f in (0, 1, 2, -1)] + [(128, 128, 8, 3, f, True) for f in (0, -1)],
+    "full": [(128, 128, 8, 3, m, p) for m in (True, False) for p in (False, True)] + [(64, 256, 8, 3, True, False)],
+    "small": [(128, 128, 8, 3, m, p) for m in (True, False) for p in (False, True)] + [(64, 128, 4, 3, True, False)],
 }
 # (CHUNK, warps, SPLIT_SORT, LOOP_STAGES, BOUND_PASS)
 SELECT_VARIANTS = [(4096, 4, False, 1, False), (2048, 4, True, 1, False), (1024, 4, True, 3, False),
                    (512, 4, True, 3, False), (1024, 4, True, 2, False)] + [
                   (c, 4, True, st, True) for c, st in [(512, 3), (1024, 3), (1024, 4), (2048, 2), (2048, 3)]]
-QUICK_SCORE_VARIANTS = [(128, 128, 8, 3, f, p) for f in (0, -1) for p in (False, True)]
+QUICK_SCORE_VARIANTS = [(128, 128, 8, 3, m, p) for m in (True, False) for p in (False, True)]
 
 
 def cuda_ms(fn, reps: int = 5) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` runs after one warm-up (CUDA events)."""
-    fn()
+    """Mean milliseconds of ``fn`` over ``reps`` runs after one warm-up (:func:`dsa_bench.timed`)."""
     if DEVICE == "cpu":   # the interpreter check of this script (--device cpu): one timed run
+        fn()
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return timed(fn, reps)[0] * 1e3
 
 
 def sync() -> None:
@@ -81,14 +72,14 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def group_maxima(scores: torch.Tensor, block_n: int, fold: int) -> torch.Tensor:
-    """``[ROWS, N_COLUMNS]`` row maxima of the column groups the score kernel's ``FOLD`` defines."""
+def group_maxima(scores: torch.Tensor, block_n: int) -> torch.Tensor:
+    """``[ROWS, N_COLUMNS]`` row maxima of the score kernel's column groups (pool ``c`` of tile
+    ``n`` in group ``(n mod programs) * GROUP_N + c mod GROUP_N``)."""
     columns, group_n = it._n_columns(N_SELECT), it.GROUP_N
     n_prog = columns // group_n
     pool = torch.arange(scores.shape[-1], device=scores.device)
     tile, c = pool // block_n, pool % block_n
-    inner = c % group_n if fold == 0 else c // (block_n // group_n)
-    group = (tile % n_prog) * group_n + inner
+    group = (tile % n_prog) * group_n + c % group_n
     out = torch.full((scores.shape[0], columns), float("-inf"), device=scores.device)
     return out.scatter_reduce(1, group.expand_as(scores), scores, "amax")
 
@@ -102,7 +93,6 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
     the two with the torch expansion. ``best``/``best_sel`` map the
     bound's source (``False``: scores, ``True``: selection) to the fastest variant; all select
     identical indices."""
-    from dsa_bench import timed
     from kernels.dsa import lightning_indexer_topk
 
     h, d = SHAPES[shape]["index_heads"], SHAPES[shape]["index_dim"]
@@ -164,7 +154,7 @@ def main() -> None:
     parser.add_argument("--anchor", default=".bench/indexer_v5.py")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--quick", action="store_true",
-                        help="the fold-0 tile with and without PAIR only, no v5 baseline")
+                        help="the 128x128 tile with and without maxima and PAIR only, no v5 baseline")
     parser.add_argument("--out", default=None)
     parser.add_argument("--rows", type=int, default=ROWS)
     parser.add_argument("--pools", type=int, default=POOLS)
@@ -209,13 +199,13 @@ def main() -> None:
                     out.stride(0), out.stride(1), cmax.stride(0), cmax.stride(1), ROWS, POOLS, 0, size_class)
 
         best = {}   # bound source (False: score kernel maxima, True: selection pass) -> fastest
-        for bm, bn, warps, stages, fold, pair in (QUICK_SCORE_VARIANTS if args.quick else SCORE_VARIANTS[shape]):
-                    name = f"scores {bm}x{bn} w{warps} s{stages} FOLD={fold} PAIR={int(pair)}"
+        for bm, bn, warps, stages, maxima, pair in (QUICK_SCORE_VARIANTS if args.quick else SCORE_VARIANTS[shape]):
+                    name = f"scores {bm}x{bn} w{warps} s{stages} MAXIMA={int(maxima)} PAIR={int(pair)}"
 
-                    def run(bm=bm, bn=bn, warps=warps, stages=stages, fold=fold, pair=pair):
+                    def run(bm=bm, bn=bn, warps=warps, stages=stages, maxima=maxima, pair=pair):
                         it._pool_scores_kernel.fn[(columns // it.GROUP_N, triton.cdiv(ROWS, bm), 1)](
                             *score_args(scores, col_max), H=h, D=d, N_COLUMNS=columns, GROUP_N=it.GROUP_N,
-                            BLOCK_M=bm, BLOCK_N=bn, FOLD=fold, PAIR=pair, num_warps=warps, num_stages=stages)
+                            BLOCK_M=bm, BLOCK_N=bn, MAXIMA=maxima, PAIR=pair, num_warps=warps, num_stages=stages)
                     try:
                         scores.fill_(float("nan"))
                         col_max.fill_(float("nan"))
@@ -224,13 +214,13 @@ def main() -> None:
                         if ref_scores is None:
                             ref_scores = scores.clone()
                         same = bool(torch.equal(scores, ref_scores))
-                        maxima_ok = fold < 0 or bool(torch.equal(col_max[0], group_maxima(ref_scores[0], bn, fold)))
+                        maxima_ok = not maxima or bool(torch.equal(col_max[0], group_maxima(ref_scores[0], bn)))
                         ms = cuda_ms(run)
                         row = dict(shape=shape, kernel=name, ms=ms, tflops=flops / ms / 1e9,
                                    pct_of_matmul=100 * flops / ms / 1e9 / ceil["matmul_tflops"],
                                    scores_equal=same, maxima_equal=maxima_ok)
-                        if same and maxima_ok and ((fold < 0) not in best or ms < best[fold < 0][0]):
-                            best[fold < 0] = (ms, name, dict(BLOCK_M=bm, BLOCK_N=bn, PAIR=pair), warps, stages)
+                        if same and maxima_ok and ((not maxima) not in best or ms < best[not maxima][0]):
+                            best[not maxima] = (ms, name, dict(BLOCK_M=bm, BLOCK_N=bn, PAIR=pair), warps, stages)
                     except Exception as err:  # report and go on
                         row = dict(shape=shape, kernel=name, error=repr(err)[:400])
                     report(row)
@@ -256,8 +246,8 @@ def main() -> None:
         del v5_scores
         if ref_scores is None:
             continue
-        # selection on the reference scores with the maxima of FOLD 0, 128x128 (the first variant)
-        col_ref = group_maxima(ref_scores[0], SCORE_VARIANTS[shape][0][1], 0)[None].contiguous()
+        # selection on the reference scores with the maxima of a 128x128 tiling (the first variant)
+        col_ref = group_maxima(ref_scores[0], SCORE_VARIANTS[shape][0][1])[None].contiguous()
         keys = _selection_keys(ref_scores[0], torch.arange(POOLS, device=DEVICE), torch.isfinite(ref_scores[0]))
         want, _ = decode_selection_keys(keys.topk(N_SELECT, dim=-1).values)
         counts = torch.zeros(1, ROWS, dtype=torch.int32, device=DEVICE)

@@ -116,12 +116,13 @@ def offload_host_bytes(model, ids: torch.Tensor) -> dict[str, list[int]]:
     """
     import model.glm5_next as glm5_next
     from model.offload import OffloadActivations
+    from tasks.sft import pinned_block_bytes
 
     counts: dict[str, list[int]] = {}
 
     def count(kind: str, nbytes: int) -> None:
         counts[kind][-1] += nbytes
-        counts[kind + "_pow2"][-1] += 1 << max(nbytes - 1, 0).bit_length()
+        counts[kind + "_pow2"][-1] += pinned_block_bytes(nbytes)
 
     class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
         def __init__(self):
