@@ -54,11 +54,8 @@ SCRIPT = textwrap.dedent(
         mass = torch.where(idx[:, :, None] >= 0, torch.exp(scores - lse[..., None]), 0.0).sum(2).nan_to_num(0.0)
         assert torch.allclose(st.triton_sparse_mla_mass(q, kv, idx, lse, 0.3), mass, atol=1e-5)
 
-    # indexer: random scores, packed documents, and all-equal scores (the overflow path); every
-    # source of the selection bound, paired head products (PAIR) and the split candidate sort
-
-
     def check_indexer(*variant):
+        # indexer: random scores, packed documents, and all-equal scores (the overflow path)
         gen = torch.Generator().manual_seed(1)
         n, kpool, n_select = 96, 4, 3
         q, w = torch.randn(1, n, 2, 16, generator=gen), torch.randn(1, n, 2, generator=gen)
@@ -87,7 +84,6 @@ SCRIPT = textwrap.dedent(
         got = it.triton_pool_topk(q[:, 50:], keys, w[:, 50:], grid, n_select, 0.25, 50, query_block=40)
         assert torch.equal(got, _torch_pool_topk(q[:, 50:], keys, w[:, 50:], grid, n_select, 0.25, 50, 32)), variant
 
-
     # expansion of pool indices to token indices (and tails), one kernel against the torch path:
     # packed documents, a kpool that is not a power of two, unselected pools, a CP query offset
     from kernels.dsa.indexer import _expand_selection
@@ -99,7 +95,8 @@ SCRIPT = textwrap.dedent(
         assert torch.equal(got, _expand_selection(pools, grid, 96 - q_off, q_off, 5 * kpool, tail)), (kpool, tail)
 
     score_cfg, select_cfg = it._pool_scores_kernel.configs[0].kwargs, it._select_kernel.configs[0].kwargs
-    # the bound from the score kernel's column maxima or from the selection's own first pass
+    # every source of the selection bound (the score kernel's column maxima or the selection's
+    # own first pass), paired head products (PAIR) and the split candidate sort
     for bound_pass, pair, split in [(False, False, False), (True, True, True), (False, True, True), (True, False, False)]:
         it.BOUND_IN_SELECTION = bound_pass
         score_cfg.update(PAIR=pair)
