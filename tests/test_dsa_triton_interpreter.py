@@ -96,12 +96,14 @@ SCRIPT = textwrap.dedent(
 
     score_cfg, select_cfg = it._pool_scores_kernel.configs[0].kwargs, it._select_kernel.configs[0].kwargs
     # every source of the selection bound (the score kernel's column maxima or the selection's
-    # own first pass), paired head products (PAIR) and the split candidate sort
-    for bound_pass, pair, split in [(False, False, False), (True, True, True), (False, True, True), (True, False, False)]:
+    # own first pass), paired head products (PAIR), the split candidate sort and every way a
+    # candidate gets its slot (COMPACT)
+    for bound_pass, pair, split, compact in [(False, False, False, "atomic"), (True, True, True, "scan"),
+                                             (False, True, True, "scan"), (True, False, False, "relaxed")]:
         it.BOUND_IN_SELECTION = bound_pass
         score_cfg.update(PAIR=pair)
-        select_cfg.update(SPLIT_SORT=split, LOOP_STAGES=2 if split else 1)
-        check_indexer(bound_pass, pair, split)
+        select_cfg.update(SPLIT_SORT=split, LOOP_STAGES=2 if split else 1, COMPACT=compact)
+        check_indexer(bound_pass, pair, split, compact)
     print("TRITON_INTERPRETER_OK")
     """
 )

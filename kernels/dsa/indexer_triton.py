@@ -118,7 +118,7 @@ def _pool_scores_kernel(
                  mask=mask_m[:, None])
 
 
-SELECT_CONFIGS = [triton.Config({"CHUNK": c, "SPLIT_SORT": True, "LOOP_STAGES": st}, num_warps=4)
+SELECT_CONFIGS = [triton.Config({"CHUNK": c, "SPLIT_SORT": True, "LOOP_STAGES": st, "COMPACT": "atomic"}, num_warps=4)
                   for c, st in [(512, 3), (1024, 3), (1024, 2), (2048, 1), (4096, 1)]]
 """Autotuned configurations of :func:`_select_kernel`. The kernel is latency-bound (a load, an
 atomic and a store per chunk, serially): small chunks keep few registers (64-80 at 1024-2048 vs
@@ -145,6 +145,7 @@ def _select_kernel(
     n_rows, n_cols, p_lo, size_class,
     N_SELECT: tl.constexpr, N_COLUMNS: tl.constexpr, CAPACITY: tl.constexpr,
     CHUNK: tl.constexpr, SPLIT_SORT: tl.constexpr, LOOP_STAGES: tl.constexpr, BOUND_PASS: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):
     """Per score row: a lower bound on its n_select-th value, the composite keys above it,
     and the decoded pool indices of the best ``N_SELECT`` (-1 where fewer are visible).
@@ -153,14 +154,17 @@ def _select_kernel(
     (written by :func:`_pool_scores_kernel`): it is met by ``N_SELECT`` entries of distinct
     groups, so it bounds the row's ``N_SELECT``-th value from below; with ``N_COLUMNS >=
     4 * N_SELECT`` it is close to it (about ``N_SELECT * (1 + N_SELECT / (2 N_COLUMNS))``
-    entries pass for random scores). Passing entries take a slot with an atomic increment of
-    the row's counter (no scan over the row) and are written as composite int64 keys to a
+    entries pass for random scores). Passing entries take a slot (``COMPACT``) and are written as composite int64 keys to a
     ``CAPACITY``-slot scratch row; the sort in registers makes the order exact and
     deterministic (tie rule: lower pool index first). ``COUNT`` gets the number that passed:
     rows above ``CAPACITY`` are redone by the caller. ``SPLIT_SORT``: rows with at most
     ``CAPACITY / 2`` candidates (nearly all) sort half as many keys. ``BOUND_PASS``: the column
     maxima (group ``c mod N_COLUMNS``) come from a first read of the row here instead of from
     the score kernel (``COLMAX`` unused; ``CHUNK`` must be a multiple of ``N_COLUMNS``).
+    ``COMPACT``: how a passing entry gets its slot: ``"atomic"`` (v7: an acquire-release atomic
+    increment, a memory round trip the next store waits on), ``"relaxed"`` (the same, relaxed),
+    ``"scan"`` (no atomics: kept so far plus a prefix sum over the chunk; ``COUNT`` is written
+    once at the end).
     """
     row = tl.program_id(0).to(tl.int64)
     b = row // n_rows
@@ -181,17 +185,27 @@ def _select_kernel(
     slots = SLOTS + row * CAPACITY
     count_ptr = COUNT + b * stride_nb + t
     counter = count_ptr + tl.zeros([CHUNK], tl.int32)
+    n_kept = 0
     for c0 in tl.range(0, n_cols, CHUNK, num_stages=LOOP_STAGES):
         offs = c0 + flat
         vals = tl.load(base + offs, mask=offs < n_cols, other=float("-inf"))
         keep = (vals >= bound) & (vals > float("-inf"))
-        pos = tl.atomic_add(counter, 1, mask=keep)
+        if COMPACT == "scan":   # slot = kept so far + rank among this chunk's kept entries
+            kept = keep.to(tl.int32)
+            pos = n_kept + tl.cumsum(kept, axis=0) - 1
+            n_kept += tl.sum(kept, axis=0)
+        elif COMPACT == "relaxed":
+            pos = tl.atomic_add(counter, 1, mask=keep, sem="relaxed")
+        else:
+            pos = tl.atomic_add(counter, 1, mask=keep)
         vals = tl.where(vals == 0.0, 0.0, vals)  # -0.0 -> +0.0: equal scores get equal keys
         bits = vals.to(tl.int32, bitcast=True).to(tl.int64)
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
         key = (ordered << 32) | (4294967295 - (p_lo + offs).to(tl.int64))
         tl.store(slots + pos, key, mask=keep & (pos < CAPACITY))
-    # other threads' slot writes and counter increments must be visible to this one's loads
+    if COMPACT == "scan":
+        tl.store(count_ptr, n_kept)
+    # other threads' slot writes (and counter increments) must be visible to this one's loads
     tl.debug_barrier()
     count = tl.load(count_ptr)
     out = OUT + b * stride_ob + t * stride_ot

@@ -45,16 +45,21 @@ ROWS, POOLS, DEVICE = 8192, 65536, "cuda"
 REPORTED: list[dict] = []   # every row printed, in order
 N_SELECT = TOPK // KPOOL
 # (BLOCK_M, BLOCK_N, warps, stages, MAXIMA, PAIR): the tile the autotuner chose in v5/v6b with
-# and without maxima and pairing, and one other tile
+# and without maxima and pairing, and one warpgroup per 64-query tile (two CTAs per SM at 255
+# registers, tests/benchmarks/sm90_resources.py: one CTA's ReLU-weighted epilogue can run beside
+# the other's MMA; PAIR with 2 stages to fit two CTAs' shared memory)
 SCORE_VARIANTS = {
-    "full": [(128, 128, 8, 3, m, p) for m in (True, False) for p in (False, True)] + [(64, 256, 8, 3, True, False)],
+    "full": [(128, 128, 8, 3, m, p) for m in (True, False) for p in (False, True)] + [
+        (64, 128, 4, st, m, p) for m in (True, False) for st, p in [(3, False), (2, True)]],
     "small": [(128, 128, 8, 3, m, p) for m in (True, False) for p in (False, True)] + [(64, 128, 4, 3, True, False)],
 }
-# (CHUNK, warps, SPLIT_SORT, LOOP_STAGES, BOUND_PASS)
-SELECT_VARIANTS = [(4096, 4, False, 1, False), (2048, 4, True, 1, False), (1024, 4, True, 3, False),
-                   (512, 4, True, 3, False), (1024, 4, True, 2, False)] + [
-                  (c, 4, True, st, True) for c, st in [(512, 3), (1024, 3), (1024, 4), (2048, 2), (2048, 3)]]
-QUICK_SCORE_VARIANTS = [(128, 128, 8, 3, m, p) for m in (True, False) for p in (False, True)]
+QUICK_SCORE_VARIANTS = [(128, 128, 8, 3, m, True) for m in (True, False)] + [
+    (64, 128, 4, st, m, p) for m in (True, False) for st, p in [(3, False), (2, True)]]
+# (CHUNK, warps, SPLIT_SORT, LOOP_STAGES, BOUND_PASS, COMPACT)
+SELECT_VARIANTS = [(4096, 4, False, 1, False, "atomic"), (1024, 4, True, 3, False, "atomic"),
+                   (512, 4, True, 3, False, "atomic")] + [
+                  (c, 4, True, st, bound, compact) for compact in ("relaxed", "scan") for bound in (False, True)
+                  for c, st in [(512, 3), (1024, 3), (2048, 3)]]
 
 
 def cuda_ms(fn, reps: int = 5) -> float:
@@ -100,7 +105,7 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
 
     first = best[False]
     variants = {"v6b": (False, (dict(first[2], PAIR=False), first[3], first[4]),
-                        (dict(CHUNK=4096, SPLIT_SORT=False, LOOP_STAGES=1), 4), "torch")}
+                        (dict(CHUNK=4096, SPLIT_SORT=False, LOOP_STAGES=1, COMPACT="atomic"), 4), "torch")}
     for bound_pass, name in [(False, "v7"), (True, "v8")]:
         if bound_pass in best and bound_pass in best_sel:
             variants[name] = (bound_pass, best[bound_pass][2:], best_sel[bound_pass][2:], "triton")
@@ -255,18 +260,20 @@ def main() -> None:
         selected = torch.empty(1, ROWS, N_SELECT, dtype=torch.long, device=DEVICE)
         read_gb = ROWS * POOLS * 4 / 1e9
         best_sel = {}
-        for chunk, warps, split, loop_stages, bound_pass in SELECT_VARIANTS:
+        for chunk, warps, split, loop_stages, bound_pass, compact in SELECT_VARIANTS:
                     name = (f"select CHUNK={chunk} w{warps} SPLIT_SORT={int(split)} LOOP_STAGES={loop_stages} "
-                            f"BOUND_PASS={int(bound_pass)}")
+                            f"BOUND_PASS={int(bound_pass)} COMPACT={compact}")
 
-                    def run_sel(chunk=chunk, warps=warps, split=split, loop_stages=loop_stages, bound_pass=bound_pass):
+                    def run_sel(chunk=chunk, warps=warps, split=split, loop_stages=loop_stages, bound_pass=bound_pass,
+                                compact=compact):
                         counts.zero_()
                         it._select_kernel.fn[(ROWS,)](
                             ref_scores, col_ref, counts, slots, selected,
                             ref_scores.stride(0), ref_scores.stride(1), col_ref.stride(0), col_ref.stride(1),
                             counts.stride(0), selected.stride(0), selected.stride(1), ROWS, POOLS, 0, size_class,
                             N_SELECT=N_SELECT, N_COLUMNS=columns, CAPACITY=capacity, CHUNK=chunk,
-                            SPLIT_SORT=split, LOOP_STAGES=loop_stages, BOUND_PASS=bound_pass, num_warps=warps)
+                            SPLIT_SORT=split, LOOP_STAGES=loop_stages, BOUND_PASS=bound_pass, COMPACT=compact,
+                            num_warps=warps)
                     try:
                         selected.fill_(-7)
                         run_sel()
@@ -279,7 +286,7 @@ def main() -> None:
                                    candidates_max=int(counts.max()))
                         if ok and (bound_pass not in best_sel or ms < best_sel[bound_pass][0]):
                             best_sel[bound_pass] = (ms, name, dict(CHUNK=chunk, SPLIT_SORT=split,
-                                                                   LOOP_STAGES=loop_stages), warps)
+                                                                   LOOP_STAGES=loop_stages, COMPACT=compact), warps)
                     except Exception as err:
                         row = dict(shape=shape, kernel=name, error=repr(err)[:400])
                     report(row)

@@ -1,0 +1,119 @@
+"""Registers, shared memory and resident CTAs per SM of the lightning-indexer kernels on sm_90, without a GPU.
+
+    python tests/benchmarks/sm90_resources.py [--shape full]
+
+Compiles :mod:`kernels.dsa.indexer_triton`'s score, selection and expansion kernels for
+``GPUTarget("cuda", 90, 32)`` (Triton's front end and ptxas run on the CPU) for every
+autotuned configuration and prints a table: registers per thread and shared memory per CTA
+(``cuobjdump --dump-resource-usage`` of the cubin), local-memory spills, and the CTAs one H100/H200
+SM can hold (65,536 registers, 227 KiB of shared memory, 64 warps, 32 CTAs). It also catches compile
+errors the interpreter (``TRITON_INTERPRET=1``) accepts. Used to predict kernel variants before
+spending device time on them (kernels/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.autotuner import Autotuner
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import kernels.dsa.indexer_triton as it  # noqa: E402
+from dsa_bench import KPOOL, SHAPES, TOPK  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+SM_REGISTERS, SM_SHARED, SM_WARPS, SM_CTAS = 65536, 227 * 1024, 64, 32
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def compile_sm90(kernel, signature: dict, constexprs: dict, warps: int, stages: int = 3,
+                 unaligned: tuple[str, ...] = ("n_q", "n_pools", "p_lo", "size_class", "n_rows", "n_cols", "n_select")):
+    """``triton.compile`` of ``kernel`` (a ``@triton.jit`` function or an autotuner over one) for sm_90.
+
+    Like the launcher's specialization, pointers and integer arguments other than ``unaligned``
+    are taken as divisible by 16 (``tt.divisibility``): without it no load is vectorized or
+    pipelined (``cp.async``) and the registers and shared memory differ from the GPU's."""
+    fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
+    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
+               if n not in unaligned and t != "constexpr"}
+    src = ASTSource(fn=fn, signature=dict(signature, **{k: "constexpr" for k in constexprs}), constexprs=constexprs,
+                    attrs=aligned)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
+
+
+def resources(compiled, warps: int) -> dict:
+    """Registers per thread, shared bytes per CTA, spill stores and resident CTAs per SM of a compiled kernel."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        text = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    regs = int(re.search(r"REG:(\d+)", text).group(1))
+    shared = max(int(re.search(r"SHARED:(\d+)", text).group(1)), compiled.metadata.shared)
+    # registers are allocated per warp in units of 256
+    per_warp = -(-regs * 32 // 256) * 256
+    ctas = min(SM_REGISTERS // (per_warp * warps), SM_SHARED // max(shared, 1), SM_WARPS // warps, SM_CTAS)
+    spills = len(re.findall(r"\bst\.local", compiled.asm["ptx"]))
+    return dict(registers=regs, shared_kib=shared / 1024, local_stores=spills, ctas_per_sm=ctas,
+                warps_per_sm=ctas * warps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="full", choices=list(SHAPES))
+    args = parser.parse_args()
+    h, d = SHAPES[args.shape]["index_heads"], SHAPES[args.shape]["index_dim"]
+    n_select = TOPK // KPOOL
+    columns, capacity = it._n_columns(n_select), it._capacity(n_select)
+    rows = []
+    score_sig = dict(zip(
+        ["Q", "PK", "W", "OUT", "COLMAX", "POOL_END", "POOL_DOC", "Q_POS", "Q_DOC"],
+        ["*bf16", "*bf16", "*fp32", "*fp32", "*fp32", "*i64", "*i64", "*i64", "*i64"]))
+    score_sig.update({n: "i64" for n in ["stride_qb", "stride_qt", "stride_qh", "stride_pb", "stride_pp",
+                                          "stride_wb", "stride_wt", "stride_ob", "stride_ot", "stride_cb", "stride_ct"]})
+    score_sig.update({n: "i32" for n in ["n_q", "n_pools", "p_lo", "size_class"]})
+    for config in it.SCORE_CONFIGS:
+        for maxima in (True, False):
+            kw = dict(config.kwargs, H=h, D=d, N_COLUMNS=columns, GROUP_N=it.GROUP_N, MAXIMA=maxima)
+            name = "scores " + " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in config.kwargs.items())
+            name += f" MAXIMA={int(maxima)} w{config.num_warps} s{config.num_stages}"
+            rows.append((name, compile_sm90(it._pool_scores_kernel, score_sig, kw, config.num_warps,
+                                            config.num_stages), config.num_warps))
+    select_sig = dict(zip(["S", "COLMAX", "COUNT", "SLOTS", "OUT"], ["*fp32", "*fp32", "*i32", "*i64", "*i64"]))
+    select_sig.update({n: "i64" for n in ["stride_sb", "stride_st", "stride_cb", "stride_ct", "stride_nb",
+                                           "stride_ob", "stride_ot"]})
+    select_sig.update({n: "i32" for n in ["n_rows", "n_cols", "p_lo", "size_class"]})
+    for config in it.SELECT_CONFIGS:
+        for bound_pass in (False, True):
+            kw = dict(config.kwargs, N_SELECT=n_select, N_COLUMNS=columns, CAPACITY=capacity, BOUND_PASS=bound_pass)
+            name = f"select CHUNK={config.kwargs['CHUNK']} LOOP_STAGES={config.kwargs['LOOP_STAGES']} " \
+                   f"BOUND_PASS={int(bound_pass)} w{config.num_warps}"
+            rows.append((name, compile_sm90(it._select_kernel, select_sig, kw, config.num_warps), config.num_warps))
+    expand_sig = dict(zip(["POOLS", "START", "Q_POS", "Q_DOC_START", "OUT"], ["*i64", "*i64", "*i64", "*i64", "*i32"]))
+    expand_sig.update({n: "i64" for n in ["stride_pb", "stride_pt", "stride_ob", "stride_ot"]})
+    expand_sig.update(n_q="i32", n_select="i32")
+    kw = dict(KPOOL=KPOOL, KPOOL_P2=triton.next_power_of_2(KPOOL), SELECT_P2=triton.next_power_of_2(n_select),
+              TAIL=True, BLOCK_T=2)
+    rows.append(("expand BLOCK_T=2 w4", compile_sm90(it._expand_kernel, expand_sig, kw, 4), 4))
+    print(f"| kernel ({args.shape}: {h} heads x {d}) | registers | shared KiB | st.local | CTAs/SM | warps/SM |")
+    print("|---|---|---|---|---|---|")
+    for name, compiled, warps in rows:
+        r = resources(compiled, warps)
+        print(f"| {name} | {r['registers']} | {r['shared_kib']:.0f} | {r['local_stores']} | {r['ctas_per_sm']} | "
+              f"{r['warps_per_sm']} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
