@@ -59,7 +59,7 @@ QUICK_SCORE_VARIANTS = [(128, 128, 8, 3, m, True) for m in (True, False)] + [
 SELECT_VARIANTS = [(4096, 4, False, 1, False, "atomic"), (1024, 4, True, 3, False, "atomic"),
                    (512, 4, True, 3, False, "atomic")] + [
                   (c, 4, True, st, bound, compact) for compact in ("relaxed", "scan") for bound in (False, True)
-                  for c, st in [(512, 3), (1024, 3), (2048, 3)]]
+                  for c, st in [(512, 3), (1024, 3), (2048, 3)]] + [(512, 2, True, 3, False, "scan")]
 
 
 def cuda_ms(fn, reps: int = 5) -> float:
