@@ -17,7 +17,8 @@ megatron's ``TransformerLayer`` (its residual is one ``[s, b, h]`` tensor), so
   in ``recompute_modules`` checkpoints the MLP/MoE only;
 * activation offload: ``cpu_offloading=True`` saves the activations of the first
   ``cpu_offloading_num_layers`` layers to pinned host memory (:class:`model.offload.OffloadActivations`,
-  one host copy per saved storage);
+  one host copy per saved storage; on a GPU the copies run on a copy stream and each offloaded layer
+  prefetches the one before in backward, :class:`model.offload.OffloadChain`);
 * sequence-chunked MLP/MoE: ``mlp_chunk_tokens > 0`` runs the MLP/MoE (router and dispatch
   included) on chunks of that many tokens, which bounds the dispatch buffers at 1M tokens and
   balances expert load per chunk.
@@ -48,7 +49,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from model.config import DSA, Glm5NextConfig
 from model.layers import DSAMixer, HyperConnection, KDAMixer, RMSNorm, _init_normal
-from model.offload import OffloadActivations
+from model.offload import OffloadChain
 
 __all__ = ["Glm5NextLayerSubmodules", "Glm5NextLayer", "Glm5NextModel", "layer_spec", "build_model", "mlp_recomputed"]
 
@@ -169,10 +170,10 @@ class Glm5NextModel(MegatronModule):
                                                  bias=False, gather_output=False)
         self.logits_chunk_tokens = logits_chunk_tokens
 
-    def _layer_call(self, layer: Glm5NextLayer, streams, topk, cu_seqlens):
+    def _layer_call(self, layer: Glm5NextLayer, streams, topk, cu_seqlens, offload: OffloadChain | None = None):
         c = self.config
-        offload = c.cpu_offloading and layer.layer_number <= c.cpu_offloading_num_layers
-        ctx = OffloadActivations() if offload else contextlib.nullcontext()
+        offloaded = offload is not None and layer.layer_number <= c.cpu_offloading_num_layers
+        ctx = offload.context() if offloaded else contextlib.nullcontext()
         with ctx:
             if c.recompute_granularity == "full" and self.training:
                 return tensor_parallel.checkpoint(
@@ -185,8 +186,10 @@ class Glm5NextModel(MegatronModule):
         x = self.embedding(input_ids).transpose(0, 1)  # [s, b, h]
         streams = x.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         topk = None
+        # one copy stream per forward; each offloaded layer prefetches the one before in backward
+        offload = OffloadChain() if self.config.cpu_offloading and torch.is_grad_enabled() else None
         for layer in self.layers:
-            streams, topk = self._layer_call(layer, streams, topk, cu_seqlens)
+            streams, topk = self._layer_call(layer, streams, topk, cu_seqlens, offload)
         return self.final_norm(streams.mean(dim=2))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -138,3 +138,80 @@ def test_the_cache_is_emptied_when_the_block_exits():
         (h @ h).sum() + (rows * rows).sum()
         assert len(offload._storages) == 1 and len(offload._slices) == 1
     assert len(offload._storages) == 0 and len(offload._slices) == 0
+
+
+def test_a_chain_prefetches_the_previous_layer_at_the_first_unpack_and_releases_every_reload(monkeypatch):
+    # Three offloaded "layers" in one chain. In backward (reverse order) the first unpack of layer
+    # 3 must start the reload of layer 2's copies, and layer 2's that of layer 1's; layer 1 has
+    # none before it. On CPU the prefetch itself (a CUDA copy stream) is recorded instead of run:
+    # the contexts are given a stand-in stream, which a CPU tensor's copy never touches.
+    from model import offload as offload_module
+
+    chain = offload_module.OffloadChain(asynchronous=False)
+    chain.stream = object()
+    events = []
+    monkeypatch.setattr(offload_module._HostCopy, "prefetch",
+                        lambda copy, device, stream: events.append(("prefetch", owner[id(copy)])))
+    owner = {}
+    contexts = []
+
+    def layer(x, w, number):
+        ctx = chain.context()
+        contexts.append(ctx)
+        with ctx:
+            h = torch.tanh(x @ w)        # saves x, w and h (tanh's output)
+            out = h * 2 + x
+        for copy in ctx._copies:
+            owner[id(copy)] = number
+        return out
+
+    def fn(x, w1, w2, w3):
+        hooks = []
+        y = x
+        for number, w in enumerate((w1, w2, w3), start=1):
+            y = layer(y, w, number)
+            hooks.append(y.register_hook(lambda g, n=number: events.append(("grad out", n)) or g))
+        return y.sum()
+
+    shapes = [(16, 8), (8, 8), (8, 8), (8, 8)]
+    grads = _grads(fn, shapes)
+    _assert_equal(grads, _grads(fn, shapes))   # second run: a fresh chain, no offload of note
+    first_run = events[:events.index(("grad out", 1)) + 1] if ("grad out", 1) in events else events
+    prefetches = [e for e in first_run if e[0] == "prefetch"]
+    # every copy of layer 2 prefetched once after layer 3's backward began, then layer 1's
+    assert [n for _, n in prefetches] == [2] * len(contexts[1]._copies) + [1] * len(contexts[0]._copies)
+    assert first_run.index(("grad out", 3)) < first_run.index(prefetches[0])
+    # each reloaded tensor is released after its last use: no device copy outlives the backward
+    assert all(c.uses == 0 and c.device_copy is None for ctx in contexts[:3] for c in ctx._copies)
+
+
+def test_every_saved_view_of_a_storage_is_reloaded_from_one_device_copy():
+    # h is saved by two ops, the second time as its transpose: one host copy with two uses,
+    # reloaded once (the second unpack reuses the device copy), released after the last use.
+    def fn(x, w1, w2):
+        h = x * 2
+        return (h @ w1).sum() + (w2.t() @ h.t()).sum()
+
+    shapes = [(64, 32), (32, 16), (32, 16)]
+    offload = CountingOffload()
+    reloads = []
+    original = offload_module_host_copy().to_device
+
+    def counting_to_device(copy, device):
+        reloads.append(copy.device_copy is None)   # True: copied from the host now
+        return original(copy, device)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(offload_module_host_copy(), "to_device", counting_to_device)
+        grads = _grads(fn, shapes, offload)
+    (copy_of_h,) = [c for c in offload._copies if c.host.shape == (64 * 32 * F32,)]
+    assert copy_of_h.uses == 0 and copy_of_h.device_copy is None
+    # x*2 saves nothing; the two matmuls save h twice, w1 and w2 once each: 4 unpacks, 3 host reads
+    assert len(reloads) == 4 and sum(reloads) == 3
+    _assert_equal(grads, _grads(fn, shapes))
+
+
+def offload_module_host_copy():
+    from model.offload import _HostCopy
+
+    return _HostCopy

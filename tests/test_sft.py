@@ -345,7 +345,7 @@ def test_flyte_task_runs_two_elastic_ranks_and_returns_export_not_checkpoint(sha
 
 MEMORY_KNOBS_SCRIPT = r"""
 import json, sys
-import model.glm5_next
+import model.offload
 from model.offload import OffloadActivations
 from tasks.sft import SFTConfig, train
 
@@ -357,7 +357,7 @@ class CountingOffload(OffloadActivations):
         offloaded[-1] += tensor.numel() * tensor.element_size()
         return super()._copy_to_host(tensor, pin)
 
-model.glm5_next.OffloadActivations = CountingOffload
+model.offload.OffloadActivations = CountingOffload   # what OffloadChain.context() builds
 base = json.loads(sys.argv[2])
 results = {}
 for name, knobs in [("plain", {}), ("selective_recompute", {"recompute": "selective", "recompute_modules": ("mlp",)}),
