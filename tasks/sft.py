@@ -433,6 +433,7 @@ def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int, devi
     tokens = cfg.seq_len // cp
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     device_acts, host_acts, layer_work, mlp_work, reload_work, pinned_exact = 0, 0, 0, 0, 0, 0
+    offloaded_layer = 0   # the largest offloaded layer's saved bytes per token
     for i in range(mcfg.num_layers):
         part = activation_bytes_per_token(mcfg, i, tp, width, on_gpu, cp)
         # the workspace unit is the layer without the CP state pass, the one its in-flight factors
@@ -456,6 +457,7 @@ def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int, devi
         mlp_work = max(mlp_work, part["mlp"])
         if i < cfg.offload_layers:
             host_acts += kept
+            offloaded_layer = max(offloaded_layer, kept)
         else:
             device_acts += kept
     activations = int(device_acts * tokens)
@@ -468,9 +470,13 @@ def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int, devi
     # layer with its gradients (+2; 2.8 measured at 256k full recompute); plus one MLP chunk and
     # one float32 logits chunk. Under full recompute an offloaded layer reloads only its inputs
     # (``reload_work``) before its forward is recomputed on the device.
+    # On a GPU the offloaded layers' copies run on a copy stream (model.offload.OffloadChain) and
+    # each offloaded layer's backward prefetches the one before: one more offloaded layer's saved
+    # tensors on the device while a layer is in backward.
     offload_reload = 0.75 if cfg.offload_layers and cfg.recompute != "full" else 0
+    prefetch = offloaded_layer if on_gpu and cfg.offload_layers > 1 else 0
     layers_in_flight = 1 + (2 if cfg.recompute == "full" else 0) + offload_reload
-    workspace = int(layers_in_flight * layer_work * tokens + reload_work * tokens + mlp_work * mlp_tokens
+    workspace = int(layers_in_flight * layer_work * tokens + (reload_work + prefetch) * tokens + mlp_work * mlp_tokens
                     + chunk * mcfg.vocab_size / tp * 4 * 3)
     reserve = int(ALLOCATOR_RESERVE * (weights + grads + optimizer + activations + workspace))
     device_total = weights + grads + optimizer + activations + workspace + reserve

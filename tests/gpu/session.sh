@@ -7,7 +7,8 @@
 # .whl holds the fla-core 0.6.0, megatron-core 0.19.2 (cp312) and transformers 5.19.0 wheels.
 # Parts: actbytes (saved bytes per token vs the memory plan), model (tests/gpu/model_small.py),
 # sft (tests/gpu/sft_small.py with $SFT_CONFIGS), model_check (model_small.py's bf16-vs-CPU check
-# only), dsacheck (tests/gpu/dsa_check.py: correctness, CP over every GPU pair/quad), indexer
+# only), offload (tests/gpu/offload_check.py: activation offload on/off the copy stream, same
+# gradients), dsacheck (tests/gpu/dsa_check.py: correctness, CP over every GPU pair/quad), indexer
 # (tests/benchmarks/indexer_versions.py against $INDEXER_ANCHOR, default .bench/indexer_v5.py,
 # carried: an earlier kernels/dsa/indexer_triton.py), variants (tests/benchmarks/indexer_score_variants.py),
 # dsa (dsa_check.py + dsa_bench.py).
@@ -52,6 +53,7 @@ part sft "${T_SFT:-360}" python3 -m torch.distributed.run --nproc-per-node "${SF
   --configs ${SFT_CONFIGS:-64k 256k-sel-off4 256k-sel 256k-full 512k-full}
 part model_check "${T_MODEL:-150}" python3 tests/gpu/model_small.py --seq --check-seq 2048 \
   --out "$OUT/model_check.json"
+part offload "${T_OFFLOAD:-120}" python3 tests/gpu/offload_check.py --out "$OUT/offload_check.json"
 part dsacheck "${T_DSA:-200}" python3 tests/gpu/dsa_check.py --out "$OUT/dsa_check.json"
 part indexer "${T_INDEXER:-170}" python3 tests/benchmarks/indexer_versions.py --anchor "${INDEXER_ANCHOR:-.bench/indexer_v5.py}" \
   --seq-lens ${INDEXER_SEQ:-1048576 262144} --shapes ${INDEXER_SHAPES:-full small} --out "$OUT/indexer_versions.json"
