@@ -98,8 +98,8 @@ SCRIPT = textwrap.dedent(
     # every source of the selection bound (the score kernel's column maxima or the selection's
     # own first pass), paired head products (PAIR), the split candidate sort and every way a
     # candidate gets its slot (COMPACT)
-    for bound_pass, pair, split, compact in [(False, False, False, "atomic"), (True, True, True, "scan"),
-                                             (False, True, True, "scan"), (True, False, False, "relaxed")]:
+    for bound_pass, pair, split, compact in [(False, False, False, "atomic"), (True, True, True, "relaxed"),
+                                             (False, True, True, "relaxed"), (True, False, False, "atomic")]:
         it.BOUND_IN_SELECTION = bound_pass
         score_cfg.update(PAIR=pair)
         select_cfg.update(SPLIT_SORT=split, LOOP_STAGES=2 if split else 1, COMPACT=compact)

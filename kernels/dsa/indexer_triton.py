@@ -118,12 +118,13 @@ def _pool_scores_kernel(
                  mask=mask_m[:, None])
 
 
-SELECT_CONFIGS = [triton.Config({"CHUNK": c, "SPLIT_SORT": True, "LOOP_STAGES": st, "COMPACT": "atomic"}, num_warps=4)
-                  for c, st in [(512, 3), (1024, 3), (1024, 2), (2048, 1), (4096, 1)]]
+SELECT_CONFIGS = [triton.Config({"CHUNK": c, "SPLIT_SORT": True, "LOOP_STAGES": st, "COMPACT": "relaxed"}, num_warps=4)
+                  for c, st in [(512, 3), (1024, 3), (2048, 3), (2048, 1), (4096, 1)]]
 """Autotuned configurations of :func:`_select_kernel`. The kernel is latency-bound (a load, an
 atomic and a store per chunk, serially): small chunks keep few registers (64-80 at 1024-2048 vs
 151 at 8192: more programs per SM) and pipelined loads overlap the chain; at 65,536 pools
-CHUNK 1024 with 3 stages took 1.17 ms per 8192 rows against 1.51 for v6b's 4096 (kernels/NOTES.md, v7)."""
+CHUNK 1024 with 3 stages took 1.17 ms per 8192 rows against 1.51 for v6b's 4096 (kernels/NOTES.md, v7),
+and 0.90 ms with relaxed slot atomics (v9; a prefix sum instead of atomics took 1.67)."""
 
 
 @triton.jit
@@ -161,10 +162,9 @@ def _select_kernel(
     ``CAPACITY / 2`` candidates (nearly all) sort half as many keys. ``BOUND_PASS``: the column
     maxima (group ``c mod N_COLUMNS``) come from a first read of the row here instead of from
     the score kernel (``COLMAX`` unused; ``CHUNK`` must be a multiple of ``N_COLUMNS``).
-    ``COMPACT``: how a passing entry gets its slot: ``"atomic"`` (v7: an acquire-release atomic
-    increment, a memory round trip the next store waits on), ``"relaxed"`` (the same, relaxed),
-    ``"scan"`` (no atomics: kept so far plus a prefix sum over the chunk; ``COUNT`` is written
-    once at the end).
+    ``COMPACT``: the slot's atomic increment, ``"relaxed"`` (no ordering: the barrier before the
+    sort publishes the slots) or ``"atomic"`` (v7's acquire-release, 29% slower at 65,536 pools:
+    kernels/NOTES.md, v9).
     """
     row = tl.program_id(0).to(tl.int64)
     b = row // n_rows
@@ -185,16 +185,11 @@ def _select_kernel(
     slots = SLOTS + row * CAPACITY
     count_ptr = COUNT + b * stride_nb + t
     counter = count_ptr + tl.zeros([CHUNK], tl.int32)
-    n_kept = 0
     for c0 in tl.range(0, n_cols, CHUNK, num_stages=LOOP_STAGES):
         offs = c0 + flat
         vals = tl.load(base + offs, mask=offs < n_cols, other=float("-inf"))
         keep = (vals >= bound) & (vals > float("-inf"))
-        if COMPACT == "scan":   # slot = kept so far + rank among this chunk's kept entries
-            kept = keep.to(tl.int32)
-            pos = n_kept + tl.cumsum(kept, axis=0) - 1
-            n_kept += tl.sum(kept, axis=0)
-        elif COMPACT == "relaxed":
+        if COMPACT == "relaxed":
             pos = tl.atomic_add(counter, 1, mask=keep, sem="relaxed")
         else:
             pos = tl.atomic_add(counter, 1, mask=keep)
@@ -203,9 +198,7 @@ def _select_kernel(
         ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
         key = (ordered << 32) | (4294967295 - (p_lo + offs).to(tl.int64))
         tl.store(slots + pos, key, mask=keep & (pos < CAPACITY))
-    if COMPACT == "scan":
-        tl.store(count_ptr, n_kept)
-    # other threads' slot writes (and counter increments) must be visible to this one's loads
+    # other threads' slot writes and counter increments must be visible to this one's loads
     tl.debug_barrier()
     count = tl.load(count_ptr)
     out = OUT + b * stride_ob + t * stride_ot

@@ -53,13 +53,11 @@ SCORE_VARIANTS = {
         (64, 128, 4, st, m, p) for m in (True, False) for st, p in [(3, False), (2, True)]],
     "small": [(128, 128, 8, 3, m, p) for m in (True, False) for p in (False, True)] + [(64, 128, 4, 3, True, False)],
 }
-QUICK_SCORE_VARIANTS = [(128, 128, 8, 3, m, True) for m in (True, False)] + [
-    (64, 128, 4, st, m, p) for m in (True, False) for st, p in [(3, False), (2, True)]]
+QUICK_SCORE_VARIANTS = [(128, 128, 8, 3, m, True) for m in (True, False)]
 # (CHUNK, warps, SPLIT_SORT, LOOP_STAGES, BOUND_PASS, COMPACT)
-SELECT_VARIANTS = [(4096, 4, False, 1, False, "atomic"), (1024, 4, True, 3, False, "atomic"),
-                   (512, 4, True, 3, False, "atomic")] + [
-                  (c, 4, True, st, bound, compact) for compact in ("relaxed", "scan") for bound in (False, True)
-                  for c, st in [(512, 3), (1024, 3), (2048, 3)]] + [(512, 2, True, 3, False, "scan")]
+SELECT_VARIANTS = [(4096, 4, False, 1, False, "atomic"), (1024, 4, True, 3, False, "atomic")] + [
+                  (c, 4, True, st, bound, "relaxed") for bound in (False, True)
+                  for c, st in [(512, 3), (1024, 3), (1024, 4), (2048, 3)]]
 
 
 def cuda_ms(fn, reps: int = 5) -> float:
@@ -92,12 +90,12 @@ def group_maxima(scores: torch.Tensor, block_n: int) -> torch.Tensor:
 def end_to_end(shape, best, best_sel, ceil, report) -> None:
     """:func:`kernels.dsa.lightning_indexer_topk` at 256k and 1M tokens, same run, same inputs, with
     the v6b kernels (the bound from the score kernel's maxima, no PAIR; selection CHUNK 4096, 4 warps,
-    no SPLIT_SORT, no loop pipelining; the torch expansion to token indices), the fastest variants
-    with the bound from the score kernel ("v7") and with the bound from the selection's own pass
-    ("v8"), both with the one-kernel expansion (``triton_expand_selection``), and the faster of
-    the two with the torch expansion. ``best``/``best_sel`` map the
-    bound's source (``False``: scores, ``True``: selection) to the fastest variant; all select
-    identical indices."""
+    no SPLIT_SORT, no loop pipelining, acquire-release slot atomics; the torch expansion to token
+    indices), v7 (the fastest score variant with maxima; selection CHUNK 1024, 3 stages, split sort,
+    acquire-release atomics) and the fastest variants with the bound from the score kernel ("v9")
+    and from the selection's own pass, with the one-kernel expansion (``triton_expand_selection``).
+    ``best``/``best_sel`` map the bound's source (``False``: scores, ``True``: selection) to the
+    fastest variant; all select identical indices."""
     from kernels.dsa import lightning_indexer_topk
 
     h, d = SHAPES[shape]["index_heads"], SHAPES[shape]["index_dim"]
@@ -105,12 +103,12 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
 
     first = best[False]
     variants = {"v6b": (False, (dict(first[2], PAIR=False), first[3], first[4]),
-                        (dict(CHUNK=4096, SPLIT_SORT=False, LOOP_STAGES=1, COMPACT="atomic"), 4), "torch")}
-    for bound_pass, name in [(False, "v7"), (True, "v8")]:
+                        (dict(CHUNK=4096, SPLIT_SORT=False, LOOP_STAGES=1, COMPACT="atomic"), 4), "torch"),
+                "v7": (False, first[2:], (dict(CHUNK=1024, SPLIT_SORT=True, LOOP_STAGES=3, COMPACT="atomic"), 4),
+                       "triton")}
+    for bound_pass, name in [(False, "v9"), (True, "v9, bound in selection")]:
         if bound_pass in best and bound_pass in best_sel:
             variants[name] = (bound_pass, best[bound_pass][2:], best_sel[bound_pass][2:], "triton")
-    faster = "v8" if "v8" in variants and best[True][0] + best_sel[True][0] < best[False][0] + best_sel[False][0] else "v7"
-    variants[f"{faster}, torch expansion"] = variants[faster][:3] + ("torch",)
     one_kernel = it.triton_expand_selection
     for seq_len in (262144, 1048576):
         gen = torch.Generator(device="cuda").manual_seed(seq_len)
@@ -128,7 +126,7 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
                 lambda pools, grid, n_q, q_offset, topk, tail: _expand_selection(pools, grid, n_q, q_offset, topk, tail))
             pin_configs(skw, sw, sst, selkw, selw)
             picked[name] = lightning_indexer_topk(q, k, g, ape, w, **kw).cpu()
-            t, peak = timed(lambda: lightning_indexer_topk(q, k, g, ape, w, **kw), 1 if seq_len > 262144 else 3)
+            t, peak = timed(lambda: lightning_indexer_topk(q, k, g, ape, w, **kw), 2 if seq_len > 262144 else 3)
             report(dict(shape=shape, seq_len=seq_len, end_to_end=name, seconds=t, peak_gib=peak,
                         pct_of_matmul=100 * flops / t / 1e12 / ceil["matmul_tflops"]))
         report(dict(shape=shape, seq_len=seq_len, identical=all(torch.equal(picked["v6b"], v) for v in picked.values())))
@@ -142,6 +140,24 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
     it.triton_expand_selection = one_kernel if expand == "triton" else it.triton_expand_selection
     pin_configs(skw, sw, sst, selkw, selw)
     report(dict(shape=shape, profiled_variant=fastest))
+
+
+def device_idle(prof) -> dict:
+    """Device busy and idle milliseconds of one profiled call: the kernels' union against the span
+    from the first kernel's start to the last one's end, and the five longest idle gaps with the
+    kernels on either side (host syncs and launch overhead show up here, not in kernel times)."""
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, gaps, reach = 0.0, [], kernels[0][0]
+    for start, end, name in kernels:
+        if start > reach:
+            gaps.append((start - reach, before, name))
+        busy += max(0.0, end - max(start, reach))
+        if end > reach:
+            reach, before = end, name
+    gaps.sort(reverse=True)
+    return dict(span_ms=(reach - kernels[0][0]) / 1e3, busy_ms=busy / 1e3, idle_ms=sum(g[0] for g in gaps) / 1e3,
+                idle_gaps=len(gaps), longest_gaps=[(round(g / 1e3, 3), a[:40], b[:40]) for g, a, b in gaps[:5]])
 
 
 def pin_configs(score_kw: dict, score_warps: int, score_stages: int, select_kw: dict, select_warps: int) -> None:
@@ -319,6 +335,10 @@ def main() -> None:
         events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
         for e in events[:14]:
             report(dict(profile="full 1M", kernel=e.key[:90], calls=e.count, ms=e.device_time_total / 1e3))
+        try:
+            report(dict(profile="full 1M", **device_idle(prof)))
+        except Exception as err:  # the kernel table above stands without it
+            report(dict(profile="full 1M", device_idle_error=repr(err)[:300]))
 
     for r in rows:
         if "end_to_end" in r:
