@@ -7,6 +7,7 @@ gradients come from the same computation without offload, or from the product ru
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import pytest
 import torch
@@ -161,8 +162,8 @@ def test_a_chain_prefetches_the_previous_layer_at_the_first_unpack_and_releases_
         with ctx:
             h = torch.tanh(x @ w)        # saves x, w and h (tanh's output)
             out = h * 2 + x
-        for copy in ctx._copies:
-            owner[id(copy)] = number
+        for ref in ctx._copies:
+            owner[id(ref())] = number
         return out
 
     def fn(x, w1, w2, w3):
@@ -174,15 +175,27 @@ def test_a_chain_prefetches_the_previous_layer_at_the_first_unpack_and_releases_
         return y.sum()
 
     shapes = [(16, 8), (8, 8), (8, 8), (8, 8)]
-    grads = _grads(fn, shapes)
-    _assert_equal(grads, _grads(fn, shapes))   # second run: a fresh chain, no offload of note
-    first_run = events[:events.index(("grad out", 1)) + 1] if ("grad out", 1) in events else events
+    leaves = [_leaf(*shape, seed=i) for i, shape in enumerate(shapes)]
+    gc.disable()   # the host copies must go with the graph, not wait for the cycle collector
+    try:
+        loss = fn(*leaves)
+        kept = [ref() for ctx in contexts for ref in ctx._copies]
+        # every copy of layer 3 has a pending use; keep them alive to inspect after the backward
+        loss.backward()
+        del loss
+        alive = [ref for ctx in contexts for ref in ctx._copies if ref() is not None]
+        assert len(alive) == len(kept)   # only the references held here
+        assert all(c.uses == 0 and c.device_copy is None for c in kept)   # every reload released
+        del kept
+        assert all(ref() is None for ctx in contexts for ref in ctx._copies)   # host memory freed
+    finally:
+        gc.enable()
+    _assert_equal([t.grad for t in leaves], _grads(fn, shapes))   # a second, fresh chain: same gradients
+    first_run = events[:events.index(("grad out", 1)) + 1]
     prefetches = [e for e in first_run if e[0] == "prefetch"]
     # every copy of layer 2 prefetched once after layer 3's backward began, then layer 1's
     assert [n for _, n in prefetches] == [2] * len(contexts[1]._copies) + [1] * len(contexts[0]._copies)
     assert first_run.index(("grad out", 3)) < first_run.index(prefetches[0])
-    # each reloaded tensor is released after its last use: no device copy outlives the backward
-    assert all(c.uses == 0 and c.device_copy is None for ctx in contexts[:3] for c in ctx._copies)
 
 
 def test_every_saved_view_of_a_storage_is_reloaded_from_one_device_copy():
@@ -204,10 +217,9 @@ def test_every_saved_view_of_a_storage_is_reloaded_from_one_device_copy():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(offload_module_host_copy(), "to_device", counting_to_device)
         grads = _grads(fn, shapes, offload)
-    (copy_of_h,) = [c for c in offload._copies if c.host.shape == (64 * 32 * F32,)]
-    assert copy_of_h.uses == 0 and copy_of_h.device_copy is None
     # x*2 saves nothing; the two matmuls save h twice, w1 and w2 once each: 4 unpacks, 3 host reads
     assert len(reloads) == 4 and sum(reloads) == 3
+    assert all(ref() is None for ref in offload._copies)   # freed with the graph
     _assert_equal(grads, _grads(fn, shapes))
 
 
