@@ -64,7 +64,7 @@ def _pool_scores_kernel(
     itself). The maxima fold in
     registers (``[BLOCK_M, GROUP_N]``, small beside the accumulator) and are stored once: no
     atomics. ``PAIR``: two heads' loads and products are written before either's ReLU-weighted
-    accumulation (same summation order): 9% faster on the full shape, although Triton still
+    accumulation (same summation order): 7-8% faster on the full shape, although Triton still
     waits for each product before the next is issued (``warp_group_dot_wait {pendings = 0}`` in
     the sm_90 TTGIR, ``tests/benchmarks/sm90_resources.py``), so no epilogue overlaps an MMA."""
     pid_n = tl.program_id(0)
