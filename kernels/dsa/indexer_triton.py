@@ -84,8 +84,6 @@ def _pool_scores_kernel(
     for n0 in range(pid_n * BLOCK_N, n_pools, n_prog * BLOCK_N):
         offs_n = n0 + offs_c
         mask_n = offs_n < n_pools
-        pool_end = tl.load(POOL_END + p_lo + offs_n, mask=mask_n, other=2**62)
-        pool_doc = tl.load(POOL_DOC + p_lo + offs_n, mask=mask_n, other=-2)
         pk = tl.load(
             PK + b * stride_pb + (p_lo + offs_n)[:, None] * stride_pp + offs_d[None, :], mask=mask_n[:, None], other=0.0
         )
@@ -108,6 +106,9 @@ def _pool_scores_kernel(
                 q = tl.load(q_base + h * stride_qh, mask=mask_m[:, None], other=0.0)
                 w = tl.load(w_base + h, mask=mask_m, other=0.0).to(tl.float32)
                 acc += tl.maximum(tl.dot(q, pk_t), 0.0) * w[:, None]
+        # loaded after the head loop: live across it they made ptxas spill (sm90_resources.py)
+        pool_end = tl.load(POOL_END + p_lo + offs_n, mask=mask_n, other=2**31 - 1)
+        pool_doc = tl.load(POOL_DOC + p_lo + offs_n, mask=mask_n, other=-2)
         visible = (pool_doc[None, :] == q_doc[:, None]) & (pool_end[None, :] <= q_pos[:, None])
         acc = tl.where(visible, acc, float("-inf"))
         tl.store(OUT + b * stride_ob + offs_m[:, None] * stride_ot + offs_n[None, :], acc,
@@ -346,9 +347,14 @@ def triton_pool_topk(
     q = q.contiguous()
     pool_keys = pool_keys.to(q.dtype).contiguous()
     weights = (weights.float() * softmax_scale).contiguous()
-    q_pos, q_doc = _query_docs(grid, n_q, q_offset, q.device)
-    pool_end = grid.end.masked_fill(~grid.complete, 2**62).contiguous()
-    pool_doc = grid.doc.contiguous()
+    if pool_keys.shape[1] * grid.kpool >= 2**31 - 1:
+        raise DSAInputError(f"the Triton indexer needs fewer than 2^31 - 1 key positions, got "
+                            f"{pool_keys.shape[1]} pools of {grid.kpool}")
+    # int32 positions and documents: half the registers of int64 in the score kernel's epilogue
+    # (it spilled 824 bytes per thread with int64 ones, 296 with these; sm90_resources.py)
+    q_pos, q_doc = (t.int() for t in _query_docs(grid, n_q, q_offset, q.device))
+    pool_end = grid.end.masked_fill(~grid.complete, 2**31 - 1).int().contiguous()
+    pool_doc = grid.doc.int().contiguous()
     selected = torch.full((batch, n_q, n_select), -1, dtype=torch.long, device=q.device)
     if n_q == 0:
         return selected

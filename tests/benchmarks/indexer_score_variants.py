@@ -53,7 +53,7 @@ SCORE_VARIANTS = {
         (64, 128, 4, st, m, p) for m in (True, False) for st, p in [(3, False), (2, True)]],
     "small": [(128, 128, 8, 3, m, p) for m in (True, False) for p in (False, True)] + [(64, 128, 4, 3, True, False)],
 }
-QUICK_SCORE_VARIANTS = [(128, 128, 8, 3, m, True) for m in (True, False)]
+QUICK_SCORE_VARIANTS = [(128, 128, 8, 3, m, p) for m in (True, False) for p in (True, False)]
 # (CHUNK, warps, SPLIT_SORT, LOOP_STAGES, BOUND_PASS, COMPACT)
 SELECT_VARIANTS = [(4096, 4, False, 1, False, "atomic"), (1024, 4, True, 3, False, "atomic")] + [
                   (c, 4, True, st, bound, "relaxed") for bound in (False, True)
@@ -204,10 +204,11 @@ def main() -> None:
         q = torch.randn(1, ROWS, h, d, device=DEVICE, dtype=dtype, generator=gen)
         pk = torch.randn(1, POOLS, d, device=DEVICE, dtype=dtype, generator=gen)
         w = (torch.randn(1, ROWS, h, device=DEVICE, generator=gen) * h**-0.5 * d**-0.5).contiguous()
-        pool_end = (torch.arange(1, POOLS + 1, device=DEVICE) * KPOOL).contiguous()
-        pool_doc = torch.zeros(POOLS, dtype=torch.long, device=DEVICE)
-        q_pos = POOLS * KPOOL + torch.arange(ROWS, device=DEVICE)   # every pool complete and visible
-        q_doc = torch.zeros(ROWS, dtype=torch.long, device=DEVICE)
+        # int32, as triton_pool_topk passes them (the v5 anchor below gets int64 copies)
+        pool_end = (torch.arange(1, POOLS + 1, device=DEVICE) * KPOOL).int().contiguous()
+        pool_doc = torch.zeros(POOLS, dtype=torch.int32, device=DEVICE)
+        q_pos = (POOLS * KPOOL + torch.arange(ROWS, device=DEVICE)).int()   # every pool complete and visible
+        q_doc = torch.zeros(ROWS, dtype=torch.int32, device=DEVICE)
         flops = 2 * ROWS * POOLS * h * d
         scores = torch.empty(1, ROWS, POOLS, device=DEVICE)
         col_max = torch.empty(1, ROWS, columns, device=DEVICE)
@@ -247,10 +248,11 @@ def main() -> None:
                     report(row)
         # the v5 score kernel: one tile per program, no column maxima
         v5_scores = torch.empty_like(scores)
+        v5_ints = [t.long() for t in (pool_end, pool_doc, q_pos, q_doc)]   # v5 read int64 ones
 
         def run_v5():
             v5._pool_scores_kernel.fn[(triton.cdiv(POOLS, 128), triton.cdiv(ROWS, 128), 1)](
-                q, pk, w, v5_scores, pool_end, pool_doc, q_pos, q_doc,
+                q, pk, w, v5_scores, *v5_ints,
                 q.stride(0), q.stride(1), q.stride(2), pk.stride(0), pk.stride(1), w.stride(0), w.stride(1),
                 v5_scores.stride(0), v5_scores.stride(1), ROWS, POOLS, 0, size_class, H=h, D=d,
                 BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)

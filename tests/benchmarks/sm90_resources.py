@@ -5,7 +5,7 @@
 Compiles :mod:`kernels.dsa.indexer_triton`'s score, selection and expansion kernels for
 ``GPUTarget("cuda", 90, 32)`` (Triton's front end and ptxas run on the CPU) for every
 autotuned configuration and prints a table: registers per thread and shared memory per CTA
-(``cuobjdump --dump-resource-usage`` of the cubin), local-memory spills, and the CTAs one H100/H200
+(``cuobjdump --dump-resource-usage`` of the cubin), the stack frame ptxas spills registers to, and the CTAs one H100/H200
 SM can hold (65,536 registers, 227 KiB of shared memory, 64 warps, 32 CTAs). It also catches compile
 errors the interpreter (``TRITON_INTERPRET=1``) accepts. Used to predict kernel variants before
 spending device time on them (kernels/NOTES.md).
@@ -61,12 +61,12 @@ def resources(compiled, warps: int) -> dict:
     finally:
         os.unlink(f.name)
     regs = int(re.search(r"REG:(\d+)", text).group(1))
+    stack = int(re.search(r"STACK:(\d+)", text).group(1))   # per-thread stack frame: ptxas's spills
     shared = max(int(re.search(r"SHARED:(\d+)", text).group(1)), compiled.metadata.shared)
     # registers are allocated per warp in units of 256
     per_warp = -(-regs * 32 // 256) * 256
     ctas = min(SM_REGISTERS // (per_warp * warps), SM_SHARED // max(shared, 1), SM_WARPS // warps, SM_CTAS)
-    spills = len(re.findall(r"\bst\.local", compiled.asm["ptx"]))
-    return dict(registers=regs, shared_kib=shared / 1024, local_stores=spills, ctas_per_sm=ctas,
+    return dict(registers=regs, stack_bytes=stack, shared_kib=shared / 1024, ctas_per_sm=ctas,
                 warps_per_sm=ctas * warps)
 
 
@@ -80,7 +80,7 @@ def main() -> None:
     rows = []
     score_sig = dict(zip(
         ["Q", "PK", "W", "OUT", "COLMAX", "POOL_END", "POOL_DOC", "Q_POS", "Q_DOC"],
-        ["*bf16", "*bf16", "*fp32", "*fp32", "*fp32", "*i64", "*i64", "*i64", "*i64"]))
+        ["*bf16", "*bf16", "*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i32", "*i32"]))
     score_sig.update({n: "i64" for n in ["stride_qb", "stride_qt", "stride_qh", "stride_pb", "stride_pp",
                                           "stride_wb", "stride_wt", "stride_ob", "stride_ot", "stride_cb", "stride_ct"]})
     score_sig.update({n: "i32" for n in ["n_q", "n_pools", "p_lo", "size_class"]})
@@ -107,11 +107,11 @@ def main() -> None:
     kw = dict(KPOOL=KPOOL, KPOOL_P2=triton.next_power_of_2(KPOOL), SELECT_P2=triton.next_power_of_2(n_select),
               TAIL=True, BLOCK_T=2)
     rows.append(("expand BLOCK_T=2 w4", compile_sm90(it._expand_kernel, expand_sig, kw, 4), 4))
-    print(f"| kernel ({args.shape}: {h} heads x {d}) | registers | shared KiB | st.local | CTAs/SM | warps/SM |")
+    print(f"| kernel ({args.shape}: {h} heads x {d}) | registers | spill stack B/thread | shared KiB | CTAs/SM | warps/SM |")
     print("|---|---|---|---|---|---|")
     for name, compiled, warps in rows:
         r = resources(compiled, warps)
-        print(f"| {name} | {r['registers']} | {r['shared_kib']:.0f} | {r['local_stores']} | {r['ctas_per_sm']} | "
+        print(f"| {name} | {r['registers']} | {r['stack_bytes']} | {r['shared_kib']:.0f} | {r['ctas_per_sm']} | "
               f"{r['warps_per_sm']} |", flush=True)
 
 
