@@ -155,17 +155,22 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         device, copy = packed[:2]
         if not self._reloading:
             self._reloading = True
-            previous = self._previous
-            if previous is not None and previous._stream is not None:   # (a copy stream: CUDA tensors)
-                for ref in previous._copies:
-                    other = ref()
-                    if other is not None:
-                        other.prefetch(device, previous._stream)
+            if self._previous is not None:
+                self._previous.prefetch(device)
         tensor = copy.to_device(device)
         if len(packed) == 2:
             return tensor
         dtype, size, stride, offset = packed[2:]
         return torch.empty(0, dtype=dtype, device=device).set_(tensor.untyped_storage(), offset, size, stride)
+
+    def prefetch(self, device: torch.device) -> None:
+        """Start reloading this block's host copies still to be used, on its copy stream (none: no-op)."""
+        if self._stream is None:
+            return
+        for ref in self._copies:
+            copy = ref()
+            if copy is not None:
+                copy.prefetch(device, self._stream)
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
@@ -181,14 +186,13 @@ class OffloadChain:
     ``i``'s saved tensors starts the host-to-device copy of layer ``i - 1``'s on the copy stream.
     The copies of the last offloaded layer, which nothing prefetches, are reloaded when first used.
     Extra device memory: one offloaded layer's saved tensors in flight (``tasks.sft.memory_plan``).
-    On a machine without CUDA (or with ``asynchronous=False``) the contexts copy on the compute
-    stream and nothing is prefetched, as a plain :class:`OffloadActivations`.
+    On a machine without CUDA the contexts copy on the compute stream and nothing is prefetched,
+    as a plain :class:`OffloadActivations`.
     """
 
-    def __init__(self, device_type: str = "cuda", asynchronous: bool = True) -> None:
+    def __init__(self, device_type: str = "cuda") -> None:
         self.device_type = device_type
-        self.stream = torch.cuda.Stream() if asynchronous and device_type == "cuda" and torch.cuda.is_available() \
-            else None
+        self.stream = torch.cuda.Stream() if device_type == "cuda" and torch.cuda.is_available() else None
         self._last: OffloadActivations | None = None
 
     def context(self) -> OffloadActivations:

@@ -12,7 +12,7 @@ import gc
 import pytest
 import torch
 
-from model.offload import OffloadActivations
+from model.offload import OffloadActivations, OffloadChain, _HostCopy
 
 F32 = 4
 
@@ -146,12 +146,10 @@ def test_a_chain_prefetches_the_previous_layer_at_the_first_unpack_and_releases_
     # 3 must start the reload of layer 2's copies, and layer 2's that of layer 1's; layer 1 has
     # none before it. On CPU the prefetch itself (a CUDA copy stream) is recorded instead of run:
     # the contexts are given a stand-in stream, which a CPU tensor's copy never touches.
-    from model import offload as offload_module
-
-    chain = offload_module.OffloadChain(asynchronous=False)
+    chain = OffloadChain()
     chain.stream = object()
     events = []
-    monkeypatch.setattr(offload_module._HostCopy, "prefetch",
+    monkeypatch.setattr(_HostCopy, "prefetch",
                         lambda copy, device, stream: events.append(("prefetch", owner[id(copy)])))
     owner = {}
     contexts = []
@@ -167,11 +165,10 @@ def test_a_chain_prefetches_the_previous_layer_at_the_first_unpack_and_releases_
         return out
 
     def fn(x, w1, w2, w3):
-        hooks = []
         y = x
         for number, w in enumerate((w1, w2, w3), start=1):
             y = layer(y, w, number)
-            hooks.append(y.register_hook(lambda g, n=number: events.append(("grad out", n)) or g))
+            y.register_hook(lambda g, n=number: events.append(("grad out", n)) or g)
         return y.sum()
 
     shapes = [(16, 8), (8, 8), (8, 8), (8, 8)]
@@ -179,8 +176,8 @@ def test_a_chain_prefetches_the_previous_layer_at_the_first_unpack_and_releases_
     gc.disable()   # the host copies must go with the graph, not wait for the cycle collector
     try:
         loss = fn(*leaves)
+        # strong references taken here, to inspect the copies after the backward
         kept = [ref() for ctx in contexts for ref in ctx._copies]
-        # every copy of layer 3 has a pending use; keep them alive to inspect after the backward
         loss.backward()
         del loss
         alive = [ref for ctx in contexts for ref in ctx._copies if ref() is not None]
@@ -193,8 +190,10 @@ def test_a_chain_prefetches_the_previous_layer_at_the_first_unpack_and_releases_
     _assert_equal([t.grad for t in leaves], _grads(fn, shapes))   # a second, fresh chain: same gradients
     first_run = events[:events.index(("grad out", 1)) + 1]
     prefetches = [e for e in first_run if e[0] == "prefetch"]
-    # every copy of layer 2 prefetched once after layer 3's backward began, then layer 1's
-    assert [n for _, n in prefetches] == [2] * len(contexts[1]._copies) + [1] * len(contexts[0]._copies)
+    # each layer saves x, w and tanh's output: 3 host copies. Layer 2's prefetched once each
+    # after layer 3's backward began, then layer 1's
+    assert [len(ctx._copies) for ctx in contexts[:3]] == [3, 3, 3]
+    assert [n for _, n in prefetches] == [2, 2, 2, 1, 1, 1]
     assert first_run.index(("grad out", 3)) < first_run.index(prefetches[0])
 
 
@@ -208,22 +207,16 @@ def test_every_saved_view_of_a_storage_is_reloaded_from_one_device_copy():
     shapes = [(64, 32), (32, 16), (32, 16)]
     offload = CountingOffload()
     reloads = []
-    original = offload_module_host_copy().to_device
+    original = _HostCopy.to_device
 
     def counting_to_device(copy, device):
         reloads.append(copy.device_copy is None)   # True: copied from the host now
         return original(copy, device)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(offload_module_host_copy(), "to_device", counting_to_device)
+        mp.setattr(_HostCopy, "to_device", counting_to_device)
         grads = _grads(fn, shapes, offload)
     # x*2 saves nothing; the two matmuls save h twice, w1 and w2 once each: 4 unpacks, 3 host reads
     assert len(reloads) == 4 and sum(reloads) == 3
     assert all(ref() is None for ref in offload._copies)   # freed with the graph
     _assert_equal(grads, _grads(fn, shapes))
-
-
-def offload_module_host_copy():
-    from model.offload import _HostCopy
-
-    return _HostCopy

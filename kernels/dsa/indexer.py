@@ -258,15 +258,11 @@ def lightning_indexer_topk(
     grid = kpool_grid(k.shape[1], kpool, cu_seqlens, q.device)
     pool_keys = _compress_on_grid(k, gate_scores, ape, grid)
     if q.is_cuda:
-        from kernels.dsa.indexer_triton import triton_pool_topk
+        from kernels.dsa import indexer_triton   # its functions looked up per call (benchmarks swap them)
 
-        pools = triton_pool_topk(q, pool_keys, weights, grid, topk // kpool, softmax_scale, q_offset)
-    else:
-        pools = _torch_pool_topk(q, pool_keys, weights, grid, topk // kpool, softmax_scale, q_offset, block_size)
-    if q.is_cuda:
-        from kernels.dsa.indexer_triton import triton_expand_selection
-
-        return triton_expand_selection(pools, grid, q.shape[1], q_offset, topk, select_tail)
+        pools = indexer_triton.triton_pool_topk(q, pool_keys, weights, grid, topk // kpool, softmax_scale, q_offset)
+        return indexer_triton.triton_expand_selection(pools, grid, q.shape[1], q_offset, topk, select_tail)
+    pools = _torch_pool_topk(q, pool_keys, weights, grid, topk // kpool, softmax_scale, q_offset, block_size)
     return _expand_selection(pools, grid, q.shape[1], q_offset, topk, select_tail)
 
 

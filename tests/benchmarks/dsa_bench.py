@@ -52,6 +52,26 @@ def timed(fn, reps: int) -> tuple[float, float]:
     return start.elapsed_time(end) / 1e3 / reps, torch.cuda.max_memory_allocated() / 2**30
 
 
+def indexer_inputs(seq_len: int, shape: dict, seed: int | None = None, device: str = "cuda"):
+    """Random lightning-indexer inputs at ``seq_len`` tokens for a DSA ``shape`` (:data:`SHAPES`).
+
+    Returns the positional arguments of :func:`kernels.dsa.lightning_indexer_topk` (queries
+    ``[1, T, H, D]``, keys and gate scores ``[1, T, D]``, k-pool bias ``[KPOOL, D]``, all bf16;
+    head weights ``[1, T, H]`` float32 scaled by ``H ** -0.5``), its keyword arguments and the
+    score FLOPs of one causal call (a query sees half the pools on average). ``seed``: drawn
+    from a generator of that seed, else from the global one.
+    """
+    h, d = shape["index_heads"], shape["index_dim"]
+    gen = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    bf16 = dict(device=device, dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(1, seq_len, h, d, **bf16)
+    k, g = (torch.randn(1, seq_len, d, **bf16) for _ in range(2))
+    ape = torch.randn(KPOOL, d, **bf16)
+    w = torch.randn(1, seq_len, h, device=device, generator=gen) * h**-0.5
+    kw = dict(kpool=KPOOL, topk=TOPK, select_tail=True, softmax_scale=d**-0.5)
+    return (q, k, g, ape, w), kw, 2 * seq_len * (seq_len // KPOOL / 2) * h * d
+
+
 def ceilings() -> dict:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -63,18 +83,12 @@ def ceilings() -> dict:
 
 
 def bench_indexer(seq_len: int, shape: dict, ceil: dict, reps: int, torch_path: bool, profile: bool) -> list[dict]:
-    h, d = shape["index_heads"], shape["index_dim"]
-    q = torch.randn(1, seq_len, h, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, seq_len, d, device="cuda", dtype=torch.bfloat16)
-    g = torch.randn(1, seq_len, d, device="cuda", dtype=torch.bfloat16)
-    ape = torch.randn(KPOOL, d, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(1, seq_len, h, device="cuda") * h**-0.5
+    d = shape["index_dim"]
+    (q, k, g, ape, w), kw, flops = indexer_inputs(seq_len, shape)
     pools = seq_len // KPOOL
-    flops = 2 * seq_len * (pools / 2) * h * d  # causal: a query sees half the pools on average
     score_bytes = seq_len * (pools / 2) * 4 * 3  # fp32 score buffer: write, topk read, tie-check read
     bytes_ = score_bytes + q.numel() * 2 * max(1, pools // 128) / 8  # q re-reads mostly from L2
     predicted = max(flops / ceil["matmul_tflops"] / 1e12, bytes_ / ceil["copy_tbps"] / 1e12)
-    kw = dict(kpool=KPOOL, topk=TOPK, select_tail=True, softmax_scale=d**-0.5)
     t, peak = timed(lambda: lightning_indexer_topk(q, k, g, ape, w, **kw), reps)
     if profile:  # where the indexer's time goes, kernel by kernel
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 import kernels.dsa.indexer_triton as it  # noqa: E402
-from dsa_bench import KPOOL, SHAPES, TOPK, ceilings, timed  # noqa: E402
+from dsa_bench import KPOOL, SHAPES, TOPK, ceilings, indexer_inputs, timed  # noqa: E402
 from kernels.dsa.indexer import _selection_keys, decode_selection_keys  # noqa: E402
 
 ROWS, POOLS, DEVICE = 8192, 65536, "cuda"
@@ -97,8 +97,6 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
     ``best``/``best_sel`` map the bound's source (``False``: scores, ``True``: selection) to the
     fastest variant; all select identical indices."""
     from kernels.dsa import lightning_indexer_topk
-
-    h, d = SHAPES[shape]["index_heads"], SHAPES[shape]["index_dim"]
     from kernels.dsa.indexer import _expand_selection
 
     first = best[False]
@@ -111,33 +109,26 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
             variants[name] = (bound_pass, best[bound_pass][2:], best_sel[bound_pass][2:], "triton")
     one_kernel = it.triton_expand_selection
     for seq_len in (262144, 1048576):
-        gen = torch.Generator(device="cuda").manual_seed(seq_len)
-        q = torch.randn(1, seq_len, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-        k, g = (torch.randn(1, seq_len, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-        ape = torch.randn(KPOOL, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-        w = torch.randn(1, seq_len, h, device="cuda", generator=gen) * h**-0.5
-        kw = dict(kpool=KPOOL, topk=TOPK, select_tail=True, softmax_scale=d**-0.5)
-        flops = 2 * seq_len * (seq_len // KPOOL / 2) * h * d
+        inputs, kw, flops = indexer_inputs(seq_len, SHAPES[shape], seed=seq_len)
         picked = {}
         for name, (bound_pass, (skw, sw, sst), (selkw, selw), expand) in variants.items():
             it.BOUND_IN_SELECTION = bound_pass
             # lightning_indexer_topk imports the expansion at call time
-            it.triton_expand_selection = one_kernel if expand == "triton" else (
-                lambda pools, grid, n_q, q_offset, topk, tail: _expand_selection(pools, grid, n_q, q_offset, topk, tail))
+            it.triton_expand_selection = one_kernel if expand == "triton" else _expand_selection
             pin_configs(skw, sw, sst, selkw, selw)
-            picked[name] = lightning_indexer_topk(q, k, g, ape, w, **kw).cpu()
-            t, peak = timed(lambda: lightning_indexer_topk(q, k, g, ape, w, **kw), 2 if seq_len > 262144 else 3)
+            picked[name] = lightning_indexer_topk(*inputs, **kw).cpu()
+            t, peak = timed(lambda: lightning_indexer_topk(*inputs, **kw), 2 if seq_len > 262144 else 3)
             report(dict(shape=shape, seq_len=seq_len, end_to_end=name, seconds=t, peak_gib=peak,
                         pct_of_matmul=100 * flops / t / 1e12 / ceil["matmul_tflops"]))
         report(dict(shape=shape, seq_len=seq_len, identical=all(torch.equal(picked["v6b"], v) for v in picked.values())))
-        del q, k, g, w
+        del inputs
         torch.cuda.empty_cache()
     # leave the fastest end-to-end variant pinned (for --profile)
     fastest = min((r for r in REPORTED if r.get("end_to_end") and r["shape"] == shape and r["seq_len"] == 1048576),
                   key=lambda r: r["seconds"])["end_to_end"]
     bound_pass, (skw, sw, sst), (selkw, selw), expand = variants[fastest]
     it.BOUND_IN_SELECTION = bound_pass
-    it.triton_expand_selection = one_kernel if expand == "triton" else it.triton_expand_selection
+    it.triton_expand_selection = one_kernel if expand == "triton" else _expand_selection
     pin_configs(skw, sw, sst, selkw, selw)
     report(dict(shape=shape, profiled_variant=fastest))
 
@@ -148,7 +139,7 @@ def device_idle(prof) -> dict:
     kernels on either side (host syncs and launch overhead show up here, not in kernel times)."""
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA)
-    busy, gaps, reach = 0.0, [], kernels[0][0]
+    busy, gaps, reach, before = 0.0, [], kernels[0][0], kernels[0][2]
     for start, end, name in kernels:
         if start > reach:
             gaps.append((start - reach, before, name))
@@ -322,17 +313,11 @@ def main() -> None:
     if args.profile:   # with the last shape's fastest configurations pinned (end_to_end leaves them)
         from kernels.dsa import lightning_indexer_topk
 
-        h, d = SHAPES["full"]["index_heads"], SHAPES["full"]["index_dim"]
-        n = 1 << 20
-        q = torch.randn(1, n, h, d, device=DEVICE, dtype=torch.bfloat16)
-        k, g = (torch.randn(1, n, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
-        ape = torch.randn(KPOOL, d, device=DEVICE, dtype=torch.bfloat16)
-        wt = torch.randn(1, n, h, device=DEVICE) * h**-0.5
-        kw = dict(kpool=KPOOL, topk=TOPK, select_tail=True, softmax_scale=d**-0.5)
-        lightning_indexer_topk(q, k, g, ape, wt, **kw)
+        inputs, kw, _ = indexer_inputs(1 << 20, SHAPES["full"])
+        lightning_indexer_topk(*inputs, **kw)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            lightning_indexer_topk(q, k, g, ape, wt, **kw)
+            lightning_indexer_topk(*inputs, **kw)
             torch.cuda.synchronize()
         events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
         for e in events[:14]:

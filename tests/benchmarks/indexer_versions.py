@@ -26,7 +26,7 @@ import kernels.dsa.indexer_triton as current  # noqa: E402
 from kernels.dsa import lightning_indexer_topk  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from dsa_bench import KPOOL, SHAPES, TOPK, ceilings, timed  # noqa: E402
+from dsa_bench import SHAPES, ceilings, indexer_inputs, timed  # noqa: E402
 
 
 def load_anchor(path: str):
@@ -49,23 +49,15 @@ def main() -> None:
     print(json.dumps(dict(ceilings=ceil)), flush=True)
     rows = []
     for name in args.shapes:
-        h, d = SHAPES[name]["index_heads"], SHAPES[name]["index_dim"]
         for seq_len in args.seq_lens:
-            gen = torch.Generator(device="cuda").manual_seed(seq_len)
-            q = torch.randn(1, seq_len, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-            k = torch.randn(1, seq_len, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-            g = torch.randn(1, seq_len, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-            ape = torch.randn(KPOOL, d, device="cuda", dtype=torch.bfloat16, generator=gen)
-            w = torch.randn(1, seq_len, h, device="cuda", generator=gen) * h**-0.5
-            kw = dict(kpool=KPOOL, topk=TOPK, select_tail=True, softmax_scale=d**-0.5)
-            flops = 2 * seq_len * (seq_len // KPOOL / 2) * h * d
+            inputs, kw, flops = indexer_inputs(seq_len, SHAPES[name], seed=seq_len)
             selected = {}
             for version, fn in versions.items():
                 current.triton_pool_topk = fn   # lightning_indexer_topk imports it at call time
                 try:
                     # kept on the host: the other version's peak must not include it
-                    selected[version] = lightning_indexer_topk(q, k, g, ape, w, **kw).cpu()
-                    t, peak = timed(lambda: lightning_indexer_topk(q, k, g, ape, w, **kw), 1 if seq_len > 65536 else 3)
+                    selected[version] = lightning_indexer_topk(*inputs, **kw).cpu()
+                    t, peak = timed(lambda: lightning_indexer_topk(*inputs, **kw), 1 if seq_len > 65536 else 3)
                     row = dict(shape=name, seq_len=seq_len, version=version, seconds=t, peak_gib=peak,
                                tflops=flops / t / 1e12, pct_of_matmul=100 * flops / t / 1e12 / ceil["matmul_tflops"])
                 except Exception as err:  # report and go on
@@ -78,7 +70,7 @@ def main() -> None:
                 differing = int((selected["anchor"] != selected["current"]).any(-1).sum())
                 print(json.dumps(dict(shape=name, seq_len=seq_len, identical=same, differing_rows=differing)), flush=True)
                 rows.append(dict(shape=name, seq_len=seq_len, identical=same, differing_rows=differing))
-            del q, k, g, w, selected
+            del inputs, selected
             torch.cuda.empty_cache()
     print("\n| shape | T | version | s | TFLOP/s | % of matmul | peak GiB |\n|---|---|---|---|---|---|---|")
     for r in rows:
