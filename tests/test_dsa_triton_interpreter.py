@@ -33,6 +33,7 @@ SCRIPT = textwrap.dedent(
     it._capacity = lambda n_select: 16   # 16 candidate slots: all-equal scores overflow them
     it._n_columns = lambda n_select: 32  # 32 column groups, 16 per score program: 2 programs along
     it.GROUP_N = 16                      # the pools, each folding 2 pools of a tile into a group
+    it.SEGMENT_CHUNK = 4                 # segment maxima compacted 4 at a time: several steps per row
 
     gen = torch.Generator().manual_seed(0)
     # sparse MLA: 20 heads (two head blocks, masked rows), d_v < Dqk and d_v == Dqk, empty rows
@@ -97,13 +98,15 @@ SCRIPT = textwrap.dedent(
     score_cfg, select_cfg = it._pool_scores_kernel.configs[0].kwargs, it._select_kernel.configs[0].kwargs
     # every source of the selection bound (the score kernel's column maxima or the selection's
     # own first pass), paired head products (PAIR), the split candidate sort and every way a
-    # candidate gets its slot (COMPACT)
-    for bound_pass, pair, split, compact in [(False, False, False, "atomic"), (True, True, True, "relaxed"),
-                                             (False, True, True, "relaxed"), (True, False, False, "atomic")]:
-        it.BOUND_IN_SELECTION = bound_pass
+    # candidate gets its slot (COMPACT), and whether the selection reads whole rows or only the
+    # segments (of 8 or 32 pools: 4 or 1 per 32-pool tile) whose maximum reaches its bound
+    for bound_pass, pair, split, compact, segment in [
+            (False, False, False, "atomic", 0), (True, True, True, "relaxed", 8), (False, True, True, "relaxed", 8),
+            (True, False, False, "atomic", 0), (False, False, True, "relaxed", 32)]:
+        it.BOUND_IN_SELECTION, it.SEGMENT = bound_pass, segment
         score_cfg.update(PAIR=pair)
         select_cfg.update(SPLIT_SORT=split, LOOP_STAGES=2 if split else 1, COMPACT=compact)
-        check_indexer(bound_pass, pair, split, compact)
+        check_indexer(bound_pass, pair, split, compact, segment)
     print("TRITON_INTERPRETER_OK")
     """
 )

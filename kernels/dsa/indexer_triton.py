@@ -7,7 +7,9 @@ the ``[Tq, H, P]`` per-head intermediate a torch implementation materializes, an
 maxima of ``N_COLUMNS`` disjoint column groups (see the kernel). A second kernel takes the
 ``n_select``-th largest group maximum as a lower bound of the row's ``n_select``-th value,
 reads the row once to keep the entries above it as composite int64 keys (score bits, then
-the complement of the pool index, as the torch path; slots taken by atomic increments),
+the complement of the pool index, as the torch path; slots taken by atomic increments) -- only
+the segments of :data:`SEGMENT` pools whose maximum (also kept by the score kernel) reaches
+the bound --,
 sorts those few keys in registers and writes the decoded pool indices: exact, with the tie
 rule (equal scores: lower pool index wins).
 Rows with more candidates than the slots hold (massive ties) are redone from their scores
@@ -43,18 +45,19 @@ tile from 53% to 57% of the matmul rate. (Two other folds of the column maxima, 
 groups by reshape or by pairwise ``tl.split``, ran within 3% of this one and were removed.)"""
 
 
-@triton.autotune(configs=SCORE_CONFIGS, key=["H", "D", "size_class", "N_COLUMNS", "MAXIMA"])
+@triton.autotune(configs=SCORE_CONFIGS, key=["H", "D", "size_class", "N_COLUMNS", "MAXIMA", "SEG"])
 @triton.jit
 def _pool_scores_kernel(
-    Q, PK, W, OUT, COLMAX, POOL_END, POOL_DOC, Q_POS, Q_DOC,
+    Q, PK, W, OUT, COLMAX, SEGMAX, POOL_END, POOL_DOC, Q_POS, Q_DOC,
     stride_qb, stride_qt, stride_qh,
     stride_pb, stride_pp,
     stride_wb, stride_wt,
     stride_ob, stride_ot,
     stride_cb, stride_ct,
+    stride_gb, stride_gt,
     n_q, n_pools, p_lo, size_class,
     H: tl.constexpr, D: tl.constexpr, N_COLUMNS: tl.constexpr, GROUP_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAXIMA: tl.constexpr, PAIR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAXIMA: tl.constexpr, PAIR: tl.constexpr, SEG: tl.constexpr,
 ):
     """Scores of ``BLOCK_M`` queries against the pool tiles ``pid_n, pid_n + n_prog, ...``
     (``n_prog = N_COLUMNS / GROUP_N`` programs along the pools) and the row maxima of this
@@ -66,7 +69,10 @@ def _pool_scores_kernel(
     atomics. ``PAIR``: two heads' loads and products are written before either's ReLU-weighted
     accumulation (same summation order): 7-8% faster on the full shape, although Triton still
     waits for each product before the next is issued (``warp_group_dot_wait {pendings = 0}`` in
-    the sm_90 TTGIR, ``tests/benchmarks/sm90_resources.py``), so no epilogue overlaps an MMA."""
+    the sm_90 TTGIR, ``tests/benchmarks/sm90_resources.py``), so no epilogue overlaps an MMA.
+    ``SEG > 0`` (divides ``BLOCK_N``): also the row maxima of every ``SEG`` consecutive pools
+    (segment ``s``: pools ``[s * SEG, (s + 1) * SEG)``) into ``SEGMAX`` ``[B, n_q,
+    cdiv(n_pools, SEG)]``, for the selection to skip segments below its bound."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -115,6 +121,12 @@ def _pool_scores_kernel(
                  mask=mask_m[:, None] & mask_n[None, :])
         if MAXIMA:
             col_max = tl.maximum(col_max, tl.max(tl.reshape(acc, (BLOCK_M, BLOCK_N // GROUP_N, GROUP_N)), axis=1))
+        if SEG > 0:
+            tl.static_assert(BLOCK_N % SEG == 0)
+            offs_s = n0 // SEG + tl.arange(0, BLOCK_N // SEG)
+            seg_max = tl.max(tl.reshape(acc, (BLOCK_M, BLOCK_N // SEG, SEG)), axis=2)
+            tl.store(SEGMAX + b * stride_gb + offs_m[:, None] * stride_gt + offs_s[None, :], seg_max,
+                     mask=mask_m[:, None] & (offs_s[None, :] * SEG < n_pools))
     if MAXIMA:
         offs_g = pid_n * GROUP_N + tl.arange(0, GROUP_N)
         tl.store(COLMAX + b * stride_cb + offs_m[:, None] * stride_ct + offs_g[None, :], col_max,
@@ -141,15 +153,32 @@ def _sorted_pools(slots, count, n_keys: tl.constexpr):
     return tl.where(cand == -9223372036854775808, -1, 4294967295 - (cand & 4294967295))
 
 
-@triton.autotune(configs=SELECT_CONFIGS, key=["N_COLUMNS", "CAPACITY", "size_class", "BOUND_PASS"])
+@triton.jit
+def _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY: tl.constexpr, COMPACT: tl.constexpr):
+    """Write the entries of ``vals`` (float32 scores of pools ``p_lo + offs``) at or above
+    ``bound`` as composite int64 keys to the next free ``slots`` (``counter``: the row's
+    count, ``[len(vals)]`` pointers to it; slots past ``CAPACITY`` are counted, not written)."""
+    keep = (vals >= bound) & (vals > float("-inf"))
+    if COMPACT == "relaxed":
+        pos = tl.atomic_add(counter, 1, mask=keep, sem="relaxed")
+    else:
+        pos = tl.atomic_add(counter, 1, mask=keep)
+    vals = tl.where(vals == 0.0, 0.0, vals)  # -0.0 -> +0.0: equal scores get equal keys
+    bits = vals.to(tl.int32, bitcast=True).to(tl.int64)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    key = (ordered << 32) | (4294967295 - (p_lo + offs).to(tl.int64))
+    tl.store(slots + pos, key, mask=keep & (pos < CAPACITY))
+
+
+@triton.autotune(configs=SELECT_CONFIGS, key=["N_COLUMNS", "CAPACITY", "size_class", "BOUND_PASS", "SEG"])
 @triton.jit
 def _select_kernel(
-    S, COLMAX, COUNT, SLOTS, OUT,
-    stride_sb, stride_st, stride_cb, stride_ct, stride_nb, stride_ob, stride_ot,
+    S, COLMAX, SEGMAX, HITS, COUNT, SLOTS, OUT,
+    stride_sb, stride_st, stride_cb, stride_ct, stride_gb, stride_gt, stride_nb, stride_ob, stride_ot,
     n_rows, n_cols, p_lo, size_class,
     N_SELECT: tl.constexpr, N_COLUMNS: tl.constexpr, CAPACITY: tl.constexpr,
     CHUNK: tl.constexpr, SPLIT_SORT: tl.constexpr, LOOP_STAGES: tl.constexpr, BOUND_PASS: tl.constexpr,
-    COMPACT: tl.constexpr,
+    COMPACT: tl.constexpr, SEG: tl.constexpr, SEG_CHUNK: tl.constexpr,
 ):
     """Per score row: a lower bound on its n_select-th value, the composite keys above it,
     and the decoded pool indices of the best ``N_SELECT`` (-1 where fewer are visible).
@@ -168,6 +197,12 @@ def _select_kernel(
     ``COMPACT``: the slot's atomic increment, ``"relaxed"`` (no ordering: the barrier before the
     sort publishes the slots) or ``"atomic"`` (v7's acquire-release, 29% slower at 65,536 pools:
     kernels/NOTES.md, v9).
+    ``SEG > 0`` (v11, needs the score kernel's ``SEGMAX`` of the same ``SEG``): only the
+    ``SEG``-pool segments whose maximum reaches the bound are read (every passing entry lies in
+    one): their indices are compacted ``SEG_CHUNK`` at a time (prefix sum) into the row's
+    ``HITS`` scratch (int32, ``cdiv(n_cols, SEG)`` entries), then gathered ``CHUNK / SEG``
+    segments per step. For random scores about ``N_SELECT`` segments pass: a quarter of the row
+    at 65,536 pools, ``SEG`` 128, ``N_SELECT`` 128.
     """
     row = tl.program_id(0).to(tl.int64)
     b = row // n_rows
@@ -188,19 +223,31 @@ def _select_kernel(
     slots = SLOTS + row * CAPACITY
     count_ptr = COUNT + b * stride_nb + t
     counter = count_ptr + tl.zeros([CHUNK], tl.int32)
-    for c0 in tl.range(0, n_cols, CHUNK, num_stages=LOOP_STAGES):
-        offs = c0 + flat
-        vals = tl.load(base + offs, mask=offs < n_cols, other=float("-inf"))
-        keep = (vals >= bound) & (vals > float("-inf"))
-        if COMPACT == "relaxed":
-            pos = tl.atomic_add(counter, 1, mask=keep, sem="relaxed")
-        else:
-            pos = tl.atomic_add(counter, 1, mask=keep)
-        vals = tl.where(vals == 0.0, 0.0, vals)  # -0.0 -> +0.0: equal scores get equal keys
-        bits = vals.to(tl.int32, bitcast=True).to(tl.int64)
-        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-        key = (ordered << 32) | (4294967295 - (p_lo + offs).to(tl.int64))
-        tl.store(slots + pos, key, mask=keep & (pos < CAPACITY))
+    if SEG > 0:
+        tl.static_assert(CHUNK % SEG == 0)
+        n_segs = tl.cdiv(n_cols, SEG)
+        seg_row = SEGMAX + b * stride_gb + t * stride_gt
+        hits = HITS + row * tl.cdiv(n_cols, SEG)
+        n_hits = tl.full([], 0, tl.int32)
+        for s0 in range(0, n_segs, SEG_CHUNK):
+            segs = s0 + tl.arange(0, SEG_CHUNK)
+            seg_max = tl.load(seg_row + segs, mask=segs < n_segs, other=float("-inf"))
+            hit = ((seg_max >= bound) & (seg_max > float("-inf"))).to(tl.int32)
+            tl.store(hits + n_hits + tl.cumsum(hit, 0) - 1, segs, mask=hit > 0)
+            n_hits += tl.sum(hit, 0)
+        # the hit list, written by every thread, is read by others below
+        tl.debug_barrier()
+        for c0 in tl.range(0, n_hits * SEG, CHUNK, num_stages=LOOP_STAGES):
+            k = (c0 + flat) // SEG
+            seg = tl.load(hits + k, mask=k < n_hits, other=0)
+            offs = seg * SEG + flat % SEG
+            vals = tl.load(base + offs, mask=(k < n_hits) & (offs < n_cols), other=float("-inf"))
+            _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY, COMPACT)
+    else:
+        for c0 in tl.range(0, n_cols, CHUNK, num_stages=LOOP_STAGES):
+            offs = c0 + flat
+            vals = tl.load(base + offs, mask=offs < n_cols, other=float("-inf"))
+            _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY, COMPACT)
     # other threads' slot writes and counter increments must be visible to this one's loads
     tl.debug_barrier()
     count = tl.load(count_ptr)
@@ -293,6 +340,15 @@ the score kernel keeps none. At 1M tokens, full shape: 0.7440 s against 0.7506 s
 (``tests/benchmarks/indexer_score_variants.py``, kernels/NOTES.md)."""
 
 
+SEGMENT = 128
+"""Pools per segment whose row maxima the score kernel keeps (``SEG``) so that the selection reads
+only the segments that can hold a candidate (v11, kernels/NOTES.md); 0: the selection reads
+whole rows (v9). Unused with the bound computed in the selection."""
+
+SEGMENT_CHUNK = 1024
+"""Segment maxima the selection compacts at a time (one step up to 131,072 pools at ``SEGMENT`` 128)."""
+
+
 def _n_columns(n_select: int) -> int:
     """Column groups per score row: ``>= 4 * n_select`` (a tight bound), a power of two and a
     multiple of ``GROUP_N`` (each score program owns ``GROUP_N`` of them)."""
@@ -336,7 +392,8 @@ def triton_pool_topk(
     :func:`_select_kernel` (bound, candidates, sort, decode) into the output. The block
     bounds are read to the host once, the overflow count once after the last block.
     ``bound_pass`` (default :data:`BOUND_IN_SELECTION`): the selection reads each score row twice and
-    computes the column maxima itself, the score kernel keeps none (same indices).
+    computes the column maxima itself, the score kernel keeps none (same indices). Otherwise the
+    selection reads only the :data:`SEGMENT`-pool segments that can hold a candidate.
 
     Raises:
         DSAInputError: the index head dim is not a power of two >= 16, or the keys reach 2^31 - 1
@@ -371,47 +428,56 @@ def triton_pool_topk(
         return selected
     columns, capacity = _n_columns(n_select), _capacity(n_select)
     bound_pass = BOUND_IN_SELECTION if bound_pass is None else bound_pass
+    seg = 0 if bound_pass else SEGMENT
     rows_max = max(t1 - t0 for t0, t1, _, _ in blocks)
     pools_max = max(hi - lo for _, _, lo, hi in blocks)
     score_buf = torch.empty(batch * rows_max * pools_max, dtype=torch.float32, device=q.device)
     col_max = torch.empty(batch, 1 if bound_pass else rows_max, columns, dtype=torch.float32, device=q.device)
+    # segment maxima and the selection's list of the segments it reads (v11)
+    segs_max = triton.cdiv(pools_max, seg) if seg else 1
+    seg_buf = torch.empty(batch * rows_max * segs_max, dtype=torch.float32, device=q.device)
+    hits = torch.empty(batch * rows_max * segs_max, dtype=torch.int32, device=q.device)
     slots = torch.empty(batch * rows_max, capacity, dtype=torch.long, device=q.device)
     counts = torch.zeros(batch, n_q, dtype=torch.int32, device=q.device)
 
-    def block_scores(t0: int, t1: int, p_lo: int, n_pools: int) -> torch.Tensor:
+    def block_scores(t0: int, t1: int, p_lo: int, n_pools: int) -> tuple[torch.Tensor, torch.Tensor]:
         scores = score_buf[: batch * (t1 - t0) * n_pools].view(batch, t1 - t0, n_pools)
+        n_segs = triton.cdiv(n_pools, seg) if seg else 1
+        seg_max = seg_buf[: batch * (t1 - t0) * n_segs].view(batch, t1 - t0, n_segs)
 
         def launch(meta, n_rows=t1 - t0):
             return (columns // GROUP_N, triton.cdiv(n_rows, meta["BLOCK_M"]), batch)
 
         q_blk, w_blk = q[:, t0:t1], weights[:, t0:t1]
         _pool_scores_kernel[launch](
-            q_blk, pool_keys, w_blk, scores, col_max, pool_end, pool_doc, q_pos[t0:t1], q_doc[t0:t1],
+            q_blk, pool_keys, w_blk, scores, col_max, seg_max, pool_end, pool_doc, q_pos[t0:t1], q_doc[t0:t1],
             q_blk.stride(0), q_blk.stride(1), q_blk.stride(2),
             pool_keys.stride(0), pool_keys.stride(1),
             w_blk.stride(0), w_blk.stride(1),
             scores.stride(0), scores.stride(1),
             col_max.stride(0), col_max.stride(1),
+            seg_max.stride(0), seg_max.stride(1),
             t1 - t0, n_pools, p_lo, _size_class(n_pools), H=heads, D=dim, N_COLUMNS=columns, GROUP_N=GROUP_N,
-            MAXIMA=not bound_pass,
+            MAXIMA=not bound_pass, SEG=seg,
         )
-        return scores
+        return scores, seg_max
 
     for t0, t1, p_lo, p_hi in blocks:
         n_pools = p_hi - p_lo
-        scores = block_scores(t0, t1, p_lo, n_pools)
+        scores, seg_max = block_scores(t0, t1, p_lo, n_pools)
         out, cnt = selected[:, t0:t1], counts[:, t0:t1]
         _select_kernel[(batch * (t1 - t0),)](
-            scores, col_max, cnt, slots, out,
-            scores.stride(0), scores.stride(1), col_max.stride(0), col_max.stride(1), cnt.stride(0),
-            out.stride(0), out.stride(1),
+            scores, col_max, seg_max, hits, cnt, slots, out,
+            scores.stride(0), scores.stride(1), col_max.stride(0), col_max.stride(1),
+            seg_max.stride(0), seg_max.stride(1), cnt.stride(0), out.stride(0), out.stride(1),
             t1 - t0, n_pools, p_lo, _size_class(n_pools),
             N_SELECT=min(n_select, n_pools), N_COLUMNS=columns, CAPACITY=capacity, BOUND_PASS=bound_pass,
+            SEG=seg, SEG_CHUNK=SEGMENT_CHUNK,
         )
     if bool((counts > capacity).any()):
         for t0, t1, p_lo, p_hi in blocks:
             if bool((counts[:, t0:t1] > capacity).any()):
-                scores = block_scores(t0, t1, p_lo, p_hi - p_lo)
+                scores, _ = block_scores(t0, t1, p_lo, p_hi - p_lo)
                 _fill_overflowing_rows(selected, scores, counts[:, t0:t1], min(n_select, p_hi - p_lo), p_lo, t0,
                                        capacity)
     return selected
