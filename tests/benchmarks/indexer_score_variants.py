@@ -6,17 +6,17 @@ One block of 8192 queries against 65,536 visible pools (the last block at 1M tok
 per DSA shape (``dsa_bench.SHAPES``). Times, in the same run and on the same bf16 inputs:
 
 * :func:`kernels.dsa.indexer_triton._pool_scores_kernel` for every tile x ``MAXIMA`` (whether
-  it folds the column-group maxima) x ``PAIR`` (two heads' products issued back to back) variant,
-  called directly (``.fn``, no autotuner; ``MAXIMA`` False: the v8 split), and the v5
-  score kernel (no maxima;
+  it folds the column-group maxima) x ``PAIR`` (two heads' products issued back to back) x ``SEG``
+  (segment maxima kept, v11) variant, called directly (``.fn``, no autotuner; ``MAXIMA`` False:
+  the v8 split), and the v5 score kernel (no maxima;
   ``--anchor .bench/indexer_v5.py``, an earlier copy of the file) as the no-fold baseline;
 * :func:`kernels.dsa.indexer_triton._select_kernel` for every ``CHUNK`` x warps x
-  ``SPLIT_SORT`` x ``LOOP_STAGES`` x ``BOUND_PASS`` variant on the scores of the first variant;
-* end to end (:func:`end_to_end`): v6b against the fastest v7 (bound from the score kernel) and
-  v8 (bound from the selection's own pass) at 256k and 1M tokens.
+  ``SPLIT_SORT`` x ``LOOP_STAGES`` x ``BOUND_PASS`` x ``SEG`` variant on the scores of the first variant;
+* end to end (:func:`end_to_end`): v6b against the fastest v7 (bound from the score kernel),
+  v8 (bound from the selection's own pass), v9 and v11 (segment skip) at 256k and 1M tokens.
 
 Every score variant must write the same scores as the first and the maxima of its own column
-groups (recomputed here with torch from the scores); every selection variant the same indices,
+groups and segments (recomputed here with torch from the scores); every selection variant the same indices,
 equal to ``torch.topk`` over the composite keys. ``--profile`` adds the CUDA time per kernel of
 one end-to-end :func:`kernels.dsa.lightning_indexer_topk` call at 1M tokens (full shape).
 Score TFLOP/s are quoted against a bf16 matmul measured in the same run. Prints a table.
@@ -48,16 +48,30 @@ N_SELECT = TOPK // KPOOL
 # and without maxima and pairing, and one warpgroup per 64-query tile (two CTAs per SM at 255
 # registers, tests/benchmarks/sm90_resources.py: one CTA's ReLU-weighted epilogue can run beside
 # the other's MMA; PAIR with 2 stages to fit two CTAs' shared memory)
+# (..., SEG): the segment width of the v11 maxima (0: none)
 SCORE_VARIANTS = {
-    "full": [(128, 128, 8, 3, m, p) for m in (True, False) for p in (False, True)] + [
-        (64, 128, 4, st, m, p) for m in (True, False) for st, p in [(3, False), (2, True)]],
-    "small": [(128, 128, 8, 3, m, p) for m in (True, False) for p in (False, True)] + [(64, 128, 4, 3, True, False)],
+    "full": [(128, 128, 8, 3, m, p, 0) for m in (True, False) for p in (False, True)] + [
+        (64, 128, 4, st, m, p, 0) for m in (True, False) for st, p in [(3, False), (2, True)]] + [
+        (128, 128, 8, 3, True, p, 128) for p in (True, False)] + [(128, 128, 8, 3, True, True, 64)],
+    "small": [(128, 128, 8, 3, m, p, 0) for m in (True, False) for p in (False, True)] + [
+        (64, 128, 4, 3, True, False, 0), (128, 128, 8, 3, True, True, 128)],
 }
-QUICK_SCORE_VARIANTS = [(128, 128, 8, 3, m, p) for m in (True, False) for p in (True, False)]
-# (CHUNK, warps, SPLIT_SORT, LOOP_STAGES, BOUND_PASS, COMPACT)
-SELECT_VARIANTS = [(4096, 4, False, 1, False, "atomic"), (1024, 4, True, 3, False, "atomic")] + [
-                  (c, 4, True, st, bound, "relaxed") for bound in (False, True)
-                  for c, st in [(512, 3), (1024, 3), (1024, 4), (2048, 3)]]
+QUICK_SCORE_VARIANTS = [(128, 128, 8, 3, m, p, 0) for m in (True, False) for p in (True, False)] + [
+    (128, 128, 8, 3, True, p, 128) for p in (True, False)] + [(128, 128, 8, 3, True, True, 64)]
+# (CHUNK, warps, SPLIT_SORT, LOOP_STAGES, BOUND_PASS, COMPACT, SEG)
+SELECT_VARIANTS = [(4096, 4, False, 1, False, "atomic", 0), (1024, 4, True, 3, False, "atomic", 0)] + [
+                  (c, 4, True, st, bound, "relaxed", 0) for bound in (False, True)
+                  for c, st in [(512, 3), (1024, 3), (1024, 4), (2048, 3)]] + [
+                  (c, 4, True, st, False, "relaxed", seg) for seg in (128, 64)
+                  for c, st in [(512, 2), (512, 3), (1024, 3), (2048, 3)]]
+
+
+def bound_source(maxima_or_bound_pass: bool, seg: int, selection: bool = False) -> str:
+    """End-to-end variant a score or selection variant belongs to: ``"v9"`` (bound from the score
+    kernel's maxima, whole rows read), ``"v11 SEG=<seg>"`` (and only the segments above the bound)
+    or ``"v8"`` (bound from the selection's own pass; score kernel without maxima)."""
+    in_selection = maxima_or_bound_pass if selection else not maxima_or_bound_pass
+    return "v8" if in_selection else (f"v11 SEG={seg}" if seg else "v9")
 
 
 def cuda_ms(fn, reps: int = 5) -> float:
@@ -91,28 +105,29 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
     """:func:`kernels.dsa.lightning_indexer_topk` at 256k and 1M tokens, same run, same inputs, with
     the v6b kernels (the bound from the score kernel's maxima, no PAIR; selection CHUNK 4096, 4 warps,
     no SPLIT_SORT, no loop pipelining, acquire-release slot atomics; the torch expansion to token
-    indices), v7 (the fastest score variant with maxima; selection CHUNK 1024, 3 stages, split sort,
-    acquire-release atomics) and the fastest variants with the bound from the score kernel ("v9")
-    and from the selection's own pass, with the one-kernel expansion (``triton_expand_selection``).
-    ``best``/``best_sel`` map the bound's source (``False``: scores, ``True``: selection) to the
-    fastest variant; all select identical indices."""
+    indices), v7 (the fastest v9 score variant; selection CHUNK 1024, 3 stages, split sort,
+    acquire-release atomics) and the fastest variants with the bound from the score kernel ("v9"),
+    from the selection's own pass ("v9, bound in selection") and with the segment skip ("v11"),
+    with the one-kernel expansion (``triton_expand_selection``). ``best``/``best_sel`` map
+    :func:`bound_source` to the fastest variant; all select identical indices."""
     from kernels.dsa import lightning_indexer_topk
     from kernels.dsa.indexer import _expand_selection
 
-    first = best[False]
-    variants = {"v6b": (False, (dict(first[2], PAIR=False), first[3], first[4]),
+    first = best["v9"]
+    # name -> (bound in selection, segment width, score config, selection config, expansion)
+    variants = {"v6b": (False, 0, (dict(first[2], PAIR=False), first[3], first[4]),
                         (dict(CHUNK=4096, SPLIT_SORT=False, LOOP_STAGES=1, COMPACT="atomic"), 4), "torch"),
-                "v7": (False, first[2:], (dict(CHUNK=1024, SPLIT_SORT=True, LOOP_STAGES=3, COMPACT="atomic"), 4),
+                "v7": (False, 0, first[2:5], (dict(CHUNK=1024, SPLIT_SORT=True, LOOP_STAGES=3, COMPACT="atomic"), 4),
                        "triton")}
-    for bound_pass, name in [(False, "v9"), (True, "v9, bound in selection")]:
-        if bound_pass in best and bound_pass in best_sel:
-            variants[name] = (bound_pass, best[bound_pass][2:], best_sel[bound_pass][2:], "triton")
+    for source in sorted(set(best) & set(best_sel)):   # v11 once per segment width
+        name = {"v9": "v9", "v8": "v9, bound in selection"}.get(source, source)
+        variants[name] = (source == "v8", best[source][5], best[source][2:5], best_sel[source][2:4], "triton")
     one_kernel = it.triton_expand_selection
     for seq_len in (262144, 1048576):
         inputs, kw, flops = indexer_inputs(seq_len, SHAPES[shape], seed=seq_len)
         picked = {}
-        for name, (bound_pass, (skw, sw, sst), (selkw, selw), expand) in variants.items():
-            it.BOUND_IN_SELECTION = bound_pass
+        for name, (bound_pass, seg, (skw, sw, sst), (selkw, selw), expand) in variants.items():
+            it.BOUND_IN_SELECTION, it.SEGMENT = bound_pass, seg
             # lightning_indexer_topk imports the expansion at call time
             it.triton_expand_selection = one_kernel if expand == "triton" else _expand_selection
             pin_configs(skw, sw, sst, selkw, selw)
@@ -126,8 +141,8 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
     # leave the fastest end-to-end variant pinned (for --profile)
     fastest = min((r for r in REPORTED if r.get("end_to_end") and r["shape"] == shape and r["seq_len"] == 1048576),
                   key=lambda r: r["seconds"])["end_to_end"]
-    bound_pass, (skw, sw, sst), (selkw, selw), expand = variants[fastest]
-    it.BOUND_IN_SELECTION = bound_pass
+    bound_pass, seg, (skw, sw, sst), (selkw, selw), expand = variants[fastest]
+    it.BOUND_IN_SELECTION, it.SEGMENT = bound_pass, seg
     it.triton_expand_selection = one_kernel if expand == "triton" else _expand_selection
     pin_configs(skw, sw, sst, selkw, selw)
     report(dict(shape=shape, profiled_variant=fastest))
@@ -203,37 +218,45 @@ def main() -> None:
         flops = 2 * ROWS * POOLS * h * d
         scores = torch.empty(1, ROWS, POOLS, device=DEVICE)
         col_max = torch.empty(1, ROWS, columns, device=DEVICE)
+        seg_max = torch.empty(1, ROWS, POOLS // 64, device=DEVICE)   # room for the narrowest segments
         size_class = it._size_class(POOLS)
         ref_scores = None
 
-        def score_args(out, cmax):
-            return (q, pk, w, out, cmax, pool_end, pool_doc, q_pos, q_doc,
+        def score_args(out, cmax, smax):
+            return (q, pk, w, out, cmax, smax, pool_end, pool_doc, q_pos, q_doc,
                     q.stride(0), q.stride(1), q.stride(2), pk.stride(0), pk.stride(1), w.stride(0), w.stride(1),
-                    out.stride(0), out.stride(1), cmax.stride(0), cmax.stride(1), ROWS, POOLS, 0, size_class)
+                    out.stride(0), out.stride(1), cmax.stride(0), cmax.stride(1), smax.stride(0), smax.stride(1),
+                    ROWS, POOLS, 0, size_class)
 
-        best = {}   # bound source (False: score kernel maxima, True: selection pass) -> fastest
-        for bm, bn, warps, stages, maxima, pair in (QUICK_SCORE_VARIANTS if args.quick else SCORE_VARIANTS[shape]):
-                    name = f"scores {bm}x{bn} w{warps} s{stages} MAXIMA={int(maxima)} PAIR={int(pair)}"
+        best = {}   # bound_source -> the fastest score variant
+        for bm, bn, warps, stages, maxima, pair, seg in (QUICK_SCORE_VARIANTS if args.quick else SCORE_VARIANTS[shape]):
+                    name = f"scores {bm}x{bn} w{warps} s{stages} MAXIMA={int(maxima)} PAIR={int(pair)} SEG={seg}"
+                    seg_out = seg_max[..., :POOLS // seg] if seg else seg_max
 
-                    def run(bm=bm, bn=bn, warps=warps, stages=stages, maxima=maxima, pair=pair):
+                    def run(bm=bm, bn=bn, warps=warps, stages=stages, maxima=maxima, pair=pair, seg=seg, seg_out=seg_out):
                         it._pool_scores_kernel.fn[(columns // it.GROUP_N, triton.cdiv(ROWS, bm), 1)](
-                            *score_args(scores, col_max), H=h, D=d, N_COLUMNS=columns, GROUP_N=it.GROUP_N,
-                            BLOCK_M=bm, BLOCK_N=bn, MAXIMA=maxima, PAIR=pair, num_warps=warps, num_stages=stages)
+                            *score_args(scores, col_max, seg_out), H=h, D=d, N_COLUMNS=columns, GROUP_N=it.GROUP_N,
+                            BLOCK_M=bm, BLOCK_N=bn, MAXIMA=maxima, PAIR=pair, SEG=seg, num_warps=warps,
+                            num_stages=stages)
                     try:
                         scores.fill_(float("nan"))
                         col_max.fill_(float("nan"))
+                        seg_max.fill_(float("nan"))
                         run()
                         sync()
                         if ref_scores is None:
                             ref_scores = scores.clone()
                         same = bool(torch.equal(scores, ref_scores))
                         maxima_ok = not maxima or bool(torch.equal(col_max[0], group_maxima(ref_scores[0], bn)))
+                        if seg:
+                            maxima_ok &= bool(torch.equal(seg_out[0], ref_scores[0].view(ROWS, -1, seg).amax(-1)))
                         ms = cuda_ms(run)
                         row = dict(shape=shape, kernel=name, ms=ms, tflops=flops / ms / 1e9,
                                    pct_of_matmul=100 * flops / ms / 1e9 / ceil["matmul_tflops"],
                                    scores_equal=same, maxima_equal=maxima_ok)
-                        if same and maxima_ok and ((not maxima) not in best or ms < best[not maxima][0]):
-                            best[not maxima] = (ms, name, dict(BLOCK_M=bm, BLOCK_N=bn, PAIR=pair), warps, stages)
+                        source = bound_source(maxima, seg)
+                        if same and maxima_ok and (source not in best or ms < best[source][0]):
+                            best[source] = (ms, name, dict(BLOCK_M=bm, BLOCK_N=bn, PAIR=pair), warps, stages, seg)
                     except Exception as err:  # report and go on
                         row = dict(shape=shape, kernel=name, error=repr(err)[:400])
                     report(row)
@@ -269,20 +292,27 @@ def main() -> None:
         selected = torch.empty(1, ROWS, N_SELECT, dtype=torch.long, device=DEVICE)
         read_gb = ROWS * POOLS * 4 / 1e9
         best_sel = {}
-        for chunk, warps, split, loop_stages, bound_pass, compact in SELECT_VARIANTS:
+        # the segment maxima of every width, the selection's bound and the share of segments above it
+        seg_ref = {seg: ref_scores.view(1, ROWS, -1, seg).amax(-1).contiguous() for seg in (64, 128)}
+        bound = col_ref[0].topk(N_SELECT, dim=-1).values[:, -1:]
+        read_share = {seg: float((m[0] >= bound).float().mean()) for seg, m in seg_ref.items()}
+        hits = torch.empty(ROWS * (POOLS // 64), dtype=torch.int32, device=DEVICE)
+        for chunk, warps, split, loop_stages, bound_pass, compact, seg in SELECT_VARIANTS:
                     name = (f"select CHUNK={chunk} w{warps} SPLIT_SORT={int(split)} LOOP_STAGES={loop_stages} "
-                            f"BOUND_PASS={int(bound_pass)} COMPACT={compact}")
+                            f"BOUND_PASS={int(bound_pass)} COMPACT={compact} SEG={seg}")
+                    seg_in = seg_ref[seg] if seg else col_ref
 
                     def run_sel(chunk=chunk, warps=warps, split=split, loop_stages=loop_stages, bound_pass=bound_pass,
-                                compact=compact):
+                                compact=compact, seg=seg, seg_in=seg_in):
                         counts.zero_()
                         it._select_kernel.fn[(ROWS,)](
-                            ref_scores, col_ref, counts, slots, selected,
+                            ref_scores, col_ref, seg_in, hits, counts, slots, selected,
                             ref_scores.stride(0), ref_scores.stride(1), col_ref.stride(0), col_ref.stride(1),
+                            seg_in.stride(0), seg_in.stride(1),
                             counts.stride(0), selected.stride(0), selected.stride(1), ROWS, POOLS, 0, size_class,
                             N_SELECT=N_SELECT, N_COLUMNS=columns, CAPACITY=capacity, CHUNK=chunk,
                             SPLIT_SORT=split, LOOP_STAGES=loop_stages, BOUND_PASS=bound_pass, COMPACT=compact,
-                            num_warps=warps)
+                            SEG=seg, SEG_CHUNK=it.SEGMENT_CHUNK, num_warps=warps)
                     try:
                         selected.fill_(-7)
                         run_sel()
@@ -292,21 +322,20 @@ def main() -> None:
                         row = dict(shape=shape, kernel=name, ms=ms, read_tbps=read_gb / ms,
                                    pct_of_copy=100 * read_gb / ms / ceil["copy_tbps"],
                                    indices_equal=ok, candidates_mean=float(counts.float().mean()),
-                                   candidates_max=int(counts.max()))
-                        if ok and (bound_pass not in best_sel or ms < best_sel[bound_pass][0]):
-                            best_sel[bound_pass] = (ms, name, dict(CHUNK=chunk, SPLIT_SORT=split,
-                                                                   LOOP_STAGES=loop_stages, COMPACT=compact), warps)
+                                   candidates_max=int(counts.max()), row_share_read=read_share[seg] if seg else 1.0)
+                        source = bound_source(bound_pass, seg, selection=True)
+                        if ok and (source not in best_sel or ms < best_sel[source][0]):
+                            best_sel[source] = (ms, name, dict(CHUNK=chunk, SPLIT_SORT=split,
+                                                               LOOP_STAGES=loop_stages, COMPACT=compact), warps)
                     except Exception as err:
                         row = dict(shape=shape, kernel=name, error=repr(err)[:400])
                     report(row)
-        del ref_scores, scores, col_max, keys, want
+        del ref_scores, scores, col_max, seg_max, seg_ref, hits, keys, want
         torch.cuda.empty_cache()
-        for bound_pass in (False, True):
-            if bound_pass in best and bound_pass in best_sel:
-                report(dict(shape=shape, bound_in_selection=bound_pass, fastest_scores=best[bound_pass][1],
-                            ms=best[bound_pass][0], fastest_select=best_sel[bound_pass][1],
-                            select_ms=best_sel[bound_pass][0]))
-        if False in best and False in best_sel:
+        for source in sorted(set(best) & set(best_sel)):
+            report(dict(shape=shape, bound_source=source, fastest_scores=best[source][1], ms=best[source][0],
+                        fastest_select=best_sel[source][1], select_ms=best_sel[source][0]))
+        if "v9" in best and "v9" in best_sel:
             if DEVICE == "cuda":
                 end_to_end(shape, best, best_sel, ceil, report)
 

@@ -79,27 +79,30 @@ def main() -> None:
     columns, capacity = it._n_columns(n_select), it._capacity(n_select)
     rows = []
     score_sig = dict(zip(
-        ["Q", "PK", "W", "OUT", "COLMAX", "POOL_END", "POOL_DOC", "Q_POS", "Q_DOC"],
-        ["*bf16", "*bf16", "*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i32", "*i32"]))
+        ["Q", "PK", "W", "OUT", "COLMAX", "SEGMAX", "POOL_END", "POOL_DOC", "Q_POS", "Q_DOC"],
+        ["*bf16", "*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i32", "*i32"]))
     score_sig.update({n: "i64" for n in ["stride_qb", "stride_qt", "stride_qh", "stride_pb", "stride_pp",
-                                          "stride_wb", "stride_wt", "stride_ob", "stride_ot", "stride_cb", "stride_ct"]})
+                                          "stride_wb", "stride_wt", "stride_ob", "stride_ot", "stride_cb", "stride_ct",
+                                          "stride_gb", "stride_gt"]})
     score_sig.update({n: "i32" for n in ["n_q", "n_pools", "p_lo", "size_class"]})
     for config in it.SCORE_CONFIGS:
-        for maxima in (True, False):
-            kw = dict(config.kwargs, H=h, D=d, N_COLUMNS=columns, GROUP_N=it.GROUP_N, MAXIMA=maxima)
+        for maxima, seg in [(True, it.SEGMENT), (True, 0), (False, 0)]:
+            kw = dict(config.kwargs, H=h, D=d, N_COLUMNS=columns, GROUP_N=it.GROUP_N, MAXIMA=maxima, SEG=seg)
             name = "scores " + " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in config.kwargs.items())
-            name += f" MAXIMA={int(maxima)} w{config.num_warps} s{config.num_stages}"
+            name += f" MAXIMA={int(maxima)} SEG={seg} w{config.num_warps} s{config.num_stages}"
             rows.append((name, compile_sm90(it._pool_scores_kernel, score_sig, kw, config.num_warps,
                                             config.num_stages), config.num_warps))
-    select_sig = dict(zip(["S", "COLMAX", "COUNT", "SLOTS", "OUT"], ["*fp32", "*fp32", "*i32", "*i64", "*i64"]))
-    select_sig.update({n: "i64" for n in ["stride_sb", "stride_st", "stride_cb", "stride_ct", "stride_nb",
-                                           "stride_ob", "stride_ot"]})
+    select_sig = dict(zip(["S", "COLMAX", "SEGMAX", "HITS", "COUNT", "SLOTS", "OUT"],
+                          ["*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i64", "*i64"]))
+    select_sig.update({n: "i64" for n in ["stride_sb", "stride_st", "stride_cb", "stride_ct", "stride_gb", "stride_gt",
+                                           "stride_nb", "stride_ob", "stride_ot"]})
     select_sig.update({n: "i32" for n in ["n_rows", "n_cols", "p_lo", "size_class"]})
     for config in it.SELECT_CONFIGS:
-        for bound_pass in (False, True):
-            kw = dict(config.kwargs, N_SELECT=n_select, N_COLUMNS=columns, CAPACITY=capacity, BOUND_PASS=bound_pass)
+        for bound_pass, seg in [(False, it.SEGMENT), (False, 0), (True, 0)]:
+            kw = dict(config.kwargs, N_SELECT=n_select, N_COLUMNS=columns, CAPACITY=capacity, BOUND_PASS=bound_pass,
+                      SEG=seg, SEG_CHUNK=it.SEGMENT_CHUNK)
             name = f"select CHUNK={config.kwargs['CHUNK']} LOOP_STAGES={config.kwargs['LOOP_STAGES']} " \
-                   f"BOUND_PASS={int(bound_pass)} w{config.num_warps}"
+                   f"BOUND_PASS={int(bound_pass)} SEG={seg} w{config.num_warps}"
             rows.append((name, compile_sm90(it._select_kernel, select_sig, kw, config.num_warps), config.num_warps))
     expand_sig = dict(zip(["POOLS", "START", "Q_POS", "Q_DOC_START", "OUT"], ["*i64", "*i64", "*i64", "*i64", "*i32"]))
     expand_sig.update({n: "i64" for n in ["stride_pb", "stride_pt", "stride_ob", "stride_ot"]})
