@@ -99,14 +99,16 @@ SCRIPT = textwrap.dedent(
     # every source of the selection bound (the score kernel's column maxima or the selection's
     # own first pass), paired head products (PAIR), the split candidate sort and every way a
     # candidate gets its slot (COMPACT), and whether the selection reads whole rows or only the
-    # segments (of 8 or 32 pools: 4 or 1 per 32-pool tile) whose maximum reaches its bound
-    for bound_pass, pair, split, compact, segment in [
-            (False, False, False, "atomic", 0), (True, True, True, "relaxed", 8), (False, True, True, "relaxed", 8),
-            (True, False, False, "atomic", 0), (False, False, True, "relaxed", 32)]:
-        it.BOUND_IN_SELECTION, it.SEGMENT = bound_pass, segment
+    # segments (of 8 or 32 pools: 4 or 1 per 32-pool tile) whose maximum reaches its bound, in
+    # every query block or in those that see at least 16 pools (the 40-query blocks see 10-24)
+    for bound_pass, pair, split, compact, segment, min_pools in [
+            (False, False, False, "atomic", 0, 0), (True, True, True, "relaxed", 8, 0),
+            (False, True, True, "relaxed", 8, 0), (True, False, False, "atomic", 0, 0),
+            (False, False, True, "relaxed", 32, 0), (False, True, True, "relaxed", 8, 16)]:
+        it.BOUND_IN_SELECTION, it.SEGMENT, it.SEGMENT_MIN_POOLS = bound_pass, segment, min_pools
         score_cfg.update(PAIR=pair)
         select_cfg.update(SPLIT_SORT=split, LOOP_STAGES=2 if split else 1, COMPACT=compact)
-        check_indexer(bound_pass, pair, split, compact, segment)
+        check_indexer(bound_pass, pair, split, compact, segment, min_pools)
     print("TRITON_INTERPRETER_OK")
     """
 )

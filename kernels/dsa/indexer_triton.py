@@ -9,7 +9,7 @@ maxima of ``N_COLUMNS`` disjoint column groups (see the kernel). A second kernel
 reads the row once to keep the entries above it as composite int64 keys (score bits, then
 the complement of the pool index, as the torch path; slots taken by atomic increments) -- only
 the segments of :data:`SEGMENT` pools whose maximum (also kept by the score kernel) reaches
-the bound --,
+the bound, in blocks that see at least :data:`SEGMENT_MIN_POOLS` pools --,
 sorts those few keys in registers and writes the decoded pool indices: exact, with the tie
 rule (equal scores: lower pool index wins).
 Rows with more candidates than the slots hold (massive ties) are redone from their scores
@@ -134,7 +134,7 @@ def _pool_scores_kernel(
 
 
 SELECT_CONFIGS = [triton.Config({"CHUNK": c, "SPLIT_SORT": True, "LOOP_STAGES": st, "COMPACT": "relaxed"}, num_warps=4)
-                  for c, st in [(512, 3), (1024, 3), (2048, 3), (2048, 1), (4096, 1)]]
+                  for c, st in [(512, 2), (512, 3), (1024, 3), (2048, 3), (2048, 1), (4096, 1)]]
 """Autotuned configurations of :func:`_select_kernel`. The kernel is latency-bound (a load, an
 atomic and a store per chunk, serially): small chunks keep few registers (64-80 at 1024-2048 vs
 151 at 8192: more programs per SM) and pipelined loads overlap the chain; at 65,536 pools
@@ -201,8 +201,8 @@ def _select_kernel(
     ``SEG``-pool segments whose maximum reaches the bound are read (every passing entry lies in
     one): their indices are compacted ``SEG_CHUNK`` at a time (prefix sum) into the row's
     ``HITS`` scratch (int32, ``cdiv(n_cols, SEG)`` entries), then gathered ``CHUNK / SEG``
-    segments per step. For random scores about ``N_SELECT`` segments pass: a quarter of the row
-    at 65,536 pools, ``SEG`` 128, ``N_SELECT`` 128.
+    segments per step. For random scores a little more than ``N_SELECT`` segments pass: 13% of the
+    row at 65,536 pools, ``SEG`` 64, ``N_SELECT`` 128 (25% at ``SEG`` 128).
     """
     row = tl.program_id(0).to(tl.int64)
     b = row // n_rows
@@ -340,13 +340,18 @@ the score kernel keeps none. At 1M tokens, full shape: 0.7440 s against 0.7506 s
 (``tests/benchmarks/indexer_score_variants.py``, kernels/NOTES.md)."""
 
 
-SEGMENT = 128
+SEGMENT = 64
 """Pools per segment whose row maxima the score kernel keeps (``SEG``) so that the selection reads
 only the segments that can hold a candidate (v11, kernels/NOTES.md); 0: the selection reads
-whole rows (v9). Unused with the bound computed in the selection."""
+whole rows (v9). Unused with the bound computed in the selection. At 65,536 pools on an H200 the
+selection took 0.55 ms per 8192 rows with 64-pool segments (13% of each row read), 1.02 ms with
+128-pool ones (25% read) and 0.90 ms reading whole rows (``indexer_score_variants.py``)."""
+
+SEGMENT_MIN_POOLS = 0
+"""Query blocks that see fewer pools read whole rows (segment maxima do not pay below it)."""
 
 SEGMENT_CHUNK = 1024
-"""Segment maxima the selection compacts at a time (one step up to 131,072 pools at ``SEGMENT`` 128)."""
+"""Segment maxima the selection compacts at a time (one step up to 65,536 pools at ``SEGMENT`` 64)."""
 
 
 def _n_columns(n_select: int) -> int:
@@ -429,6 +434,7 @@ def triton_pool_topk(
     columns, capacity = _n_columns(n_select), _capacity(n_select)
     bound_pass = BOUND_IN_SELECTION if bound_pass is None else bound_pass
     seg = 0 if bound_pass else SEGMENT
+    min_pools = SEGMENT_MIN_POOLS
     rows_max = max(t1 - t0 for t0, t1, _, _ in blocks)
     pools_max = max(hi - lo for _, _, lo, hi in blocks)
     score_buf = torch.empty(batch * rows_max * pools_max, dtype=torch.float32, device=q.device)
@@ -440,9 +446,13 @@ def triton_pool_topk(
     slots = torch.empty(batch * rows_max, capacity, dtype=torch.long, device=q.device)
     counts = torch.zeros(batch, n_q, dtype=torch.int32, device=q.device)
 
+    def block_seg(n_pools: int) -> int:
+        return seg if n_pools >= min_pools else 0
+
     def block_scores(t0: int, t1: int, p_lo: int, n_pools: int) -> tuple[torch.Tensor, torch.Tensor]:
         scores = score_buf[: batch * (t1 - t0) * n_pools].view(batch, t1 - t0, n_pools)
-        n_segs = triton.cdiv(n_pools, seg) if seg else 1
+        width = block_seg(n_pools)
+        n_segs = triton.cdiv(n_pools, width) if width else 1
         seg_max = seg_buf[: batch * (t1 - t0) * n_segs].view(batch, t1 - t0, n_segs)
 
         def launch(meta, n_rows=t1 - t0):
@@ -458,7 +468,7 @@ def triton_pool_topk(
             col_max.stride(0), col_max.stride(1),
             seg_max.stride(0), seg_max.stride(1),
             t1 - t0, n_pools, p_lo, _size_class(n_pools), H=heads, D=dim, N_COLUMNS=columns, GROUP_N=GROUP_N,
-            MAXIMA=not bound_pass, SEG=seg,
+            MAXIMA=not bound_pass, SEG=width,
         )
         return scores, seg_max
 
@@ -472,7 +482,7 @@ def triton_pool_topk(
             seg_max.stride(0), seg_max.stride(1), cnt.stride(0), out.stride(0), out.stride(1),
             t1 - t0, n_pools, p_lo, _size_class(n_pools),
             N_SELECT=min(n_select, n_pools), N_COLUMNS=columns, CAPACITY=capacity, BOUND_PASS=bound_pass,
-            SEG=seg, SEG_CHUNK=SEGMENT_CHUNK,
+            SEG=block_seg(n_pools), SEG_CHUNK=SEGMENT_CHUNK,
         )
     if bool((counts > capacity).any()):
         for t0, t1, p_lo, p_hi in blocks:

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import kernels.dsa.indexer_triton as it  # noqa: E402
 from dsa_bench import KPOOL, SHAPES, TOPK, ceilings, indexer_inputs, timed  # noqa: E402
-from kernels.dsa.indexer import _selection_keys, decode_selection_keys  # noqa: E402
+from kernels.dsa.indexer import _selection_keys, decode_selection_keys, kpool_grid  # noqa: E402
 
 ROWS, POOLS, DEVICE = 8192, 65536, "cuda"
 REPORTED: list[dict] = []   # every row printed, in order
@@ -56,14 +56,17 @@ SCORE_VARIANTS = {
     "small": [(128, 128, 8, 3, m, p, 0) for m in (True, False) for p in (False, True)] + [
         (64, 128, 4, 3, True, False, 0), (128, 128, 8, 3, True, True, 128)],
 }
-QUICK_SCORE_VARIANTS = [(128, 128, 8, 3, m, p, 0) for m in (True, False) for p in (True, False)] + [
-    (128, 128, 8, 3, True, p, 128) for p in (True, False)] + [(128, 128, 8, 3, True, True, 64)]
+QUICK_SCORE_VARIANTS = [(128, 128, 8, 3, True, True, 0), (128, 128, 8, 3, False, True, 0),
+                        (128, 128, 8, 3, True, True, 64)]
 # (CHUNK, warps, SPLIT_SORT, LOOP_STAGES, BOUND_PASS, COMPACT, SEG)
 SELECT_VARIANTS = [(4096, 4, False, 1, False, "atomic", 0), (1024, 4, True, 3, False, "atomic", 0)] + [
                   (c, 4, True, st, bound, "relaxed", 0) for bound in (False, True)
                   for c, st in [(512, 3), (1024, 3), (1024, 4), (2048, 3)]] + [
                   (c, 4, True, st, False, "relaxed", seg) for seg in (128, 64)
                   for c, st in [(512, 2), (512, 3), (1024, 3), (2048, 3)]]
+QUICK_SELECT_VARIANTS = [(c, 4, True, st, bound, "relaxed", seg) for c, st, bound, seg in [
+    (512, 3, False, 0), (1024, 3, False, 0), (1024, 3, True, 0), (512, 2, False, 64), (512, 3, False, 64)]]
+CROSSOVER_POOLS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 
 def bound_source(maxima_or_bound_pass: bool, seg: int, selection: bool = False) -> str:
@@ -114,20 +117,28 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
     from kernels.dsa.indexer import _expand_selection
 
     first = best["v9"]
-    # name -> (bound in selection, segment width, score config, selection config, expansion)
-    variants = {"v6b": (False, 0, (dict(first[2], PAIR=False), first[3], first[4]),
+    # name -> (bound in selection, segment width, SEGMENT_MIN_POOLS, score config, selection config, expansion)
+    variants = {"v6b": (False, 0, 0, (dict(first[2], PAIR=False), first[3], first[4]),
                         (dict(CHUNK=4096, SPLIT_SORT=False, LOOP_STAGES=1, COMPACT="atomic"), 4), "torch"),
-                "v7": (False, 0, first[2:5], (dict(CHUNK=1024, SPLIT_SORT=True, LOOP_STAGES=3, COMPACT="atomic"), 4),
+                "v7": (False, 0, 0, first[2:5], (dict(CHUNK=1024, SPLIT_SORT=True, LOOP_STAGES=3, COMPACT="atomic"), 4),
                        "triton")}
     for source in sorted(set(best) & set(best_sel)):   # v11 once per segment width
         name = {"v9": "v9", "v8": "v9, bound in selection"}.get(source, source)
-        variants[name] = (source == "v8", best[source][5], best[source][2:5], best_sel[source][2:4], "triton")
+        variants[name] = (source == "v8", best[source][5], 0, best[source][2:5], best_sel[source][2:4], "triton")
     one_kernel = it.triton_expand_selection
+    for name in [n for n in variants if n.startswith("v11")]:   # v11 from the block size where it pays
+        try:
+            pools = crossover(shape, variants["v9"], variants[name], report)
+        except Exception as err:  # the end-to-end rows stand without it
+            report(dict(shape=shape, crossover_error=repr(err)[:400]))
+            pools = None
+        if pools is not None:
+            variants[f"{name} from {pools} pools"] = variants[name][:2] + (pools,) + variants[name][3:]
     for seq_len in (262144, 1048576):
         inputs, kw, flops = indexer_inputs(seq_len, SHAPES[shape], seed=seq_len)
         picked = {}
-        for name, (bound_pass, seg, (skw, sw, sst), (selkw, selw), expand) in variants.items():
-            it.BOUND_IN_SELECTION, it.SEGMENT = bound_pass, seg
+        for name, (bound_pass, seg, min_pools, (skw, sw, sst), (selkw, selw), expand) in variants.items():
+            it.BOUND_IN_SELECTION, it.SEGMENT, it.SEGMENT_MIN_POOLS = bound_pass, seg, min_pools
             # lightning_indexer_topk imports the expansion at call time
             it.triton_expand_selection = one_kernel if expand == "triton" else _expand_selection
             pin_configs(skw, sw, sst, selkw, selw)
@@ -141,11 +152,45 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
     # leave the fastest end-to-end variant pinned (for --profile)
     fastest = min((r for r in REPORTED if r.get("end_to_end") and r["shape"] == shape and r["seq_len"] == 1048576),
                   key=lambda r: r["seconds"])["end_to_end"]
-    bound_pass, seg, (skw, sw, sst), (selkw, selw), expand = variants[fastest]
-    it.BOUND_IN_SELECTION, it.SEGMENT = bound_pass, seg
+    bound_pass, seg, min_pools, (skw, sw, sst), (selkw, selw), expand = variants[fastest]
+    it.BOUND_IN_SELECTION, it.SEGMENT, it.SEGMENT_MIN_POOLS = bound_pass, seg, min_pools
     it.triton_expand_selection = one_kernel if expand == "triton" else _expand_selection
     pin_configs(skw, sw, sst, selkw, selw)
     report(dict(shape=shape, profiled_variant=fastest))
+
+
+def crossover(shape: str, whole, segmented, report) -> int | None:
+    """The smallest pool count of :data:`CROSSOVER_POOLS` from which one query block (8192 queries,
+    the last of a sequence, :func:`kernels.dsa.indexer_triton.triton_pool_topk`) is faster with
+    the ``segmented`` variant (v11: segment maxima, the selection reads the segments above its
+    bound) than with ``whole`` (v9: whole rows) at every larger count; None if never. Both
+    variants are :func:`end_to_end` tuples; their indices must be equal."""
+    h, d = SHAPES[shape]["index_heads"], SHAPES[shape]["index_dim"]
+    times = {}
+    for pools in CROSSOVER_POOLS:
+        n_keys = (pools + ROWS // KPOOL) * KPOOL   # the block's last query sees pools + 512 pools
+        gen = torch.Generator(device=DEVICE).manual_seed(pools)
+        q = torch.randn(1, ROWS, h, d, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+        pk = torch.randn(1, n_keys // KPOOL, d, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+        w = torch.randn(1, ROWS, h, device=DEVICE, generator=gen) * h**-0.5
+        grid = kpool_grid(n_keys, KPOOL, device=DEVICE)
+        got = {}
+        for name, variant in [("v9", whole), ("v11", segmented)]:
+            bound_pass, seg, _, (skw, sw, sst), (selkw, selw), _ = variant
+            it.BOUND_IN_SELECTION, it.SEGMENT, it.SEGMENT_MIN_POOLS = bound_pass, seg, 0
+            pin_configs(skw, sw, sst, selkw, selw)
+
+            def call():
+                return it.triton_pool_topk(q, pk, w, grid, N_SELECT, d**-0.5, n_keys - ROWS)
+            got[name] = call()
+            times[pools, name] = cuda_ms(call)
+        report(dict(shape=shape, crossover_pools=pools, v9_ms=times[pools, "v9"], v11_ms=times[pools, "v11"],
+                    segment=segmented[1], identical=bool(torch.equal(got["v9"], got["v11"]))))
+    faster = [times[p, "v11"] < times[p, "v9"] for p in CROSSOVER_POOLS]
+    for i, pools in enumerate(CROSSOVER_POOLS):
+        if all(faster[i:]):
+            return pools
+    return None
 
 
 def device_idle(prof) -> dict:
@@ -297,7 +342,8 @@ def main() -> None:
         bound = col_ref[0].topk(N_SELECT, dim=-1).values[:, -1:]
         read_share = {seg: float((m[0] >= bound).float().mean()) for seg, m in seg_ref.items()}
         hits = torch.empty(ROWS * (POOLS // 64), dtype=torch.int32, device=DEVICE)
-        for chunk, warps, split, loop_stages, bound_pass, compact, seg in SELECT_VARIANTS:
+        for chunk, warps, split, loop_stages, bound_pass, compact, seg in (
+                QUICK_SELECT_VARIANTS if args.quick else SELECT_VARIANTS):
                     name = (f"select CHUNK={chunk} w{warps} SPLIT_SORT={int(split)} LOOP_STAGES={loop_stages} "
                             f"BOUND_PASS={int(bound_pass)} COMPACT={compact} SEG={seg}")
                     seg_in = seg_ref[seg] if seg else col_ref
