@@ -347,8 +347,14 @@ whole rows (v9). Unused with the bound computed in the selection. At 65,536 pool
 selection took 0.55 ms per 8192 rows with 64-pool segments (13% of each row read), 1.02 ms with
 128-pool ones (25% read) and 0.90 ms reading whole rows (``indexer_score_variants.py``)."""
 
-SEGMENT_MIN_POOLS = 0
-"""Query blocks that see fewer pools read whole rows (segment maxima do not pay below it)."""
+SEGMENT_MIN_POOLS = 16384
+"""Query blocks that see fewer pools read whole rows: there the score kernel's segment maxima cost
+more than the selection saves. One 8192-query block on an H200, full shape (index dim 128), whole
+rows against 64-pool segments: 2.01 vs 2.07 ms at 8192 pools, 3.49 vs 3.25 at 16,384, 10.37 vs
+10.29 at 65,536; end to end at 1M tokens 0.6874 s (v9) against 0.6645 s with this threshold and
+0.6684 s without one; at 256k 0.0493 / 0.0503 / 0.0520 s (``indexer_score_variants.py``,
+kernels/NOTES.md, v11). For index dim 64 segments paid only at 65,536 pools and no end-to-end
+variant beat whole rows beyond noise (1M: 0.2840 s whole rows, 0.2859 s segmented)."""
 
 SEGMENT_CHUNK = 1024
 """Segment maxima the selection compacts at a time (one step up to 65,536 pools at ``SEGMENT`` 64)."""
