@@ -58,6 +58,7 @@ def _pool_scores_kernel(
     n_q, n_pools, p_lo, size_class,
     H: tl.constexpr, D: tl.constexpr, N_COLUMNS: tl.constexpr, GROUP_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAXIMA: tl.constexpr, PAIR: tl.constexpr, SEG: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Scores of ``BLOCK_M`` queries against the pool tiles ``pid_n, pid_n + n_prog, ...``
     (``n_prog = N_COLUMNS / GROUP_N`` programs along the pools) and the row maxima of this
@@ -72,7 +73,11 @@ def _pool_scores_kernel(
     the sm_90 TTGIR, ``tests/benchmarks/sm90_resources.py``), so no epilogue overlaps an MMA.
     ``SEG > 0`` (divides ``BLOCK_N``): also the row maxima of every ``SEG`` consecutive pools
     (segment ``s``: pools ``[s * SEG, (s + 1) * SEG)``) into ``SEGMAX`` ``[B, n_q,
-    cdiv(n_pools, SEG)]``, for the selection to skip segments below its bound."""
+    cdiv(n_pools, SEG)]``, for the selection to skip segments below its bound.
+    ``TMA``: queries and pool keys arrive through tensor descriptors (``tl.make_tensor_descriptor``,
+    out-of-range rows zero-filled as the masked loads' ``other``) instead of per-element pointer
+    tensors, whose registers made ptxas spill (``q`` must have ``stride_qh == D``; the caller sets
+    ``triton.set_allocator``)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -86,21 +91,34 @@ def _pool_scores_kernel(
     q_doc = tl.load(Q_DOC + offs_m, mask=mask_m, other=-1)
     q_base = Q + b * stride_qb + offs_m[:, None] * stride_qt + offs_d[None, :]
     w_base = W + b * stride_wb + offs_m * stride_wt
+    if TMA:
+        pid_b = tl.program_id(2)
+        n_batch = tl.num_programs(2)
+        q_desc = tl.make_tensor_descriptor(Q, shape=[n_batch, n_q, H * D], strides=[stride_qb, stride_qt, 1],
+                                           block_shape=[1, BLOCK_M, D])
+        pk_desc = tl.make_tensor_descriptor(PK, shape=[n_batch, p_lo + n_pools, D], strides=[stride_pb, stride_pp, 1],
+                                            block_shape=[1, BLOCK_N, D])
     col_max = tl.full([BLOCK_M, GROUP_N], float("-inf"), tl.float32)
     for n0 in range(pid_n * BLOCK_N, n_pools, n_prog * BLOCK_N):
         offs_n = n0 + offs_c
         mask_n = offs_n < n_pools
-        pk = tl.load(
-            PK + b * stride_pb + (p_lo + offs_n)[:, None] * stride_pp + offs_d[None, :], mask=mask_n[:, None], other=0.0
-        )
+        if TMA:
+            pk = pk_desc.load([pid_b, p_lo + n0, 0]).reshape(BLOCK_N, D)
+        else:
+            pk = tl.load(PK + b * stride_pb + (p_lo + offs_n)[:, None] * stride_pp + offs_d[None, :],
+                         mask=mask_n[:, None], other=0.0)
         pk_t = tl.trans(pk)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         # relu(scale * s) * w == relu(s) * (scale * w) for scale > 0: W arrives pre-scaled
         if PAIR:
             tl.static_assert(H % 2 == 0)
             for h in range(0, H, 2):
-                q0 = tl.load(q_base + h * stride_qh, mask=mask_m[:, None], other=0.0)
-                q1 = tl.load(q_base + (h + 1) * stride_qh, mask=mask_m[:, None], other=0.0)
+                if TMA:
+                    q0 = q_desc.load([pid_b, pid_m * BLOCK_M, h * D]).reshape(BLOCK_M, D)
+                    q1 = q_desc.load([pid_b, pid_m * BLOCK_M, (h + 1) * D]).reshape(BLOCK_M, D)
+                else:
+                    q0 = tl.load(q_base + h * stride_qh, mask=mask_m[:, None], other=0.0)
+                    q1 = tl.load(q_base + (h + 1) * stride_qh, mask=mask_m[:, None], other=0.0)
                 w0 = tl.load(w_base + h, mask=mask_m, other=0.0).to(tl.float32)
                 w1 = tl.load(w_base + h + 1, mask=mask_m, other=0.0).to(tl.float32)
                 s0 = tl.dot(q0, pk_t)
@@ -109,7 +127,10 @@ def _pool_scores_kernel(
                 acc += tl.maximum(s1, 0.0) * w1[:, None]
         else:
             for h in range(H):
-                q = tl.load(q_base + h * stride_qh, mask=mask_m[:, None], other=0.0)
+                if TMA:
+                    q = q_desc.load([pid_b, pid_m * BLOCK_M, h * D]).reshape(BLOCK_M, D)
+                else:
+                    q = tl.load(q_base + h * stride_qh, mask=mask_m[:, None], other=0.0)
                 w = tl.load(w_base + h, mask=mask_m, other=0.0).to(tl.float32)
                 acc += tl.maximum(tl.dot(q, pk_t), 0.0) * w[:, None]
         # loaded after the head loop: live across it they made ptxas spill (sm90_resources.py)
@@ -360,6 +381,16 @@ SEGMENT_CHUNK = 1024
 """Segment maxima the selection compacts at a time (one step up to 65,536 pools at ``SEGMENT`` 64)."""
 
 
+TENSOR_DESCRIPTORS = True
+"""Whether the score kernel loads queries and pool keys through tensor descriptors (``TMA``)."""
+
+
+def _set_descriptor_allocator(device: torch.device) -> None:
+    """Give Triton global scratch on ``device`` for device-side tensor descriptors (128 bytes per
+    descriptor and program; ``triton.set_allocator`` is process-wide, the last call wins)."""
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+
+
 def _n_columns(n_select: int) -> int:
     """Column groups per score row: ``>= 4 * n_select`` (a tight bound), a power of two and a
     multiple of ``GROUP_N`` (each score program owns ``GROUP_N`` of them)."""
@@ -438,6 +469,8 @@ def triton_pool_topk(
     if not blocks:
         return selected
     columns, capacity = _n_columns(n_select), _capacity(n_select)
+    if TENSOR_DESCRIPTORS:
+        _set_descriptor_allocator(q.device)
     bound_pass = BOUND_IN_SELECTION if bound_pass is None else bound_pass
     seg = 0 if bound_pass else SEGMENT
     min_pools = SEGMENT_MIN_POOLS
@@ -474,7 +507,7 @@ def triton_pool_topk(
             col_max.stride(0), col_max.stride(1),
             seg_max.stride(0), seg_max.stride(1),
             t1 - t0, n_pools, p_lo, _size_class(n_pools), H=heads, D=dim, N_COLUMNS=columns, GROUP_N=GROUP_N,
-            MAXIMA=not bound_pass, SEG=width,
+            MAXIMA=not bound_pass, SEG=width, TMA=TENSOR_DESCRIPTORS,
         )
         return scores, seg_max
 

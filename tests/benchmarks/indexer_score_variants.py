@@ -1,19 +1,22 @@
 """Lightning indexer kernels, variant by variant, on the largest query block of a 1M-token sequence.
 
-    python tests/benchmarks/indexer_score_variants.py [--shapes full small] [--profile] [--out f.json]
+    python tests/benchmarks/indexer_score_variants.py [--shapes full small] [--quick] [--profile] [--crossover]
+        [--out f.json]
 
 One block of 8192 queries against 65,536 visible pools (the last block at 1M tokens, kpool 16)
 per DSA shape (``dsa_bench.SHAPES``). Times, in the same run and on the same bf16 inputs:
 
 * :func:`kernels.dsa.indexer_triton._pool_scores_kernel` for every tile x ``MAXIMA`` (whether
   it folds the column-group maxima) x ``PAIR`` (two heads' products issued back to back) x ``SEG``
-  (segment maxima kept, v11) variant, called directly (``.fn``, no autotuner; ``MAXIMA`` False:
-  the v8 split), and the v5 score kernel (no maxima;
+  (segment maxima kept, v11) x ``TMA`` (tensor-descriptor loads, v12) variant, called directly
+  (``.fn``, no autotuner; ``MAXIMA`` False: the v8 split), and the v5 score kernel (no maxima;
   ``--anchor .bench/indexer_v5.py``, an earlier copy of the file) as the no-fold baseline;
 * :func:`kernels.dsa.indexer_triton._select_kernel` for every ``CHUNK`` x warps x
   ``SPLIT_SORT`` x ``LOOP_STAGES`` x ``BOUND_PASS`` x ``SEG`` variant on the scores of the first variant;
 * end to end (:func:`end_to_end`): v6b against the fastest v7 (bound from the score kernel),
-  v8 (bound from the selection's own pass), v9 and v11 (segment skip) at 256k and 1M tokens.
+  v8 (bound from the selection's own pass), v9 and v11 (segment skip), each with and without
+  tensor descriptors, at 256k and 1M tokens; ``--crossover`` adds v11 from the pool count where
+  one query block gains (:func:`crossover`).
 
 Every score variant must write the same scores as the first and the maxima of its own column
 groups and segments (recomputed here with torch from the scores); every selection variant the same indices,
@@ -48,16 +51,17 @@ N_SELECT = TOPK // KPOOL
 # and without maxima and pairing, and one warpgroup per 64-query tile (two CTAs per SM at 255
 # registers, tests/benchmarks/sm90_resources.py: one CTA's ReLU-weighted epilogue can run beside
 # the other's MMA; PAIR with 2 stages to fit two CTAs' shared memory)
-# (..., SEG): the segment width of the v11 maxima (0: none)
+# (..., SEG, TMA): the segment width of the v11 maxima (0: none); queries and pool keys through
+# tensor descriptors (v12)
 SCORE_VARIANTS = {
-    "full": [(128, 128, 8, 3, m, p, 0) for m in (True, False) for p in (False, True)] + [
-        (64, 128, 4, st, m, p, 0) for m in (True, False) for st, p in [(3, False), (2, True)]] + [
-        (128, 128, 8, 3, True, p, 128) for p in (True, False)] + [(128, 128, 8, 3, True, True, 64)],
-    "small": [(128, 128, 8, 3, m, p, 0) for m in (True, False) for p in (False, True)] + [
-        (64, 128, 4, 3, True, False, 0), (128, 128, 8, 3, True, True, 128)],
+    "full": [(128, 128, 8, 3, m, p, 0, t) for m in (True, False) for p in (False, True) for t in (False, True)] + [
+        (64, 128, 4, st, m, p, 0, True) for m in (True, False) for st, p in [(3, False), (2, True)]] + [
+        (128, 128, 8, 3, True, p, seg, t) for p in (True, False) for seg in (64, 128) for t in (False, True)],
+    "small": [(128, 128, 8, 3, m, p, 0, t) for m in (True, False) for p in (False, True) for t in (False, True)] + [
+        (64, 128, 4, 3, True, False, 0, True), (128, 128, 8, 3, True, True, 64, True)],
 }
-QUICK_SCORE_VARIANTS = [(128, 128, 8, 3, True, True, 0), (128, 128, 8, 3, False, True, 0),
-                        (128, 128, 8, 3, True, True, 64)]
+QUICK_SCORE_VARIANTS = [(128, 128, 8, 3, True, pair, seg, tma) for pair, seg, tma in [
+    (True, 0, False), (True, 0, True), (True, 64, False), (True, 64, True), (False, 64, True)]]
 # (CHUNK, warps, SPLIT_SORT, LOOP_STAGES, BOUND_PASS, COMPACT, SEG)
 SELECT_VARIANTS = [(4096, 4, False, 1, False, "atomic", 0), (1024, 4, True, 3, False, "atomic", 0)] + [
                   (c, 4, True, st, bound, "relaxed", 0) for bound in (False, True)
@@ -67,6 +71,8 @@ SELECT_VARIANTS = [(4096, 4, False, 1, False, "atomic", 0), (1024, 4, True, 3, F
 QUICK_SELECT_VARIANTS = [(c, 4, True, st, bound, "relaxed", seg) for c, st, bound, seg in [
     (512, 3, False, 0), (1024, 3, False, 0), (1024, 3, True, 0), (512, 2, False, 64), (512, 3, False, 64)]]
 CROSSOVER_POOLS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+CROSSOVER = False   # --crossover: v11 also from the crossover pool count (crossover())
+DEFAULT_MIN_POOLS = it.SEGMENT_MIN_POOLS
 
 
 def bound_source(maxima_or_bound_pass: bool, seg: int, selection: bool = False) -> str:
@@ -117,18 +123,23 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
     from kernels.dsa.indexer import _expand_selection
 
     first = best["v9"]
-    # name -> (bound in selection, segment width, SEGMENT_MIN_POOLS, score config, selection config, expansion)
+    # name -> (bound in selection, segment width, SEGMENT_MIN_POOLS, score config, selection config, expansion,
+    # tensor descriptors)
     variants = {"v6b": (False, 0, 0, (dict(first[2], PAIR=False), first[3], first[4]),
-                        (dict(CHUNK=4096, SPLIT_SORT=False, LOOP_STAGES=1, COMPACT="atomic"), 4), "torch"),
+                        (dict(CHUNK=4096, SPLIT_SORT=False, LOOP_STAGES=1, COMPACT="atomic"), 4), "torch", False),
                 "v7": (False, 0, 0, first[2:5], (dict(CHUNK=1024, SPLIT_SORT=True, LOOP_STAGES=3, COMPACT="atomic"), 4),
-                       "triton")}
-    for source in sorted(set(best) & set(best_sel)):   # v11 once per segment width
-        name = {"v9": "v9", "v8": "v9, bound in selection"}.get(source, source)
-        variants[name] = (source == "v8", best[source][5], 0, best[source][2:5], best_sel[source][2:4], "triton")
+                       "triton", False)}
+    for source in sorted(best):   # v11 once per segment width, each with and without TMA
+        plain = source.removesuffix(" TMA")
+        if plain in best_sel:
+            name = {"v8": "v9, bound in selection"}.get(plain, plain) + source[len(plain):]
+            variants[name] = (plain == "v8", best[source][5], DEFAULT_MIN_POOLS, best[source][2:5],
+                              best_sel[plain][2:4], "triton", best[source][6])
     one_kernel = it.triton_expand_selection
-    for name in [n for n in variants if n.startswith("v11")]:   # v11 from the block size where it pays
+    for name in [n for n in variants if n.startswith("v11") and CROSSOVER]:   # from the block size where it pays
+        whole = variants.get("v9 TMA" if name.endswith("TMA") else "v9")
         try:
-            pools = crossover(shape, variants["v9"], variants[name], report)
+            pools = crossover(shape, whole, variants[name], report)
         except Exception as err:  # the end-to-end rows stand without it
             report(dict(shape=shape, crossover_error=repr(err)[:400]))
             pools = None
@@ -137,8 +148,9 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
     for seq_len in (262144, 1048576):
         inputs, kw, flops = indexer_inputs(seq_len, SHAPES[shape], seed=seq_len)
         picked = {}
-        for name, (bound_pass, seg, min_pools, (skw, sw, sst), (selkw, selw), expand) in variants.items():
+        for name, (bound_pass, seg, min_pools, (skw, sw, sst), (selkw, selw), expand, tma) in variants.items():
             it.BOUND_IN_SELECTION, it.SEGMENT, it.SEGMENT_MIN_POOLS = bound_pass, seg, min_pools
+            it.TENSOR_DESCRIPTORS = tma
             # lightning_indexer_topk imports the expansion at call time
             it.triton_expand_selection = one_kernel if expand == "triton" else _expand_selection
             pin_configs(skw, sw, sst, selkw, selw)
@@ -152,8 +164,9 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
     # leave the fastest end-to-end variant pinned (for --profile)
     fastest = min((r for r in REPORTED if r.get("end_to_end") and r["shape"] == shape and r["seq_len"] == 1048576),
                   key=lambda r: r["seconds"])["end_to_end"]
-    bound_pass, seg, min_pools, (skw, sw, sst), (selkw, selw), expand = variants[fastest]
+    bound_pass, seg, min_pools, (skw, sw, sst), (selkw, selw), expand, tma = variants[fastest]
     it.BOUND_IN_SELECTION, it.SEGMENT, it.SEGMENT_MIN_POOLS = bound_pass, seg, min_pools
+    it.TENSOR_DESCRIPTORS = tma
     it.triton_expand_selection = one_kernel if expand == "triton" else _expand_selection
     pin_configs(skw, sw, sst, selkw, selw)
     report(dict(shape=shape, profiled_variant=fastest))
@@ -176,8 +189,9 @@ def crossover(shape: str, whole, segmented, report) -> int | None:
         grid = kpool_grid(n_keys, KPOOL, device=DEVICE)
         got = {}
         for name, variant in [("v9", whole), ("v11", segmented)]:
-            bound_pass, seg, _, (skw, sw, sst), (selkw, selw), _ = variant
+            bound_pass, seg, _, (skw, sw, sst), (selkw, selw), _, tma = variant
             it.BOUND_IN_SELECTION, it.SEGMENT, it.SEGMENT_MIN_POOLS = bound_pass, seg, 0
+            it.TENSOR_DESCRIPTORS = tma
             pin_configs(skw, sw, sst, selkw, selw)
 
             def call():
@@ -220,7 +234,7 @@ def pin_configs(score_kw: dict, score_warps: int, score_stages: int, select_kw: 
 
 
 def main() -> None:
-    global ROWS, POOLS, DEVICE
+    global ROWS, POOLS, DEVICE, CROSSOVER
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["full", "small"], choices=list(SHAPES))
     parser.add_argument("--anchor", default=".bench/indexer_v5.py")
@@ -228,12 +242,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="the 128x128 tile with and without maxima and PAIR only, no v5 baseline")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--crossover", action="store_true",
+                        help="time one query block per pool count, whole rows against segments (v11)")
     parser.add_argument("--rows", type=int, default=ROWS)
     parser.add_argument("--pools", type=int, default=POOLS)
     parser.add_argument("--device", default="cuda",
                         help="cpu: check the script under TRITON_INTERPRET=1 (float32, small --rows/--pools)")
     args = parser.parse_args()
-    ROWS, POOLS, DEVICE = args.rows, args.pools, args.device
+    ROWS, POOLS, DEVICE, CROSSOVER = args.rows, args.pools, args.device, args.crossover
+    it._set_descriptor_allocator(torch.device(DEVICE))   # the TMA variants' descriptors
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     v5 = None
     if not args.quick:   # --quick skips the v5 baseline: the anchor file need not be there
@@ -274,14 +291,17 @@ def main() -> None:
                     ROWS, POOLS, 0, size_class)
 
         best = {}   # bound_source -> the fastest score variant
-        for bm, bn, warps, stages, maxima, pair, seg in (QUICK_SCORE_VARIANTS if args.quick else SCORE_VARIANTS[shape]):
-                    name = f"scores {bm}x{bn} w{warps} s{stages} MAXIMA={int(maxima)} PAIR={int(pair)} SEG={seg}"
+        for bm, bn, warps, stages, maxima, pair, seg, tma in (
+                QUICK_SCORE_VARIANTS if args.quick else SCORE_VARIANTS[shape]):
+                    name = (f"scores {bm}x{bn} w{warps} s{stages} MAXIMA={int(maxima)} PAIR={int(pair)} SEG={seg} "
+                            f"TMA={int(tma)}")
                     seg_out = seg_max[..., :POOLS // seg] if seg else seg_max
 
-                    def run(bm=bm, bn=bn, warps=warps, stages=stages, maxima=maxima, pair=pair, seg=seg, seg_out=seg_out):
+                    def run(bm=bm, bn=bn, warps=warps, stages=stages, maxima=maxima, pair=pair, seg=seg, seg_out=seg_out,
+                            tma=tma):
                         it._pool_scores_kernel.fn[(columns // it.GROUP_N, triton.cdiv(ROWS, bm), 1)](
                             *score_args(scores, col_max, seg_out), H=h, D=d, N_COLUMNS=columns, GROUP_N=it.GROUP_N,
-                            BLOCK_M=bm, BLOCK_N=bn, MAXIMA=maxima, PAIR=pair, SEG=seg, num_warps=warps,
+                            BLOCK_M=bm, BLOCK_N=bn, MAXIMA=maxima, PAIR=pair, SEG=seg, TMA=tma, num_warps=warps,
                             num_stages=stages)
                     try:
                         scores.fill_(float("nan"))
@@ -299,9 +319,9 @@ def main() -> None:
                         row = dict(shape=shape, kernel=name, ms=ms, tflops=flops / ms / 1e9,
                                    pct_of_matmul=100 * flops / ms / 1e9 / ceil["matmul_tflops"],
                                    scores_equal=same, maxima_equal=maxima_ok)
-                        source = bound_source(maxima, seg)
+                        source = bound_source(maxima, seg) + (" TMA" if tma else "")
                         if same and maxima_ok and (source not in best or ms < best[source][0]):
-                            best[source] = (ms, name, dict(BLOCK_M=bm, BLOCK_N=bn, PAIR=pair), warps, stages, seg)
+                            best[source] = (ms, name, dict(BLOCK_M=bm, BLOCK_N=bn, PAIR=pair), warps, stages, seg, tma)
                     except Exception as err:  # report and go on
                         row = dict(shape=shape, kernel=name, error=repr(err)[:400])
                     report(row)
@@ -378,9 +398,11 @@ def main() -> None:
                     report(row)
         del ref_scores, scores, col_max, seg_max, seg_ref, hits, keys, want
         torch.cuda.empty_cache()
-        for source in sorted(set(best) & set(best_sel)):
-            report(dict(shape=shape, bound_source=source, fastest_scores=best[source][1], ms=best[source][0],
-                        fastest_select=best_sel[source][1], select_ms=best_sel[source][0]))
+        for source in sorted(best):
+            plain = source.removesuffix(" TMA")
+            if plain in best_sel:
+                report(dict(shape=shape, bound_source=source, fastest_scores=best[source][1], ms=best[source][0],
+                            fastest_select=best_sel[plain][1], select_ms=best_sel[plain][0]))
         if "v9" in best and "v9" in best_sel:
             if DEVICE == "cuda":
                 end_to_end(shape, best, best_sel, ceil, report)

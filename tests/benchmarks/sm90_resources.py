@@ -86,10 +86,10 @@ def main() -> None:
                                           "stride_gb", "stride_gt"]})
     score_sig.update({n: "i32" for n in ["n_q", "n_pools", "p_lo", "size_class"]})
     for config in it.SCORE_CONFIGS:
-        for maxima, seg in [(True, it.SEGMENT), (True, 0), (False, 0)]:
-            kw = dict(config.kwargs, H=h, D=d, N_COLUMNS=columns, GROUP_N=it.GROUP_N, MAXIMA=maxima, SEG=seg)
+        for maxima, seg, tma in [(True, it.SEGMENT, True), (True, it.SEGMENT, False), (True, 0, True), (False, 0, True)]:
+            kw = dict(config.kwargs, H=h, D=d, N_COLUMNS=columns, GROUP_N=it.GROUP_N, MAXIMA=maxima, SEG=seg, TMA=tma)
             name = "scores " + " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in config.kwargs.items())
-            name += f" MAXIMA={int(maxima)} SEG={seg} w{config.num_warps} s{config.num_stages}"
+            name += f" MAXIMA={int(maxima)} SEG={seg} TMA={int(tma)} w{config.num_warps} s{config.num_stages}"
             rows.append((name, compile_sm90(it._pool_scores_kernel, score_sig, kw, config.num_warps,
                                             config.num_stages), config.num_warps))
     select_sig = dict(zip(["S", "COLMAX", "SEGMAX", "HITS", "COUNT", "SLOTS", "OUT"],
