@@ -11,7 +11,7 @@
 # gradients), dsacheck (tests/gpu/dsa_check.py: correctness, CP over every GPU pair/quad), indexer
 # (tests/benchmarks/indexer_versions.py against $INDEXER_ANCHOR, default .bench/indexer_v5.py,
 # carried: an earlier kernels/dsa/indexer_triton.py), variants (tests/benchmarks/indexer_score_variants.py),
-# bench (dsa_bench.py alone), dsa (dsa_check.py + dsa_bench.py).
+# bench (dsa_bench.py alone, with $BENCH_ARGS), dsa (dsa_check.py + dsa_bench.py).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -59,6 +59,6 @@ part indexer "${T_INDEXER:-170}" python3 tests/benchmarks/indexer_versions.py --
   --seq-lens ${INDEXER_SEQ:-1048576 262144} --shapes ${INDEXER_SHAPES:-full small} --out "$OUT/indexer_versions.json"
 part variants "${T_VARIANTS:-240}" python3 tests/benchmarks/indexer_score_variants.py ${VARIANTS_ARGS:---shapes small full --profile} \
   --out "$OUT/indexer_score_variants.json"
-part bench "${T_BENCH:-420}" python3 tests/benchmarks/dsa_bench.py --out "$OUT/dsa_bench.json"
+part bench "${T_BENCH:-420}" python3 tests/benchmarks/dsa_bench.py ${BENCH_ARGS:-} --out "$OUT/dsa_bench.json"
 part dsa "${T_DSA:-300}" bash -c "python3 tests/gpu/dsa_check.py --out $OUT/dsa_check.json && \
   python3 tests/benchmarks/dsa_bench.py --out $OUT/dsa_bench.json"
