@@ -248,7 +248,7 @@ def _select_kernel(
         tl.static_assert(CHUNK % SEG == 0)
         n_segs = tl.cdiv(n_cols, SEG)
         seg_row = SEGMAX + b * stride_gb + t * stride_gt
-        hits = HITS + row * tl.cdiv(n_cols, SEG)
+        hits = HITS + row * n_segs
         n_hits = tl.full([], 0, tl.int32)
         for s0 in range(0, n_segs, SEG_CHUNK):
             segs = s0 + tl.arange(0, SEG_CHUNK)
@@ -476,25 +476,25 @@ def triton_pool_topk(
     if TENSOR_DESCRIPTORS:
         _set_descriptor_allocator(q.device)
     bound_pass = BOUND_IN_SELECTION if bound_pass is None else bound_pass
-    seg = 0 if bound_pass else SEGMENT
-    min_pools = SEGMENT_MIN_POOLS
+    segment, min_pools = (0 if bound_pass else SEGMENT), SEGMENT_MIN_POOLS
+
+    def block_seg(n_pools: int) -> int:
+        """The segment width of a block that sees ``n_pools`` pools (0: whole rows)."""
+        return segment if n_pools >= min_pools else 0
+
     rows_max = max(t1 - t0 for t0, t1, _, _ in blocks)
     pools_max = max(hi - lo for _, _, lo, hi in blocks)
     score_buf = torch.empty(batch * rows_max * pools_max, dtype=torch.float32, device=q.device)
     col_max = torch.empty(batch, 1 if bound_pass else rows_max, columns, dtype=torch.float32, device=q.device)
-    # segment maxima and the selection's list of the segments it reads (v11)
-    segs_max = triton.cdiv(pools_max, seg) if seg else 1
+    # segment maxima and the selection's list of the segments it reads (v11; the widest block's)
+    segs_max = triton.cdiv(pools_max, block_seg(pools_max)) if block_seg(pools_max) else 1
     seg_buf = torch.empty(batch * rows_max * segs_max, dtype=torch.float32, device=q.device)
     hits = torch.empty(batch * rows_max * segs_max, dtype=torch.int32, device=q.device)
     slots = torch.empty(batch * rows_max, capacity, dtype=torch.long, device=q.device)
     counts = torch.zeros(batch, n_q, dtype=torch.int32, device=q.device)
 
-    def block_seg(n_pools: int) -> int:
-        return seg if n_pools >= min_pools else 0
-
-    def block_scores(t0: int, t1: int, p_lo: int, n_pools: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def block_scores(t0: int, t1: int, p_lo: int, n_pools: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         scores = score_buf[: batch * (t1 - t0) * n_pools].view(batch, t1 - t0, n_pools)
-        width = block_seg(n_pools)
         n_segs = triton.cdiv(n_pools, width) if width else 1
         seg_max = seg_buf[: batch * (t1 - t0) * n_segs].view(batch, t1 - t0, n_segs)
 
@@ -517,7 +517,8 @@ def triton_pool_topk(
 
     for t0, t1, p_lo, p_hi in blocks:
         n_pools = p_hi - p_lo
-        scores, seg_max = block_scores(t0, t1, p_lo, n_pools)
+        width = block_seg(n_pools)
+        scores, seg_max = block_scores(t0, t1, p_lo, n_pools, width)
         out, cnt = selected[:, t0:t1], counts[:, t0:t1]
         _select_kernel[(batch * (t1 - t0),)](
             scores, col_max, seg_max, hits, cnt, slots, out,
@@ -525,12 +526,12 @@ def triton_pool_topk(
             seg_max.stride(0), seg_max.stride(1), cnt.stride(0), out.stride(0), out.stride(1),
             t1 - t0, n_pools, p_lo, _size_class(n_pools),
             N_SELECT=min(n_select, n_pools), N_COLUMNS=columns, CAPACITY=capacity, BOUND_PASS=bound_pass,
-            SEG=block_seg(n_pools), SEG_CHUNK=SEGMENT_CHUNK,
+            SEG=width, SEG_CHUNK=SEGMENT_CHUNK,
         )
     if bool((counts > capacity).any()):
         for t0, t1, p_lo, p_hi in blocks:
             if bool((counts[:, t0:t1] > capacity).any()):
-                scores, _ = block_scores(t0, t1, p_lo, p_hi - p_lo)
+                scores, _ = block_scores(t0, t1, p_lo, p_hi - p_lo, block_seg(p_hi - p_lo))
                 _fill_overflowing_rows(selected, scores, counts[:, t0:t1], min(n_select, p_hi - p_lo), p_lo, t0,
                                        capacity)
     return selected

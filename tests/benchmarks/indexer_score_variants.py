@@ -120,7 +120,6 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
     with the one-kernel expansion (``triton_expand_selection``). ``best``/``best_sel`` map
     :func:`bound_source` to the fastest variant; all select identical indices."""
     from kernels.dsa import lightning_indexer_topk
-    from kernels.dsa.indexer import _expand_selection
 
     first = best["v9"]
     # name -> (bound in selection, segment width, SEGMENT_MIN_POOLS, score config, selection config, expansion,
@@ -148,12 +147,8 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
     for seq_len in (262144, 1048576):
         inputs, kw, flops = indexer_inputs(seq_len, SHAPES[shape], seed=seq_len)
         picked = {}
-        for name, (bound_pass, seg, min_pools, (skw, sw, sst), (selkw, selw), expand, tma) in variants.items():
-            it.BOUND_IN_SELECTION, it.SEGMENT, it.SEGMENT_MIN_POOLS = bound_pass, seg, min_pools
-            it.TENSOR_DESCRIPTORS = tma
-            # lightning_indexer_topk imports the expansion at call time
-            it.triton_expand_selection = one_kernel if expand == "triton" else _expand_selection
-            pin_configs(skw, sw, sst, selkw, selw)
+        for name, variant in variants.items():
+            use_variant(variant, one_kernel)
             picked[name] = lightning_indexer_topk(*inputs, **kw).cpu()
             t, peak = timed(lambda: lightning_indexer_topk(*inputs, **kw), 2 if seq_len > 262144 else 3)
             report(dict(shape=shape, seq_len=seq_len, end_to_end=name, seconds=t, peak_gib=peak,
@@ -164,11 +159,7 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
     # leave the fastest end-to-end variant pinned (for --profile)
     fastest = min((r for r in REPORTED if r.get("end_to_end") and r["shape"] == shape and r["seq_len"] == 1048576),
                   key=lambda r: r["seconds"])["end_to_end"]
-    bound_pass, seg, min_pools, (skw, sw, sst), (selkw, selw), expand, tma = variants[fastest]
-    it.BOUND_IN_SELECTION, it.SEGMENT, it.SEGMENT_MIN_POOLS = bound_pass, seg, min_pools
-    it.TENSOR_DESCRIPTORS = tma
-    it.triton_expand_selection = one_kernel if expand == "triton" else _expand_selection
-    pin_configs(skw, sw, sst, selkw, selw)
+    use_variant(variants[fastest], one_kernel)
     report(dict(shape=shape, profiled_variant=fastest))
 
 
@@ -189,10 +180,7 @@ def crossover(shape: str, whole, segmented, report) -> int | None:
         grid = kpool_grid(n_keys, KPOOL, device=DEVICE)
         got = {}
         for name, variant in [("v9", whole), ("v11", segmented)]:
-            bound_pass, seg, _, (skw, sw, sst), (selkw, selw), _, tma = variant
-            it.BOUND_IN_SELECTION, it.SEGMENT, it.SEGMENT_MIN_POOLS = bound_pass, seg, 0
-            it.TENSOR_DESCRIPTORS = tma
-            pin_configs(skw, sw, sst, selkw, selw)
+            use_variant(variant, it.triton_expand_selection, min_pools=0)
 
             def call():
                 return it.triton_pool_topk(q, pk, w, grid, N_SELECT, d**-0.5, n_keys - ROWS)
@@ -223,6 +211,20 @@ def device_idle(prof) -> dict:
     gaps.sort(reverse=True)
     return dict(span_ms=(reach - kernels[0][0]) / 1e3, busy_ms=busy / 1e3, idle_ms=sum(g[0] for g in gaps) / 1e3,
                 idle_gaps=len(gaps), longest_gaps=[(round(g / 1e3, 3), a[:40], b[:40]) for g, a, b in gaps[:5]])
+
+
+def use_variant(variant: tuple, one_kernel, min_pools: int | None = None) -> None:
+    """Make :func:`kernels.dsa.lightning_indexer_topk` run an :func:`end_to_end` variant: the
+    module switches of :mod:`kernels.dsa.indexer_triton` (``min_pools`` overrides the variant's
+    ``SEGMENT_MIN_POOLS``), its expansion (``one_kernel`` for ``"triton"``, else the torch one;
+    the indexer looks it up per call) and both kernels' pinned configurations."""
+    from kernels.dsa.indexer import _expand_selection
+
+    bound_pass, seg, variant_min_pools, (skw, sw, sst), (selkw, selw), expand, tma = variant
+    it.BOUND_IN_SELECTION, it.SEGMENT, it.TENSOR_DESCRIPTORS = bound_pass, seg, tma
+    it.SEGMENT_MIN_POOLS = variant_min_pools if min_pools is None else min_pools
+    it.triton_expand_selection = one_kernel if expand == "triton" else _expand_selection
+    pin_configs(skw, sw, sst, selkw, selw)
 
 
 def pin_configs(score_kw: dict, score_warps: int, score_stages: int, select_kw: dict, select_warps: int) -> None:
