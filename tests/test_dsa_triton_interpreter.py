@@ -101,16 +101,17 @@ SCRIPT = textwrap.dedent(
     # candidate gets its slot (COMPACT), and whether the selection reads whole rows or only the
     # segments (of 8 or 32 pools: 4 or 1 per 32-pool tile) whose maximum reaches its bound, in
     # every query block or in those that see at least 16 pools (the 40-query blocks see 10-24),
-    # and queries and pool keys loaded through tensor descriptors or pointer tensors
-    for bound_pass, pair, split, compact, segment, min_pools, tma in [
-            (False, False, False, "atomic", 0, 0, False), (True, True, True, "relaxed", 8, 0, True),
-            (False, True, True, "relaxed", 8, 0, False), (True, False, False, "atomic", 0, 0, True),
-            (False, False, True, "relaxed", 32, 0, True), (False, True, True, "relaxed", 8, 16, True)]:
+    # queries and pool keys loaded through tensor descriptors or pointer tensors, and score tiles
+    # stored through a tensor descriptor or per element (the buffer's rows padded to 16 pools)
+    for bound_pass, pair, split, compact, segment, min_pools, tma, store in [
+            (False, False, False, "atomic", 0, 0, False, False), (True, True, True, "relaxed", 8, 0, True, True),
+            (False, True, True, "relaxed", 8, 0, False, True), (True, False, False, "atomic", 0, 0, True, False),
+            (False, False, True, "relaxed", 32, 0, True, True), (False, True, True, "relaxed", 8, 16, True, False)]:
         it.BOUND_IN_SELECTION, it.SEGMENT, it.SEGMENT_MIN_POOLS = bound_pass, segment, min_pools
-        it.TENSOR_DESCRIPTORS = tma
+        it.TENSOR_DESCRIPTORS, it.STORE_DESCRIPTOR = tma, store
         score_cfg.update(PAIR=pair)
         select_cfg.update(SPLIT_SORT=split, LOOP_STAGES=2 if split else 1, COMPACT=compact)
-        check_indexer(bound_pass, pair, split, compact, segment, min_pools, tma)
+        check_indexer(bound_pass, pair, split, compact, segment, min_pools, tma, store)
     print("TRITON_INTERPRETER_OK")
     """
 )

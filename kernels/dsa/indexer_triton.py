@@ -36,8 +36,8 @@ from kernels.dsa.indexer import KPoolGrid, _query_docs, _selection_keys, decode_
 
 SCORE_CONFIGS = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "PAIR": pair}, num_warps=w, num_stages=st)
-    for bm, bn, w, st, pair in [(128, 128, 8, 3, True), (128, 128, 8, 3, False), (64, 256, 8, 3, False),
-                                (64, 128, 4, 3, False), (128, 256, 8, 2, False)]
+    for bm, bn, w, st, pair in [(128, 128, 8, 3, True), (128, 128, 8, 2, True), (128, 128, 8, 3, False),
+                                (64, 256, 8, 3, False), (64, 128, 4, 3, False), (128, 256, 8, 2, False)]
 ]
 """Autotuned configurations of :func:`_pool_scores_kernel`. ``tests/benchmarks/indexer_score_variants.py``
 times tile x ``PAIR`` directly (kernels/NOTES.md, v7): ``PAIR`` takes the full shape's 128x128
@@ -48,7 +48,7 @@ groups by reshape or by pairwise ``tl.split``, ran within 3% of this one and wer
 @triton.autotune(configs=SCORE_CONFIGS, key=["H", "D", "size_class", "N_COLUMNS", "MAXIMA", "SEG"])
 @triton.jit
 def _pool_scores_kernel(
-    Q, PK, W, OUT, COLMAX, SEGMAX, POOL_END, POOL_DOC, Q_POS, Q_DOC,
+    Q, PK, W, OUT, COLMAX, SEGMAX, Q_LO, Q_HI,
     stride_qb, stride_qt, stride_qh,
     stride_pb, stride_pp,
     stride_wb, stride_wt,
@@ -58,7 +58,7 @@ def _pool_scores_kernel(
     n_q, n_pools, p_lo, size_class,
     H: tl.constexpr, D: tl.constexpr, N_COLUMNS: tl.constexpr, GROUP_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAXIMA: tl.constexpr, PAIR: tl.constexpr, SEG: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, FLATTEN: tl.constexpr, TMA_STORE: tl.constexpr,
 ):
     """Scores of ``BLOCK_M`` queries against the pool tiles ``pid_n, pid_n + n_prog, ...``
     (``n_prog = N_COLUMNS / GROUP_N`` programs along the pools) and the row maxima of this
@@ -87,8 +87,14 @@ def _pool_scores_kernel(
     offs_c = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     mask_m = offs_m < n_q
-    q_pos = tl.load(Q_POS + offs_m, mask=mask_m, other=-1)
-    q_doc = tl.load(Q_DOC + offs_m, mask=mask_m, other=-1)
+    # each query sees the pools [lo, hi) of this block (its document's complete pools up to it)
+    lo = tl.load(Q_LO + offs_m, mask=mask_m, other=2**31 - 1) - p_lo
+    hi = tl.load(Q_HI + offs_m, mask=mask_m, other=0) - p_lo
+    # pool tiles no query of this tile sees are skipped (neither scored nor stored): the causal
+    # triangle inside the block and other documents' pools; the selection reads [lo, hi) only
+    stride_n: tl.constexpr = n_prog * BLOCK_N
+    n_first = pid_n * BLOCK_N + tl.maximum(tl.min(lo, axis=0) - pid_n * BLOCK_N, 0) // stride_n * stride_n
+    n_end = tl.minimum(tl.max(hi, axis=0), n_pools)
     q_base = Q + b * stride_qb + offs_m[:, None] * stride_qt + offs_d[None, :]
     w_base = W + b * stride_wb + offs_m * stride_wt
     if TMA:
@@ -98,8 +104,11 @@ def _pool_scores_kernel(
                                            block_shape=[1, BLOCK_M, D])
         pk_desc = tl.make_tensor_descriptor(PK, shape=[n_batch, p_lo + n_pools, D], strides=[stride_pb, stride_pp, 1],
                                             block_shape=[1, BLOCK_N, D])
+    if TMA_STORE:
+        out_desc = tl.make_tensor_descriptor(OUT, shape=[tl.num_programs(2), n_q, n_pools],
+                                             strides=[stride_ob, stride_ot, 1], block_shape=[1, BLOCK_M, BLOCK_N])
     col_max = tl.full([BLOCK_M, GROUP_N], float("-inf"), tl.float32)
-    for n0 in range(pid_n * BLOCK_N, n_pools, n_prog * BLOCK_N):
+    for n0 in tl.range(n_first, n_end, stride_n, flatten=FLATTEN):
         offs_n = n0 + offs_c
         mask_n = offs_n < n_pools
         if TMA:
@@ -133,13 +142,13 @@ def _pool_scores_kernel(
                     q = tl.load(q_base + h * stride_qh, mask=mask_m[:, None], other=0.0)
                 w = tl.load(w_base + h, mask=mask_m, other=0.0).to(tl.float32)
                 acc += tl.maximum(tl.dot(q, pk_t), 0.0) * w[:, None]
-        # loaded after the head loop: live across it they made ptxas spill (sm90_resources.py)
-        pool_end = tl.load(POOL_END + p_lo + offs_n, mask=mask_n, other=2**31 - 1)
-        pool_doc = tl.load(POOL_DOC + p_lo + offs_n, mask=mask_n, other=-2)
-        visible = (pool_doc[None, :] == q_doc[:, None]) & (pool_end[None, :] <= q_pos[:, None])
+        visible = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
         acc = tl.where(visible, acc, float("-inf"))
-        tl.store(OUT + b * stride_ob + offs_m[:, None] * stride_ot + offs_n[None, :], acc,
-                 mask=mask_m[:, None] & mask_n[None, :])
+        if TMA_STORE:   # rows and pools past the buffer's bounds are not written
+            out_desc.store([tl.program_id(2), pid_m * BLOCK_M, n0], acc.reshape(1, BLOCK_M, BLOCK_N))
+        else:
+            tl.store(OUT + b * stride_ob + offs_m[:, None] * stride_ot + offs_n[None, :], acc,
+                     mask=mask_m[:, None] & mask_n[None, :])
         if MAXIMA:
             col_max = tl.maximum(col_max, tl.max(tl.reshape(acc, (BLOCK_M, BLOCK_N // GROUP_N, GROUP_N)), axis=1))
         if SEG > 0:
@@ -194,7 +203,7 @@ def _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY: tl.const
 @triton.autotune(configs=SELECT_CONFIGS, key=["N_COLUMNS", "CAPACITY", "size_class", "BOUND_PASS", "SEG"])
 @triton.jit
 def _select_kernel(
-    S, COLMAX, SEGMAX, HITS, COUNT, SLOTS, OUT,
+    S, COLMAX, SEGMAX, HITS, COUNT, SLOTS, OUT, Q_LO, Q_HI,
     stride_sb, stride_st, stride_cb, stride_ct, stride_gb, stride_gt, stride_nb, stride_ob, stride_ot,
     n_rows, n_cols, p_lo, size_class,
     N_SELECT: tl.constexpr, N_COLUMNS: tl.constexpr, CAPACITY: tl.constexpr,
@@ -230,12 +239,15 @@ def _select_kernel(
     t = row % n_rows
     base = S + b * stride_sb + t * stride_st
     flat = tl.arange(0, CHUNK)
+    # the row's visible pools [lo, hi): only those were scored (the score kernel skips other tiles)
+    lo = tl.load(Q_LO + t) - p_lo
+    hi = tl.load(Q_HI + t) - p_lo
     if BOUND_PASS:
         tl.static_assert(CHUNK % N_COLUMNS == 0)
         col_max = tl.full([N_COLUMNS], float("-inf"), tl.float32)
-        for c0 in tl.range(0, n_cols, CHUNK, num_stages=LOOP_STAGES):
+        for c0 in tl.range(lo // CHUNK * CHUNK, hi, CHUNK, num_stages=LOOP_STAGES):
             offs = c0 + flat
-            vals = tl.load(base + offs, mask=offs < n_cols, other=float("-inf"))
+            vals = tl.load(base + offs, mask=(offs >= lo) & (offs < hi), other=float("-inf"))
             col_max = tl.maximum(col_max, tl.max(tl.reshape(vals, (CHUNK // N_COLUMNS, N_COLUMNS)), axis=0))
     else:
         col_max = tl.load(COLMAX + b * stride_cb + t * stride_ct + tl.arange(0, N_COLUMNS))
@@ -250,9 +262,10 @@ def _select_kernel(
         seg_row = SEGMAX + b * stride_gb + t * stride_gt
         hits = HITS + row * n_segs
         n_hits = tl.full([], 0, tl.int32)
-        for s0 in range(0, n_segs, SEG_CHUNK):
+        s_lo, s_hi = lo // SEG, tl.cdiv(hi, SEG)
+        for s0 in range(s_lo // SEG_CHUNK * SEG_CHUNK, s_hi, SEG_CHUNK):
             segs = s0 + tl.arange(0, SEG_CHUNK)
-            seg_max = tl.load(seg_row + segs, mask=segs < n_segs, other=float("-inf"))
+            seg_max = tl.load(seg_row + segs, mask=(segs >= s_lo) & (segs < s_hi), other=float("-inf"))
             hit = ((seg_max >= bound) & (seg_max > float("-inf"))).to(tl.int32)
             tl.store(hits + n_hits + tl.cumsum(hit, 0) - 1, segs, mask=hit > 0)
             n_hits += tl.sum(hit, 0)
@@ -262,12 +275,12 @@ def _select_kernel(
             k = (c0 + flat) // SEG
             seg = tl.load(hits + k, mask=k < n_hits, other=0)
             offs = seg * SEG + flat % SEG
-            vals = tl.load(base + offs, mask=(k < n_hits) & (offs < n_cols), other=float("-inf"))
+            vals = tl.load(base + offs, mask=(k < n_hits) & (offs >= lo) & (offs < hi), other=float("-inf"))
             _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY, COMPACT)
     else:
-        for c0 in tl.range(0, n_cols, CHUNK, num_stages=LOOP_STAGES):
+        for c0 in tl.range(lo // CHUNK * CHUNK, hi, CHUNK, num_stages=LOOP_STAGES):
             offs = c0 + flat
-            vals = tl.load(base + offs, mask=offs < n_cols, other=float("-inf"))
+            vals = tl.load(base + offs, mask=(offs >= lo) & (offs < hi), other=float("-inf"))
             _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY, COMPACT)
     # other threads' slot writes and counter increments must be visible to this one's loads
     tl.debug_barrier()
@@ -389,6 +402,33 @@ ms). 1M tokens end to end 0.6203 s against 0.6599 (``indexer_score_variants.py``
 v12)."""
 
 
+STORE_DESCRIPTOR = True
+"""Whether the score kernel stores each score tile through a tensor descriptor (a TMA store from shared
+memory that overlaps the next tile) instead of a layout conversion and per-thread stores (v13)."""
+
+FLATTEN_LOOPS = False
+"""Whether the score kernel's pool-tile and head loops are flattened into one software-pipelined loop
+(``tl.range(..., flatten=True)``), so that the next tile's key and query loads are in flight during
+this tile's epilogue instead of waited for at the start of every tile (v13)."""
+
+SCORE_BUFFER_ELEMENTS = 2**29
+"""Float32 scores one query block may hold (2 GiB): ``triton_pool_topk`` takes query blocks of the
+largest multiple of 8192 queries whose ``[B, rows, pools]`` buffer fits (8192 at 1M tokens, kpool 16;
+the whole sequence at 64k). Bigger blocks mean fewer launches and host reads; the causal triangle
+inside a block costs nothing, the score kernel skips the tiles no query of a tile sees (v13)."""
+
+
+def _padded(n_pools: int) -> int:
+    """Row stride of the score buffer: ``n_pools`` rounded up to a multiple of 16."""
+    return -(-n_pools // 16) * 16
+
+
+def _query_block(batch: int, n_pools: int) -> int:
+    """Queries per block: the largest multiple of 8192 whose score buffer fits :data:`SCORE_BUFFER_ELEMENTS`
+    for ``n_pools`` pools (at least 8192)."""
+    return max(8192, SCORE_BUFFER_ELEMENTS // max(batch * n_pools, 1) // 8192 * 8192)
+
+
 def _set_descriptor_allocator(device: torch.device) -> None:
     """Give Triton global scratch on ``device`` for device-side tensor descriptors (128 bytes per
     descriptor and program; ``triton.set_allocator`` is process-wide, the last call wins)."""
@@ -427,7 +467,7 @@ def triton_pool_topk(
     n_select: int,
     softmax_scale: float,
     q_offset: int,
-    query_block: int = 8192,
+    query_block: int | None = None,
     bound_pass: bool | None = None,
 ) -> torch.Tensor:
     """``[B, T, n_select]`` int64 selected pool indices (-1 = none), best first.
@@ -442,8 +482,8 @@ def triton_pool_topk(
     selection reads only the :data:`SEGMENT`-pool segments that can hold a candidate.
 
     Raises:
-        DSAInputError: the index head dim is not a power of two >= 16, or the keys reach 2^31 - 1
-            positions (positions are int32 in the score kernel).
+        DSAInputError: the index head dim is not a power of two >= 16, or there are 2^31 - 1 pools
+            or more (pool indices are int32 in the kernels).
     """
     batch, n_q, heads, dim = q.shape
     if dim & (dim - 1) or dim < 16:
@@ -451,29 +491,31 @@ def triton_pool_topk(
     q = q.contiguous()
     pool_keys = pool_keys.to(q.dtype).contiguous()
     weights = (weights.float() * softmax_scale).contiguous()
-    if pool_keys.shape[1] * grid.kpool >= 2**31 - 1:
-        raise DSAInputError(f"the Triton indexer needs fewer than 2^31 - 1 key positions, got "
-                            f"{pool_keys.shape[1]} pools of {grid.kpool}")
-    # int32 positions and documents: half the registers of int64 in the score kernel's epilogue
-    # (it spilled 824 bytes per thread with int64 ones, 296 with these; sm90_resources.py)
-    q_pos, q_doc = (t.int() for t in _query_docs(grid, n_q, q_offset, q.device))
-    pool_end = grid.end.masked_fill(~grid.complete, 2**31 - 1).int().contiguous()
-    pool_doc = grid.doc.int().contiguous()
+    if pool_keys.shape[1] >= 2**31 - 1:
+        raise DSAInputError(f"the Triton indexer needs fewer than 2^31 - 1 pools, got {pool_keys.shape[1]}")
+    # each query's visible pools [lo, hi) as int32 pool indices: its document's first pool up to its
+    # complete pools ending at or before it (ends rise with the index: a pool's end is its start +
+    # kpool - 1; an incomplete pool ends past its document). Two registers per query in the score
+    # kernel instead of per-tile loads of pool ends and documents (v13)
+    q_pos, q_doc = _query_docs(grid, n_q, q_offset, q.device)
+    q_lo = grid.doc_first_pool[q_doc]
+    q_hi = torch.minimum(torch.searchsorted(grid.end, q_pos, right=True), grid.doc_first_pool[q_doc + 1])
+    q_lo, q_hi = q_lo.int().contiguous(), torch.maximum(q_hi, q_lo).int().contiguous()
     selected = torch.full((batch, n_q, n_select), -1, dtype=torch.long, device=q.device)
     if n_q == 0:
         return selected
-    # visible pools of each query block: [first pool of the first query's document, pools
-    # complete by the last query); one host read for all blocks
+    # visible pools of each query block: [lo of its first query, hi of its last); one host read
+    if query_block is None:
+        query_block = _query_block(batch, pool_keys.shape[1])
     starts = list(range(0, n_q, query_block))
     ends = [min(t0 + query_block, n_q) for t0 in starts]
     first, last = (torch.tensor(v, device=q.device) for v in (starts, [t1 - 1 for t1 in ends]))
-    p_lo_all, p_hi_all = torch.stack(
-        [grid.doc_first_pool[q_doc[first]], torch.searchsorted(grid.end, q_pos[last], right=True)]).tolist()
+    p_lo_all, p_hi_all = torch.stack([q_lo[first], q_hi[last]]).tolist()
     blocks = [(t0, t1, lo, hi) for t0, t1, lo, hi in zip(starts, ends, p_lo_all, p_hi_all) if hi > lo]
     if not blocks:
         return selected
     columns, capacity = _n_columns(n_select), _capacity(n_select)
-    if TENSOR_DESCRIPTORS:
+    if TENSOR_DESCRIPTORS or STORE_DESCRIPTOR:
         _set_descriptor_allocator(q.device)
     bound_pass = BOUND_IN_SELECTION if bound_pass is None else bound_pass
     segment, min_pools = (0 if bound_pass else SEGMENT), SEGMENT_MIN_POOLS
@@ -484,7 +526,8 @@ def triton_pool_topk(
 
     rows_max = max(t1 - t0 for t0, t1, _, _ in blocks)
     pools_max = max(hi - lo for _, _, lo, hi in blocks)
-    score_buf = torch.empty(batch * rows_max * pools_max, dtype=torch.float32, device=q.device)
+    # rows padded to 16 pools: a tensor descriptor's row stride must be a multiple of 16 bytes
+    score_buf = torch.empty(batch * rows_max * _padded(pools_max), dtype=torch.float32, device=q.device)
     col_max = torch.empty(batch, 1 if bound_pass else rows_max, columns, dtype=torch.float32, device=q.device)
     # segment maxima and the selection's list of the segments it reads (v11; the widest block's)
     segs_max = triton.cdiv(pools_max, block_seg(pools_max)) if block_seg(pools_max) else 1
@@ -494,7 +537,8 @@ def triton_pool_topk(
     counts = torch.zeros(batch, n_q, dtype=torch.int32, device=q.device)
 
     def block_scores(t0: int, t1: int, p_lo: int, n_pools: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = score_buf[: batch * (t1 - t0) * n_pools].view(batch, t1 - t0, n_pools)
+        row = _padded(n_pools)
+        scores = score_buf[: batch * (t1 - t0) * row].view(batch, t1 - t0, row)[:, :, :n_pools]
         n_segs = triton.cdiv(n_pools, width) if width else 1
         seg_max = seg_buf[: batch * (t1 - t0) * n_segs].view(batch, t1 - t0, n_segs)
 
@@ -503,7 +547,7 @@ def triton_pool_topk(
 
         q_blk, w_blk = q[:, t0:t1], weights[:, t0:t1]
         _pool_scores_kernel[launch](
-            q_blk, pool_keys, w_blk, scores, col_max, seg_max, pool_end, pool_doc, q_pos[t0:t1], q_doc[t0:t1],
+            q_blk, pool_keys, w_blk, scores, col_max, seg_max, q_lo[t0:t1], q_hi[t0:t1],
             q_blk.stride(0), q_blk.stride(1), q_blk.stride(2),
             pool_keys.stride(0), pool_keys.stride(1),
             w_blk.stride(0), w_blk.stride(1),
@@ -511,7 +555,8 @@ def triton_pool_topk(
             col_max.stride(0), col_max.stride(1),
             seg_max.stride(0), seg_max.stride(1),
             t1 - t0, n_pools, p_lo, _size_class(n_pools), H=heads, D=dim, N_COLUMNS=columns, GROUP_N=GROUP_N,
-            MAXIMA=not bound_pass, SEG=width, TMA=TENSOR_DESCRIPTORS,
+            MAXIMA=not bound_pass, SEG=width, TMA=TENSOR_DESCRIPTORS, FLATTEN=FLATTEN_LOOPS,
+            TMA_STORE=STORE_DESCRIPTOR,
         )
         return scores, seg_max
 
@@ -521,7 +566,7 @@ def triton_pool_topk(
         scores, seg_max = block_scores(t0, t1, p_lo, n_pools, width)
         out, cnt = selected[:, t0:t1], counts[:, t0:t1]
         _select_kernel[(batch * (t1 - t0),)](
-            scores, col_max, seg_max, hits, cnt, slots, out,
+            scores, col_max, seg_max, hits, cnt, slots, out, q_lo[t0:t1], q_hi[t0:t1],
             scores.stride(0), scores.stride(1), col_max.stride(0), col_max.stride(1),
             seg_max.stride(0), seg_max.stride(1), cnt.stride(0), out.stride(0), out.stride(1),
             t1 - t0, n_pools, p_lo, _size_class(n_pools),

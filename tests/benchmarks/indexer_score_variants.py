@@ -52,16 +52,24 @@ N_SELECT = TOPK // KPOOL
 # registers, tests/benchmarks/sm90_resources.py: one CTA's ReLU-weighted epilogue can run beside
 # the other's MMA; PAIR with 2 stages to fit two CTAs' shared memory)
 # (..., SEG, TMA): the segment width of the v11 maxima (0: none); queries and pool keys through
-# tensor descriptors (v12)
+# tensor descriptors (v12); (..., TMA_STORE, FLATTEN): score tiles stored through a tensor
+# descriptor, pool-tile and head loops flattened into one pipelined loop (v13; Triton 3.6 does
+# not compile FLATTEN with descriptor loads)
 SCORE_VARIANTS = {
-    "full": [(128, 128, 8, 3, m, p, 0, t) for m in (True, False) for p in (False, True) for t in (False, True)] + [
-        (64, 128, 4, st, m, p, 0, True) for m in (True, False) for st, p in [(3, False), (2, True)]] + [
-        (128, 128, 8, 3, True, p, seg, t) for p in (True, False) for seg in (64, 128) for t in (False, True)],
-    "small": [(128, 128, 8, 3, m, p, 0, t) for m in (True, False) for p in (False, True) for t in (False, True)] + [
-        (64, 128, 4, 3, True, False, 0, True), (128, 128, 8, 3, True, True, 64, True)],
+    "full": [(128, 128, 8, 3, m, p, 0, t, False, False) for m in (True, False) for p in (False, True)
+             for t in (False, True)] + [
+        (64, 128, 4, st, m, p, 0, True, False, False) for m in (True, False) for st, p in [(3, False), (2, True)]] + [
+        (128, 128, 8, 3, True, p, seg, t, False, False) for p in (True, False) for seg in (64, 128)
+        for t in (False, True)],
+    "small": [(128, 128, 8, 3, m, p, 0, t, False, False) for m in (True, False) for p in (False, True)
+              for t in (False, True)] + [
+        (64, 128, 4, 3, True, False, 0, True, False, False), (128, 128, 8, 3, True, True, 64, True, False, False)],
 }
-QUICK_SCORE_VARIANTS = [(128, 128, 8, 3, True, pair, seg, tma) for pair, seg, tma in [
-    (True, 0, False), (True, 0, True), (True, 64, False), (True, 64, True), (False, 64, True)]]
+# (PAIR with 3 stages and descriptor stores needs 288 KiB of shared memory for the full shape: 2 stages)
+QUICK_SCORE_VARIANTS = [(128, 128, 8, st, True, True, seg, tma, store, flatten) for st, seg, tma, store, flatten in [
+    (3, 0, False, False, False), (3, 0, True, False, False), (2, 0, True, True, False), (3, 64, True, False, False),
+    (2, 64, True, False, False), (3, 64, True, True, False), (2, 64, True, True, False),
+    (3, 64, False, False, False), (3, 64, False, False, True), (2, 64, False, True, True)]]
 # (CHUNK, warps, SPLIT_SORT, LOOP_STAGES, BOUND_PASS, COMPACT, SEG)
 SELECT_VARIANTS = [(4096, 4, False, 1, False, "atomic", 0), (1024, 4, True, 3, False, "atomic", 0)] + [
                   (c, 4, True, st, bound, "relaxed", 0) for bound in (False, True)
@@ -81,6 +89,11 @@ def bound_source(maxima_or_bound_pass: bool, seg: int, selection: bool = False) 
     or ``"v8"`` (bound from the selection's own pass; score kernel without maxima)."""
     in_selection = maxima_or_bound_pass if selection else not maxima_or_bound_pass
     return "v8" if in_selection else (f"v11 SEG={seg}" if seg else "v9")
+
+
+def score_suffix(tma: bool, store: bool, flatten: bool) -> str:
+    """The name suffix of a score variant's load/store/loop switches in :func:`end_to_end` (v12, v13)."""
+    return "".join(f" {n}" for n, on in [("TMA", tma), ("TMA_STORE", store), ("FLATTEN", flatten)] if on)
 
 
 def cuda_ms(fn, reps: int = 5) -> float:
@@ -123,20 +136,21 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
 
     first = best["v9"]
     # name -> (bound in selection, segment width, SEGMENT_MIN_POOLS, score config, selection config, expansion,
-    # tensor descriptors)
+    # (tensor-descriptor loads, tensor-descriptor stores, flattened loops))
+    plain_loops = (False, False, False)
     variants = {"v6b": (False, 0, 0, (dict(first[2], PAIR=False), first[3], first[4]),
-                        (dict(CHUNK=4096, SPLIT_SORT=False, LOOP_STAGES=1, COMPACT="atomic"), 4), "torch", False),
+                        (dict(CHUNK=4096, SPLIT_SORT=False, LOOP_STAGES=1, COMPACT="atomic"), 4), "torch", plain_loops),
                 "v7": (False, 0, 0, first[2:5], (dict(CHUNK=1024, SPLIT_SORT=True, LOOP_STAGES=3, COMPACT="atomic"), 4),
-                       "triton", False)}
-    for source in sorted(best):   # v11 once per segment width, each with and without TMA
-        plain = source.removesuffix(" TMA")
+                       "triton", plain_loops)}
+    for source in sorted(best):   # v11 once per segment width, each with its load/store/loop switches
+        plain = source.split(" T")[0].split(" F")[0]
         if plain in best_sel:
             name = {"v8": "v9, bound in selection"}.get(plain, plain) + source[len(plain):]
             variants[name] = (plain == "v8", best[source][5], DEFAULT_MIN_POOLS, best[source][2:5],
                               best_sel[plain][2:4], "triton", best[source][6])
     one_kernel = it.triton_expand_selection
     for name in [n for n in variants if n.startswith("v11") and CROSSOVER]:   # from the block size where it pays
-        whole = variants.get("v9 TMA" if name.endswith("TMA") else "v9")
+        whole = variants.get("v9" + name[len(name.split(" T")[0].split(" F")[0]):], variants.get("v9"))
         try:
             pools = crossover(shape, whole, variants[name], report)
         except Exception as err:  # the end-to-end rows stand without it
@@ -220,8 +234,9 @@ def use_variant(variant: tuple, one_kernel, min_pools: int | None = None) -> Non
     the indexer looks it up per call) and both kernels' pinned configurations."""
     from kernels.dsa.indexer import _expand_selection
 
-    bound_pass, seg, variant_min_pools, (skw, sw, sst), (selkw, selw), expand, tma = variant
+    bound_pass, seg, variant_min_pools, (skw, sw, sst), (selkw, selw), expand, (tma, store, flatten) = variant
     it.BOUND_IN_SELECTION, it.SEGMENT, it.TENSOR_DESCRIPTORS = bound_pass, seg, tma
+    it.STORE_DESCRIPTOR, it.FLATTEN_LOOPS = store, flatten
     it.SEGMENT_MIN_POOLS = variant_min_pools if min_pools is None else min_pools
     it.triton_expand_selection = one_kernel if expand == "triton" else _expand_selection
     pin_configs(skw, sw, sst, selkw, selw)
@@ -274,11 +289,9 @@ def main() -> None:
         q = torch.randn(1, ROWS, h, d, device=DEVICE, dtype=dtype, generator=gen)
         pk = torch.randn(1, POOLS, d, device=DEVICE, dtype=dtype, generator=gen)
         w = (torch.randn(1, ROWS, h, device=DEVICE, generator=gen) * h**-0.5 * d**-0.5).contiguous()
-        # int32, as triton_pool_topk passes them (the v5 anchor below gets int64 copies)
-        pool_end = (torch.arange(1, POOLS + 1, device=DEVICE) * KPOOL).int().contiguous()
-        pool_doc = torch.zeros(POOLS, dtype=torch.int32, device=DEVICE)
-        q_pos = (POOLS * KPOOL + torch.arange(ROWS, device=DEVICE)).int()   # every pool complete and visible
-        q_doc = torch.zeros(ROWS, dtype=torch.int32, device=DEVICE)
+        # every pool visible to every query: [lo, hi) = [0, POOLS) (the v5 anchor gets pool ends and documents)
+        q_lo = torch.zeros(ROWS, dtype=torch.int32, device=DEVICE)
+        q_hi = torch.full((ROWS,), POOLS, dtype=torch.int32, device=DEVICE)
         flops = 2 * ROWS * POOLS * h * d
         scores = torch.empty(1, ROWS, POOLS, device=DEVICE)
         col_max = torch.empty(1, ROWS, columns, device=DEVICE)
@@ -287,24 +300,24 @@ def main() -> None:
         ref_scores = None
 
         def score_args(out, cmax, smax):
-            return (q, pk, w, out, cmax, smax, pool_end, pool_doc, q_pos, q_doc,
+            return (q, pk, w, out, cmax, smax, q_lo, q_hi,
                     q.stride(0), q.stride(1), q.stride(2), pk.stride(0), pk.stride(1), w.stride(0), w.stride(1),
                     out.stride(0), out.stride(1), cmax.stride(0), cmax.stride(1), smax.stride(0), smax.stride(1),
                     ROWS, POOLS, 0, size_class)
 
         best = {}   # bound_source -> the fastest score variant
-        for bm, bn, warps, stages, maxima, pair, seg, tma in (
+        for bm, bn, warps, stages, maxima, pair, seg, tma, store, flatten in (
                 QUICK_SCORE_VARIANTS if args.quick else SCORE_VARIANTS[shape]):
                     name = (f"scores {bm}x{bn} w{warps} s{stages} MAXIMA={int(maxima)} PAIR={int(pair)} SEG={seg} "
-                            f"TMA={int(tma)}")
+                            f"TMA={int(tma)} TMA_STORE={int(store)} FLATTEN={int(flatten)}")
                     seg_out = seg_max[..., :POOLS // seg] if seg else seg_max
 
                     def run(bm=bm, bn=bn, warps=warps, stages=stages, maxima=maxima, pair=pair, seg=seg, seg_out=seg_out,
-                            tma=tma):
+                            tma=tma, store=store, flatten=flatten):
                         it._pool_scores_kernel.fn[(columns // it.GROUP_N, triton.cdiv(ROWS, bm), 1)](
                             *score_args(scores, col_max, seg_out), H=h, D=d, N_COLUMNS=columns, GROUP_N=it.GROUP_N,
-                            BLOCK_M=bm, BLOCK_N=bn, MAXIMA=maxima, PAIR=pair, SEG=seg, TMA=tma, num_warps=warps,
-                            num_stages=stages)
+                            BLOCK_M=bm, BLOCK_N=bn, MAXIMA=maxima, PAIR=pair, SEG=seg, TMA=tma, TMA_STORE=store,
+                            FLATTEN=flatten, num_warps=warps, num_stages=stages)
                     try:
                         scores.fill_(float("nan"))
                         col_max.fill_(float("nan"))
@@ -321,15 +334,17 @@ def main() -> None:
                         row = dict(shape=shape, kernel=name, ms=ms, tflops=flops / ms / 1e9,
                                    pct_of_matmul=100 * flops / ms / 1e9 / ceil["matmul_tflops"],
                                    scores_equal=same, maxima_equal=maxima_ok)
-                        source = bound_source(maxima, seg) + (" TMA" if tma else "")
+                        source = bound_source(maxima, seg) + score_suffix(tma, store, flatten)
                         if same and maxima_ok and (source not in best or ms < best[source][0]):
-                            best[source] = (ms, name, dict(BLOCK_M=bm, BLOCK_N=bn, PAIR=pair), warps, stages, seg, tma)
+                            best[source] = (ms, name, dict(BLOCK_M=bm, BLOCK_N=bn, PAIR=pair), warps, stages, seg,
+                                            (tma, store, flatten))
                     except Exception as err:  # report and go on
                         row = dict(shape=shape, kernel=name, error=repr(err)[:400])
                     report(row)
         # the v5 score kernel: one tile per program, no column maxima
         v5_scores = torch.empty_like(scores)
-        v5_ints = [t.long() for t in (pool_end, pool_doc, q_pos, q_doc)]   # v5 read int64 ones
+        v5_ints = [(torch.arange(1, POOLS + 1, device=DEVICE) * KPOOL), torch.zeros(POOLS, dtype=torch.long, device=DEVICE),
+                   POOLS * KPOOL + torch.arange(ROWS, device=DEVICE), torch.zeros(ROWS, dtype=torch.long, device=DEVICE)]
 
         def run_v5():
             v5._pool_scores_kernel.fn[(triton.cdiv(POOLS, 128), triton.cdiv(ROWS, 128), 1)](
@@ -374,7 +389,7 @@ def main() -> None:
                                 compact=compact, seg=seg, seg_in=seg_in):
                         counts.zero_()
                         it._select_kernel.fn[(ROWS,)](
-                            ref_scores, col_ref, seg_in, hits, counts, slots, selected,
+                            ref_scores, col_ref, seg_in, hits, counts, slots, selected, q_lo, q_hi,
                             ref_scores.stride(0), ref_scores.stride(1), col_ref.stride(0), col_ref.stride(1),
                             seg_in.stride(0), seg_in.stride(1),
                             counts.stride(0), selected.stride(0), selected.stride(1), ROWS, POOLS, 0, size_class,
@@ -401,7 +416,7 @@ def main() -> None:
         del ref_scores, scores, col_max, seg_max, seg_ref, hits, keys, want
         torch.cuda.empty_cache()
         for source in sorted(best):
-            plain = source.removesuffix(" TMA")
+            plain = source.split(" T")[0].split(" F")[0]
             if plain in best_sel:
                 report(dict(shape=shape, bound_source=source, fastest_scores=best[source][1], ms=best[source][0],
                             fastest_select=best_sel[plain][1], select_ms=best_sel[plain][0]))

@@ -1,13 +1,16 @@
 """Lightning indexer + top-k: the current Triton selection against an earlier version, same run (issue 4).
 
-    python tests/benchmarks/indexer_versions.py --anchor .bench/indexer_v4.py [--seq-lens ...] [--out f.json]
+    python tests/benchmarks/indexer_versions.py --anchor .bench/indexer_v4.py [--seq-lens ...] [--profile]
+        [--out f.json]
 
 ``--anchor`` is an earlier copy of ``kernels/dsa/indexer_triton.py`` (e.g. ``git show
 <rev>:kernels/dsa/indexer_triton.py``). For the ``small`` and ``full`` DSA shapes it times
 :func:`kernels.dsa.lightning_indexer_topk` end to end with each version's ``triton_pool_topk``
 on the same bf16 inputs, checks that both select identical indices (both are exact with the
 same tie rule), and reports the achieved score TFLOP/s against a bf16 matmul measured in the
-same run. One JSON line per row and a table.
+same run. ``--profile`` adds, per shape and length, the CUDA time per kernel of one call of the
+current version and the device's idle time inside it (host syncs, launches). One JSON line per
+row and a table.
 """
 
 from __future__ import annotations
@@ -36,11 +39,32 @@ def load_anchor(path: str):
     return module
 
 
+def profile(call, label: str) -> list[dict]:
+    """CUDA milliseconds per kernel of one ``call`` (after a warm-up) and the device's idle time in its span."""
+    from indexer_score_variants import device_idle
+
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    rows = [dict(profile=label, kernel=e.key[:90], calls=e.count, ms=e.device_time_total / 1e3)
+            for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:10]]
+    try:
+        rows.append(dict(profile=label, **device_idle(prof)))
+    except Exception as err:  # the kernel rows stand without it
+        rows.append(dict(profile=label, device_idle_error=repr(err)[:300]))
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--anchor", required=True)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[65536, 262144, 1048576])
     parser.add_argument("--shapes", nargs="+", default=["full", "small"], choices=list(SHAPES))
+    parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     anchor = load_anchor(args.anchor)
@@ -57,7 +81,7 @@ def main() -> None:
                 try:
                     # kept on the host: the other version's peak must not include it
                     selected[version] = lightning_indexer_topk(*inputs, **kw).cpu()
-                    t, peak = timed(lambda: lightning_indexer_topk(*inputs, **kw), 1 if seq_len > 65536 else 3)
+                    t, peak = timed(lambda: lightning_indexer_topk(*inputs, **kw), 2 if seq_len > 262144 else 5)
                     row = dict(shape=name, seq_len=seq_len, version=version, seconds=t, peak_gib=peak,
                                tflops=flops / t / 1e12, pct_of_matmul=100 * flops / t / 1e12 / ceil["matmul_tflops"])
                 except Exception as err:  # report and go on
@@ -65,6 +89,8 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             current.triton_pool_topk = versions["current"]
+            if args.profile:
+                rows += profile(lambda: lightning_indexer_topk(*inputs, **kw), f"{name} {seq_len // 1024}k")
             if len(selected) == 2:
                 same = torch.equal(selected["anchor"], selected["current"])
                 differing = int((selected["anchor"] != selected["current"]).any(-1).sum())

@@ -79,21 +79,26 @@ def main() -> None:
     columns, capacity = it._n_columns(n_select), it._capacity(n_select)
     rows = []
     score_sig = dict(zip(
-        ["Q", "PK", "W", "OUT", "COLMAX", "SEGMAX", "POOL_END", "POOL_DOC", "Q_POS", "Q_DOC"],
-        ["*bf16", "*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i32", "*i32"]))
+        ["Q", "PK", "W", "OUT", "COLMAX", "SEGMAX", "Q_LO", "Q_HI"],
+        ["*bf16", "*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*i32"]))
     score_sig.update({n: "i64" for n in ["stride_qb", "stride_qt", "stride_qh", "stride_pb", "stride_pp",
                                           "stride_wb", "stride_wt", "stride_ob", "stride_ot", "stride_cb", "stride_ct",
                                           "stride_gb", "stride_gt"]})
     score_sig.update({n: "i32" for n in ["n_q", "n_pools", "p_lo", "size_class"]})
     for config in it.SCORE_CONFIGS:
-        for maxima, seg, tma in [(True, it.SEGMENT, True), (True, it.SEGMENT, False), (True, 0, True), (False, 0, True)]:
-            kw = dict(config.kwargs, H=h, D=d, N_COLUMNS=columns, GROUP_N=it.GROUP_N, MAXIMA=maxima, SEG=seg, TMA=tma)
+        for maxima, seg, tma, store, flatten in [
+                (True, it.SEGMENT, True, True, False), (True, it.SEGMENT, True, False, False),
+                (True, it.SEGMENT, False, False, False), (True, it.SEGMENT, False, True, True), (True, 0, True, True, False),
+                (False, 0, True, True, False)]:
+            kw = dict(config.kwargs, H=h, D=d, N_COLUMNS=columns, GROUP_N=it.GROUP_N, MAXIMA=maxima, SEG=seg, TMA=tma,
+                      TMA_STORE=store, FLATTEN=flatten)
             name = "scores " + " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in config.kwargs.items())
-            name += f" MAXIMA={int(maxima)} SEG={seg} TMA={int(tma)} w{config.num_warps} s{config.num_stages}"
+            name += (f" MAXIMA={int(maxima)} SEG={seg} TMA={int(tma)} TMA_STORE={int(store)} FLATTEN={int(flatten)}"
+                     f" w{config.num_warps} s{config.num_stages}")
             rows.append((name, compile_sm90(it._pool_scores_kernel, score_sig, kw, config.num_warps,
                                             config.num_stages), config.num_warps))
-    select_sig = dict(zip(["S", "COLMAX", "SEGMAX", "HITS", "COUNT", "SLOTS", "OUT"],
-                          ["*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i64", "*i64"]))
+    select_sig = dict(zip(["S", "COLMAX", "SEGMAX", "HITS", "COUNT", "SLOTS", "OUT", "Q_LO", "Q_HI"],
+                          ["*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i32", "*i32"]))
     select_sig.update({n: "i64" for n in ["stride_sb", "stride_st", "stride_cb", "stride_ct", "stride_gb", "stride_gt",
                                            "stride_nb", "stride_ob", "stride_ot"]})
     select_sig.update({n: "i32" for n in ["n_rows", "n_cols", "p_lo", "size_class"]})

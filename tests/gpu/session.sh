@@ -10,7 +10,7 @@
 # only), offload (tests/gpu/offload_check.py: activation offload on/off the copy stream, same
 # gradients), dsacheck (tests/gpu/dsa_check.py: correctness, CP over every GPU pair/quad), indexer
 # (tests/benchmarks/indexer_versions.py against $INDEXER_ANCHOR, default .bench/indexer_v5.py,
-# carried: an earlier kernels/dsa/indexer_triton.py), variants (tests/benchmarks/indexer_score_variants.py),
+# carried: an earlier kernels/dsa/indexer_triton.py; $INDEXER_ARGS, e.g. --profile), variants (tests/benchmarks/indexer_score_variants.py),
 # bench (dsa_bench.py alone, with $BENCH_ARGS), dsa (dsa_check.py + dsa_bench.py).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -56,7 +56,8 @@ part model_check "${T_MODEL:-150}" python3 tests/gpu/model_small.py --seq --chec
 part offload "${T_OFFLOAD:-120}" python3 tests/gpu/offload_check.py --out "$OUT/offload_check.json"
 part dsacheck "${T_DSA:-200}" python3 tests/gpu/dsa_check.py --out "$OUT/dsa_check.json"
 part indexer "${T_INDEXER:-170}" python3 tests/benchmarks/indexer_versions.py --anchor "${INDEXER_ANCHOR:-.bench/indexer_v5.py}" \
-  --seq-lens ${INDEXER_SEQ:-1048576 262144} --shapes ${INDEXER_SHAPES:-full small} --out "$OUT/indexer_versions.json"
+  --seq-lens ${INDEXER_SEQ:-1048576 262144} --shapes ${INDEXER_SHAPES:-full small} ${INDEXER_ARGS:-} \
+  --out "$OUT/indexer_versions.json"
 part variants "${T_VARIANTS:-240}" python3 tests/benchmarks/indexer_score_variants.py ${VARIANTS_ARGS:---shapes small full --profile} \
   --out "$OUT/indexer_score_variants.json"
 part bench "${T_BENCH:-420}" python3 tests/benchmarks/dsa_bench.py ${BENCH_ARGS:-} --out "$OUT/dsa_bench.json"
