@@ -19,6 +19,11 @@ selection computes the column maxima itself from a first read of the row and the
 keeps none (:data:`BOUND_IN_SELECTION`). :func:`triton_expand_selection` turns the pool indices
 into the ``[B, T, W]`` int32 token indices in one kernel.
 
+Each query sees one contiguous range of pools ``[lo, hi)`` (its document's complete pools up to
+it): the score kernel masks with two compares, skips the pool tiles no query of its tile sees
+(the causal triangle inside a block, other documents' pools) and stores score tiles through a
+tensor descriptor; the selection reads each row's range only.
+
 Per launch, scores: FLOPs ``2 * B * Tq * P_visible * H * D``; bytes ``4 * Tq * P_visible``
 written and read once by the selection, plus the queries, re-read from L2 once per
 ``BLOCK_N`` pools.
@@ -163,13 +168,16 @@ def _pool_scores_kernel(
                  mask=mask_m[:, None])
 
 
-SELECT_CONFIGS = [triton.Config({"CHUNK": c, "SPLIT_SORT": True, "LOOP_STAGES": st, "COMPACT": "relaxed"}, num_warps=4)
-                  for c, st in [(512, 2), (512, 3), (1024, 3), (2048, 3), (2048, 1), (4096, 1)]]
+SELECT_CONFIGS = [triton.Config({"CHUNK": c, "SPLIT_SORT": True, "LOOP_STAGES": st, "COMPACT": "relaxed"}, num_warps=w)
+                  for c, st, w in [(512, 2, 4), (512, 3, 4), (1024, 3, 4), (2048, 3, 4), (2048, 1, 4), (4096, 1, 4),
+                                   (512, 2, 2), (512, 2, 1), (1024, 3, 2)]]
 """Autotuned configurations of :func:`_select_kernel`. The kernel is latency-bound (a load, an
 atomic and a store per chunk, serially): small chunks keep few registers (64-80 at 1024-2048 vs
 151 at 8192: more programs per SM) and pipelined loads overlap the chain; at 65,536 pools
 CHUNK 1024 with 3 stages took 1.17 ms per 8192 rows against 1.51 for v6b's 4096 (kernels/NOTES.md, v7),
-and 0.90 ms with relaxed slot atomics (v9; a prefix sum instead of atomics took 1.67)."""
+and 0.90 ms with relaxed slot atomics (v9; a prefix sum instead of atomics took 1.67). With short rows
+(64k tokens: 65,536 rows of at most 4,096 pools, 1.18 ms, ~19 us per program) the two in-register
+sorts per row dominate; one or two warps per row do them with fewer cross-warp exchanges (v13)."""
 
 
 @triton.jit
@@ -200,7 +208,10 @@ def _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY: tl.const
     tl.store(slots + pos, key, mask=keep & (pos < CAPACITY))
 
 
-@triton.autotune(configs=SELECT_CONFIGS, key=["N_COLUMNS", "CAPACITY", "size_class", "BOUND_PASS", "SEG"])
+# COUNT is zeroed before each configuration's timing runs: accumulated over them, every row would
+# overflow its slots and be redone on the host in the tuning call
+@triton.autotune(configs=SELECT_CONFIGS, key=["N_COLUMNS", "CAPACITY", "size_class", "BOUND_PASS", "SEG"],
+                 reset_to_zero=["COUNT"])
 @triton.jit
 def _select_kernel(
     S, COLMAX, SEGMAX, HITS, COUNT, SLOTS, OUT, Q_LO, Q_HI,
@@ -360,8 +371,10 @@ def triton_expand_selection(pools: torch.Tensor, grid: KPoolGrid, n_q: int, q_of
 
 
 def _size_class(n_pools: int) -> int:
-    """Autotuning bucket: the first query blocks see few pools, later ones up to ``T / kpool``."""
-    return min(3, n_pools.bit_length() // 4)
+    """Autotuning bucket of a query block that sees ``n_pools`` pools: 0 below 256, then one class
+    per factor 4 (256, 1,024, 4,096, 16,384) and 5 from 65,536 (the last blocks at 1M tokens,
+    kpool 16). The tuner times a key's configurations on the first block of that key."""
+    return min(5, max(0, (n_pools.bit_length() - 7) // 2))
 
 
 GROUP_N = 32
@@ -446,14 +459,18 @@ def _capacity(n_select: int) -> int:
     return triton.next_power_of_2(4 * n_select)
 
 
-def _fill_overflowing_rows(selected, scores, counts, n_select, p_lo, rows_lo, capacity) -> None:
+def _fill_overflowing_rows(selected, scores, counts, n_select, p_lo, rows_lo, capacity, q_lo, q_hi) -> None:
     """Redo the rows of one query block whose candidates overflowed ``capacity`` slots
-    (massive ties) from their full score rows, with the torch tie rule."""
+    (massive ties) from their score rows, with the torch tie rule. Only each row's visible pools
+    ``[q_lo, q_hi)`` (absolute pool indices, ``[rows]``) are read: the score kernel leaves the
+    tiles no query of a tile sees unwritten."""
     batch, n_rows, n_cols = scores.shape
     over = (counts > capacity).nonzero()
     b, t = over[:, 0], over[:, 1]
     row_scores = scores[b, t]
     pool_index = torch.arange(p_lo, p_lo + n_cols, device=scores.device)
+    visible = (pool_index[None, :] >= q_lo[t, None]) & (pool_index[None, :] < q_hi[t, None])
+    row_scores = row_scores.masked_fill(~visible, float("-inf"))
     keys = _selection_keys(row_scores, pool_index, torch.isfinite(row_scores)).topk(n_select, dim=-1).values
     pools, valid = decode_selection_keys(keys)
     selected[b, rows_lo + t, :n_select] = torch.where(valid, pools, -1)
@@ -474,9 +491,11 @@ def triton_pool_topk(
 
     Same contract as :func:`kernels.dsa.indexer._torch_pool_topk`; ``q``/``pool_keys`` are
     used in their dtype (bf16 on the GPU: fp32 accumulation in ``tl.dot``). Per block of
-    ``query_block`` queries: :func:`_pool_scores_kernel` (scores + column maxima), then
-    :func:`_select_kernel` (bound, candidates, sort, decode) into the output. The block
-    bounds are read to the host once, the overflow count once after the last block.
+    ``query_block`` queries (default :func:`_query_block`: as many multiples of 8192 as the
+    :data:`SCORE_BUFFER_ELEMENTS` budget allows): :func:`_pool_scores_kernel` (scores + column
+    maxima, only the tiles some query of a tile sees), then :func:`_select_kernel` (bound,
+    candidates, sort, decode; each row's visible pools only) into the output. The block bounds
+    are read to the host once, the overflow count once after the last block.
     ``bound_pass`` (default :data:`BOUND_IN_SELECTION`): the selection reads each score row twice and
     computes the column maxima itself, the score kernel keeps none (same indices). Otherwise the
     selection reads only the :data:`SEGMENT`-pool segments that can hold a candidate.
@@ -578,5 +597,5 @@ def triton_pool_topk(
             if bool((counts[:, t0:t1] > capacity).any()):
                 scores, _ = block_scores(t0, t1, p_lo, p_hi - p_lo, block_seg(p_hi - p_lo))
                 _fill_overflowing_rows(selected, scores, counts[:, t0:t1], min(n_select, p_hi - p_lo), p_lo, t0,
-                                       capacity)
+                                       capacity, q_lo[t0:t1], q_hi[t0:t1])
     return selected

@@ -65,11 +65,14 @@ SCORE_VARIANTS = {
               for t in (False, True)] + [
         (64, 128, 4, 3, True, False, 0, True, False, False), (128, 128, 8, 3, True, True, 64, True, False, False)],
 }
-# (PAIR with 3 stages and descriptor stores needs 288 KiB of shared memory for the full shape: 2 stages)
-QUICK_SCORE_VARIANTS = [(128, 128, 8, st, True, True, seg, tma, store, flatten) for st, seg, tma, store, flatten in [
-    (3, 0, False, False, False), (3, 0, True, False, False), (2, 0, True, True, False), (3, 64, True, False, False),
-    (2, 64, True, False, False), (3, 64, True, True, False), (2, 64, True, True, False),
-    (3, 64, False, False, False), (3, 64, False, False, True), (2, 64, False, True, True)]]
+# (PAIR with 3 stages and descriptor stores needs 288 KiB of shared memory for the full shape: 2
+# stages); 64x128 tiles with one warpgroup: two CTAs per SM (the autotuner's v13 choice)
+QUICK_SCORE_VARIANTS = [(bm, bn, w, st, True, pair, seg, tma, store, flatten)
+                        for bm, bn, w, st, pair, seg, tma, store, flatten in [
+    (128, 128, 8, 3, True, 0, False, False, False), (128, 128, 8, 3, True, 64, True, False, False),
+    (128, 128, 8, 2, True, 64, True, True, False), (64, 128, 4, 3, False, 64, True, False, False),
+    (64, 128, 4, 3, False, 64, True, True, False), (64, 128, 4, 3, False, 0, True, True, False),
+    (64, 128, 4, 3, False, 64, False, False, False), (64, 128, 4, 3, False, 64, False, True, True)]]
 # (CHUNK, warps, SPLIT_SORT, LOOP_STAGES, BOUND_PASS, COMPACT, SEG)
 SELECT_VARIANTS = [(4096, 4, False, 1, False, "atomic", 0), (1024, 4, True, 3, False, "atomic", 0)] + [
                   (c, 4, True, st, bound, "relaxed", 0) for bound in (False, True)
