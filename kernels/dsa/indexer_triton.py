@@ -63,7 +63,7 @@ def _pool_scores_kernel(
     n_q, n_pools, p_lo, size_class,
     H: tl.constexpr, D: tl.constexpr, N_COLUMNS: tl.constexpr, GROUP_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAXIMA: tl.constexpr, PAIR: tl.constexpr, SEG: tl.constexpr,
-    TMA: tl.constexpr, FLATTEN: tl.constexpr, TMA_STORE: tl.constexpr,
+    TMA: tl.constexpr, TMA_STORE: tl.constexpr,
 ):
     """Scores of ``BLOCK_M`` queries against the pool tiles ``pid_n, pid_n + n_prog, ...``
     (``n_prog = N_COLUMNS / GROUP_N`` programs along the pools) and the row maxima of this
@@ -113,7 +113,7 @@ def _pool_scores_kernel(
         out_desc = tl.make_tensor_descriptor(OUT, shape=[tl.num_programs(2), n_q, n_pools],
                                              strides=[stride_ob, stride_ot, 1], block_shape=[1, BLOCK_M, BLOCK_N])
     col_max = tl.full([BLOCK_M, GROUP_N], float("-inf"), tl.float32)
-    for n0 in tl.range(n_first, n_end, stride_n, flatten=FLATTEN):
+    for n0 in range(n_first, n_end, stride_n):
         offs_n = n0 + offs_c
         mask_n = offs_n < n_pools
         if TMA:
@@ -419,11 +419,6 @@ STORE_DESCRIPTOR = True
 """Whether the score kernel stores each score tile through a tensor descriptor (a TMA store from shared
 memory that overlaps the next tile) instead of a layout conversion and per-thread stores (v13)."""
 
-FLATTEN_LOOPS = False
-"""Whether the score kernel's pool-tile and head loops are flattened into one software-pipelined loop
-(``tl.range(..., flatten=True)``), so that the next tile's key and query loads are in flight during
-this tile's epilogue instead of waited for at the start of every tile (v13)."""
-
 SCORE_BUFFER_ELEMENTS = 2**29
 """Float32 scores one query block may hold (2 GiB): ``triton_pool_topk`` takes query blocks of the
 largest multiple of 8192 queries whose ``[B, rows, pools]`` buffer fits (8192 at 1M tokens, kpool 16;
@@ -574,8 +569,7 @@ def triton_pool_topk(
             col_max.stride(0), col_max.stride(1),
             seg_max.stride(0), seg_max.stride(1),
             t1 - t0, n_pools, p_lo, _size_class(n_pools), H=heads, D=dim, N_COLUMNS=columns, GROUP_N=GROUP_N,
-            MAXIMA=not bound_pass, SEG=width, TMA=TENSOR_DESCRIPTORS, FLATTEN=FLATTEN_LOOPS,
-            TMA_STORE=STORE_DESCRIPTOR,
+            MAXIMA=not bound_pass, SEG=width, TMA=TENSOR_DESCRIPTORS, TMA_STORE=STORE_DESCRIPTOR,
         )
         return scores, seg_max
 

@@ -52,27 +52,25 @@ N_SELECT = TOPK // KPOOL
 # registers, tests/benchmarks/sm90_resources.py: one CTA's ReLU-weighted epilogue can run beside
 # the other's MMA; PAIR with 2 stages to fit two CTAs' shared memory)
 # (..., SEG, TMA): the segment width of the v11 maxima (0: none); queries and pool keys through
-# tensor descriptors (v12); (..., TMA_STORE, FLATTEN): score tiles stored through a tensor
-# descriptor, pool-tile and head loops flattened into one pipelined loop (v13; Triton 3.6 does
-# not compile FLATTEN with descriptor loads)
+# tensor descriptors (v12); (..., TMA_STORE): score tiles stored through a tensor descriptor (v13)
 SCORE_VARIANTS = {
-    "full": [(128, 128, 8, 3, m, p, 0, t, False, False) for m in (True, False) for p in (False, True)
+    "full": [(128, 128, 8, 3, m, p, 0, t, False) for m in (True, False) for p in (False, True)
              for t in (False, True)] + [
-        (64, 128, 4, st, m, p, 0, True, False, False) for m in (True, False) for st, p in [(3, False), (2, True)]] + [
-        (128, 128, 8, 3, True, p, seg, t, False, False) for p in (True, False) for seg in (64, 128)
+        (64, 128, 4, st, m, p, 0, True, False) for m in (True, False) for st, p in [(3, False), (2, True)]] + [
+        (128, 128, 8, 3, True, p, seg, t, False) for p in (True, False) for seg in (64, 128)
         for t in (False, True)],
-    "small": [(128, 128, 8, 3, m, p, 0, t, False, False) for m in (True, False) for p in (False, True)
+    "small": [(128, 128, 8, 3, m, p, 0, t, False) for m in (True, False) for p in (False, True)
               for t in (False, True)] + [
-        (64, 128, 4, 3, True, False, 0, True, False, False), (128, 128, 8, 3, True, True, 64, True, False, False)],
+        (64, 128, 4, 3, True, False, 0, True, False), (128, 128, 8, 3, True, True, 64, True, False)],
 }
 # (PAIR with 3 stages and descriptor stores needs 288 KiB of shared memory for the full shape: 2
 # stages); 64x128 tiles with one warpgroup: two CTAs per SM (the autotuner's v13 choice)
-QUICK_SCORE_VARIANTS = [(bm, bn, w, st, True, pair, seg, tma, store, flatten)
-                        for bm, bn, w, st, pair, seg, tma, store, flatten in [
-    (128, 128, 8, 3, True, 0, False, False, False), (128, 128, 8, 3, True, 64, True, False, False),
-    (128, 128, 8, 2, True, 64, True, True, False), (64, 128, 4, 3, False, 64, True, False, False),
-    (64, 128, 4, 3, False, 64, True, True, False), (64, 128, 4, 3, False, 0, True, True, False),
-    (64, 128, 4, 3, False, 64, False, False, False), (64, 128, 4, 3, False, 64, False, True, True)]]
+QUICK_SCORE_VARIANTS = [(bm, bn, w, st, True, pair, seg, tma, store)
+                        for bm, bn, w, st, pair, seg, tma, store in [
+    (128, 128, 8, 3, True, 0, False, False), (128, 128, 8, 3, True, 64, True, False),
+    (128, 128, 8, 2, True, 64, True, True), (64, 128, 4, 3, False, 64, True, False),
+    (64, 128, 4, 3, False, 64, True, True), (64, 128, 4, 3, False, 0, True, True),
+    (64, 128, 4, 3, False, 64, False, False)]]
 # (CHUNK, warps, SPLIT_SORT, LOOP_STAGES, BOUND_PASS, COMPACT, SEG)
 SELECT_VARIANTS = [(4096, 4, False, 1, False, "atomic", 0), (1024, 4, True, 3, False, "atomic", 0)] + [
                   (c, 4, True, st, bound, "relaxed", 0) for bound in (False, True)
@@ -94,9 +92,9 @@ def bound_source(maxima_or_bound_pass: bool, seg: int, selection: bool = False) 
     return "v8" if in_selection else (f"v11 SEG={seg}" if seg else "v9")
 
 
-def score_suffix(tma: bool, store: bool, flatten: bool) -> str:
-    """The name suffix of a score variant's load/store/loop switches in :func:`end_to_end` (v12, v13)."""
-    return "".join(f" {n}" for n, on in [("TMA", tma), ("TMA_STORE", store), ("FLATTEN", flatten)] if on)
+def score_suffix(tma: bool, store: bool) -> str:
+    """The name suffix of a score variant's load and store switches in :func:`end_to_end` (v12, v13)."""
+    return "".join(f" {n}" for n, on in [("TMA", tma), ("TMA_STORE", store)] if on)
 
 
 def cuda_ms(fn, reps: int = 5) -> float:
@@ -139,21 +137,21 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
 
     first = best["v9"]
     # name -> (bound in selection, segment width, SEGMENT_MIN_POOLS, score config, selection config, expansion,
-    # (tensor-descriptor loads, tensor-descriptor stores, flattened loops))
-    plain_loops = (False, False, False)
+    # (tensor-descriptor loads, tensor-descriptor stores))
+    plain_loops = (False, False)
     variants = {"v6b": (False, 0, 0, (dict(first[2], PAIR=False), first[3], first[4]),
                         (dict(CHUNK=4096, SPLIT_SORT=False, LOOP_STAGES=1, COMPACT="atomic"), 4), "torch", plain_loops),
                 "v7": (False, 0, 0, first[2:5], (dict(CHUNK=1024, SPLIT_SORT=True, LOOP_STAGES=3, COMPACT="atomic"), 4),
                        "triton", plain_loops)}
     for source in sorted(best):   # v11 once per segment width, each with its load/store/loop switches
-        plain = source.split(" T")[0].split(" F")[0]
+        plain = source.split(" T")[0]
         if plain in best_sel:
             name = {"v8": "v9, bound in selection"}.get(plain, plain) + source[len(plain):]
             variants[name] = (plain == "v8", best[source][5], DEFAULT_MIN_POOLS, best[source][2:5],
                               best_sel[plain][2:4], "triton", best[source][6])
     one_kernel = it.triton_expand_selection
     for name in [n for n in variants if n.startswith("v11") and CROSSOVER]:   # from the block size where it pays
-        whole = variants.get("v9" + name[len(name.split(" T")[0].split(" F")[0]):], variants.get("v9"))
+        whole = variants.get("v9" + name[len(name.split(" T")[0]):], variants.get("v9"))
         try:
             pools = crossover(shape, whole, variants[name], report)
         except Exception as err:  # the end-to-end rows stand without it
@@ -237,9 +235,8 @@ def use_variant(variant: tuple, one_kernel, min_pools: int | None = None) -> Non
     the indexer looks it up per call) and both kernels' pinned configurations."""
     from kernels.dsa.indexer import _expand_selection
 
-    bound_pass, seg, variant_min_pools, (skw, sw, sst), (selkw, selw), expand, (tma, store, flatten) = variant
-    it.BOUND_IN_SELECTION, it.SEGMENT, it.TENSOR_DESCRIPTORS = bound_pass, seg, tma
-    it.STORE_DESCRIPTOR, it.FLATTEN_LOOPS = store, flatten
+    bound_pass, seg, variant_min_pools, (skw, sw, sst), (selkw, selw), expand, (tma, store) = variant
+    it.BOUND_IN_SELECTION, it.SEGMENT, it.TENSOR_DESCRIPTORS, it.STORE_DESCRIPTOR = bound_pass, seg, tma, store
     it.SEGMENT_MIN_POOLS = variant_min_pools if min_pools is None else min_pools
     it.triton_expand_selection = one_kernel if expand == "triton" else _expand_selection
     pin_configs(skw, sw, sst, selkw, selw)
@@ -309,18 +306,18 @@ def main() -> None:
                     ROWS, POOLS, 0, size_class)
 
         best = {}   # bound_source -> the fastest score variant
-        for bm, bn, warps, stages, maxima, pair, seg, tma, store, flatten in (
+        for bm, bn, warps, stages, maxima, pair, seg, tma, store in (
                 QUICK_SCORE_VARIANTS if args.quick else SCORE_VARIANTS[shape]):
                     name = (f"scores {bm}x{bn} w{warps} s{stages} MAXIMA={int(maxima)} PAIR={int(pair)} SEG={seg} "
-                            f"TMA={int(tma)} TMA_STORE={int(store)} FLATTEN={int(flatten)}")
+                            f"TMA={int(tma)} TMA_STORE={int(store)}")
                     seg_out = seg_max[..., :POOLS // seg] if seg else seg_max
 
                     def run(bm=bm, bn=bn, warps=warps, stages=stages, maxima=maxima, pair=pair, seg=seg, seg_out=seg_out,
-                            tma=tma, store=store, flatten=flatten):
+                            tma=tma, store=store):
                         it._pool_scores_kernel.fn[(columns // it.GROUP_N, triton.cdiv(ROWS, bm), 1)](
                             *score_args(scores, col_max, seg_out), H=h, D=d, N_COLUMNS=columns, GROUP_N=it.GROUP_N,
                             BLOCK_M=bm, BLOCK_N=bn, MAXIMA=maxima, PAIR=pair, SEG=seg, TMA=tma, TMA_STORE=store,
-                            FLATTEN=flatten, num_warps=warps, num_stages=stages)
+                            num_warps=warps, num_stages=stages)
                     try:
                         scores.fill_(float("nan"))
                         col_max.fill_(float("nan"))
@@ -337,10 +334,10 @@ def main() -> None:
                         row = dict(shape=shape, kernel=name, ms=ms, tflops=flops / ms / 1e9,
                                    pct_of_matmul=100 * flops / ms / 1e9 / ceil["matmul_tflops"],
                                    scores_equal=same, maxima_equal=maxima_ok)
-                        source = bound_source(maxima, seg) + score_suffix(tma, store, flatten)
+                        source = bound_source(maxima, seg) + score_suffix(tma, store)
                         if same and maxima_ok and (source not in best or ms < best[source][0]):
                             best[source] = (ms, name, dict(BLOCK_M=bm, BLOCK_N=bn, PAIR=pair), warps, stages, seg,
-                                            (tma, store, flatten))
+                                            (tma, store))
                     except Exception as err:  # report and go on
                         row = dict(shape=shape, kernel=name, error=repr(err)[:400])
                     report(row)
@@ -419,7 +416,7 @@ def main() -> None:
         del ref_scores, scores, col_max, seg_max, seg_ref, hits, keys, want
         torch.cuda.empty_cache()
         for source in sorted(best):
-            plain = source.split(" T")[0].split(" F")[0]
+            plain = source.split(" T")[0]
             if plain in best_sel:
                 report(dict(shape=shape, bound_source=source, fastest_scores=best[source][1], ms=best[source][0],
                             fastest_select=best_sel[plain][1], select_ms=best_sel[plain][0]))

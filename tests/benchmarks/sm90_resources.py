@@ -86,14 +86,13 @@ def main() -> None:
                                           "stride_gb", "stride_gt"]})
     score_sig.update({n: "i32" for n in ["n_q", "n_pools", "p_lo", "size_class"]})
     for config in it.SCORE_CONFIGS:
-        for maxima, seg, tma, store, flatten in [
-                (True, it.SEGMENT, True, True, False), (True, it.SEGMENT, True, False, False),
-                (True, it.SEGMENT, False, False, False), (True, it.SEGMENT, False, True, True), (True, 0, True, True, False),
-                (False, 0, True, True, False)]:
+        for maxima, seg, tma, store in [
+                (True, it.SEGMENT, True, True), (True, it.SEGMENT, True, False), (True, it.SEGMENT, False, False),
+                (True, 0, True, True), (False, 0, True, True)]:
             kw = dict(config.kwargs, H=h, D=d, N_COLUMNS=columns, GROUP_N=it.GROUP_N, MAXIMA=maxima, SEG=seg, TMA=tma,
-                      TMA_STORE=store, FLATTEN=flatten)
+                      TMA_STORE=store)
             name = "scores " + " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in config.kwargs.items())
-            name += (f" MAXIMA={int(maxima)} SEG={seg} TMA={int(tma)} TMA_STORE={int(store)} FLATTEN={int(flatten)}"
+            name += (f" MAXIMA={int(maxima)} SEG={seg} TMA={int(tma)} TMA_STORE={int(store)}"
                      f" w{config.num_warps} s{config.num_stages}")
             rows.append((name, compile_sm90(it._pool_scores_kernel, score_sig, kw, config.num_warps,
                                             config.num_stages), config.num_warps))
