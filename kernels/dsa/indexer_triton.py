@@ -40,9 +40,13 @@ from kernels.dsa.indexer import KPoolGrid, _query_docs, _selection_keys, decode_
 
 
 SCORE_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "PAIR": pair}, num_warps=w, num_stages=st)
-    for bm, bn, w, st, pair in [(128, 128, 8, 3, True), (128, 128, 8, 2, True), (128, 128, 8, 3, False),
-                                (64, 256, 8, 3, False), (64, 128, 4, 3, False), (128, 256, 8, 2, False)]
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "PAIR": pair}, num_warps=w, num_stages=st, maxnreg=regs)
+    for bm, bn, w, st, pair, regs in [
+        (128, 128, 8, 3, True, None), (128, 128, 8, 2, True, None), (128, 128, 8, 3, False, None),
+        (64, 256, 8, 3, False, None), (64, 128, 4, 3, False, None), (128, 256, 8, 2, False, None),
+        # capped at 168 registers: three 64x128 CTAs per SM where shared memory allows (index dim 64:
+        # 72 KiB each; ptxas spills 24 bytes per thread with segment maxima, sm90_resources.py)
+        (64, 128, 4, 3, False, 168), (64, 128, 4, 2, False, 168)]
 ]
 """Autotuned configurations of :func:`_pool_scores_kernel`. ``tests/benchmarks/indexer_score_variants.py``
 times tile x ``PAIR`` directly (kernels/NOTES.md, v7): ``PAIR`` takes the full shape's 128x128

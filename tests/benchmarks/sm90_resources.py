@@ -36,7 +36,7 @@ SM_REGISTERS, SM_SHARED, SM_WARPS, SM_CTAS = 65536, 227 * 1024, 64, 32
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def compile_sm90(kernel, signature: dict, constexprs: dict, warps: int, stages: int = 3,
+def compile_sm90(kernel, signature: dict, constexprs: dict, warps: int, stages: int = 3, maxnreg: int | None = None,
                  unaligned: tuple[str, ...] = ("n_q", "n_pools", "p_lo", "size_class", "n_rows", "n_cols", "n_select")):
     """``triton.compile`` of ``kernel`` (a ``@triton.jit`` function or an autotuner over one) for sm_90.
 
@@ -48,7 +48,8 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, warps: int, stages: 
                if n not in unaligned and t != "constexpr"}
     src = ASTSource(fn=fn, signature=dict(signature, **{k: "constexpr" for k in constexprs}), constexprs=constexprs,
                     attrs=aligned)
-    return triton.compile(src, target=TARGET, options=dict(num_warps=warps, num_stages=stages))
+    options = dict(num_warps=warps, num_stages=stages) | ({"maxnreg": maxnreg} if maxnreg else {})
+    return triton.compile(src, target=TARGET, options=options)
 
 
 def resources(compiled, warps: int) -> dict:
@@ -93,9 +94,10 @@ def main() -> None:
                       TMA_STORE=store)
             name = "scores " + " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in config.kwargs.items())
             name += (f" MAXIMA={int(maxima)} SEG={seg} TMA={int(tma)} TMA_STORE={int(store)}"
-                     f" w{config.num_warps} s{config.num_stages}")
+                     f" w{config.num_warps} s{config.num_stages}"
+                     + (f" maxnreg {config.maxnreg}" if config.maxnreg else ""))
             rows.append((name, compile_sm90(it._pool_scores_kernel, score_sig, kw, config.num_warps,
-                                            config.num_stages), config.num_warps))
+                                            config.num_stages, config.maxnreg), config.num_warps))
     select_sig = dict(zip(["S", "COLMAX", "SEGMAX", "HITS", "COUNT", "SLOTS", "OUT", "Q_LO", "Q_HI"],
                           ["*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i32", "*i32"]))
     select_sig.update({n: "i64" for n in ["stride_sb", "stride_st", "stride_cb", "stride_ct", "stride_gb", "stride_gt",
