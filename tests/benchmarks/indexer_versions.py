@@ -9,8 +9,9 @@
 on the same bf16 inputs, checks that both select identical indices (both are exact with the
 same tie rule), and reports the achieved score TFLOP/s against a bf16 matmul measured in the
 same run. ``--profile`` adds, per shape and length, the CUDA time per kernel of one call of the
-current version and the device's idle time inside it (host syncs, launches). One JSON line per
-row and a table.
+current version and the device's idle time inside it (host syncs, launches); ``--memory``, per
+version, the peak memory of ``triton_pool_topk`` alone (pooled keys made beforehand) and the rows
+it redid on the host (candidate overflow). One JSON line per row and a table.
 """
 
 from __future__ import annotations
@@ -59,12 +60,45 @@ def profile(call, label: str) -> list[dict]:
     return rows
 
 
+def selection_memory(module, inputs, kw, label: str) -> dict:
+    """Peak GiB allocated by ``module.triton_pool_topk`` alone (above what was allocated before it) and
+    the number of rows it redid on the host, at the inputs of :func:`dsa_bench.indexer_inputs`."""
+    from kernels.dsa.indexer import _compress_on_grid, kpool_grid
+
+    q, k, gate_scores, ape, weights = inputs
+    kpool, n_select = kw["kpool"], kw["topk"] // kw["kpool"]
+    grid = kpool_grid(k.shape[1], kpool, None, q.device)
+    pool_keys = _compress_on_grid(k, gate_scores, ape, grid)
+    redone = []
+    fill = module._fill_overflowing_rows
+
+    def counting(selected, scores, counts, *rest):
+        redone.append(int((counts > rest[-3 if len(rest) > 4 else -1]).sum()))
+        return fill(selected, scores, counts, *rest)
+    module._fill_overflowing_rows = counting
+    try:
+        module.triton_pool_topk(q, pool_keys, weights, grid, n_select, kw["softmax_scale"], 0)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        redone.clear()
+        module.triton_pool_topk(q, pool_keys, weights, grid, n_select, kw["softmax_scale"], 0)
+        torch.cuda.synchronize()
+        row = dict(memory=label, selection_peak_gib=(torch.cuda.max_memory_allocated() - base) / 2**30,
+                   rows_redone_on_host=sum(redone))
+    finally:
+        module._fill_overflowing_rows = fill
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--anchor", required=True)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[65536, 262144, 1048576])
     parser.add_argument("--shapes", nargs="+", default=["full", "small"], choices=list(SHAPES))
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--memory", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     anchor = load_anchor(args.anchor)
@@ -89,6 +123,9 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             current.triton_pool_topk = versions["current"]
+            if args.memory:
+                for version, module in [("anchor", anchor), ("current", current)]:
+                    rows.append(selection_memory(module, inputs, kw, f"{name} {seq_len // 1024}k {version}"))
             if args.profile:
                 rows += profile(lambda: lightning_indexer_topk(*inputs, **kw), f"{name} {seq_len // 1024}k")
             if len(selected) == 2:
