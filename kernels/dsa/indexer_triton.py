@@ -42,8 +42,7 @@ from kernels.dsa.indexer import KPoolGrid, _query_docs, _selection_keys, decode_
 SCORE_CONFIGS = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "PAIR": pair}, num_warps=w, num_stages=st, maxnreg=regs)
     for bm, bn, w, st, pair, regs in [
-        (128, 128, 8, 3, True, None), (128, 128, 8, 2, True, None), (128, 128, 8, 3, False, None),
-        (64, 256, 8, 3, False, None), (64, 128, 4, 3, False, None), (128, 256, 8, 2, False, None),
+        (128, 128, 8, 3, True, None), (128, 128, 8, 2, True, None), (64, 128, 4, 3, False, None),
         # capped at 168 registers: three 64x128 CTAs per SM where shared memory allows (index dim 64:
         # 72 KiB each; ptxas spills 24 bytes per thread with segment maxima, sm90_resources.py)
         (64, 128, 4, 3, False, 168), (64, 128, 4, 2, False, 168)]
@@ -53,8 +52,12 @@ times tile x ``PAIR`` directly (kernels/NOTES.md, v7): ``PAIR`` takes the full s
 tile from 53% to 57% of the matmul rate. Since v13 (no per-tile loads, descriptor loads and stores)
 the tuner picks 64x128 with 4 warps for every key: two CTAs per SM, one's epilogue beside the
 other's MMA; 6.43 ms per 8192 x 65,536 block for the full shape (86% of the matmul rate) against
-7.75 for 128x128 with ``PAIR`` (kernels/NOTES.md, v13). (Two other folds of the column maxima, contiguous
-groups by reshape or by pairwise ``tl.split``, ran within 3% of this one and were removed.)"""
+7.75 for 128x128 with ``PAIR`` (kernels/NOTES.md, v13); for index dim 64 the 168-register cap (three
+CTAs per SM) is 9-20% faster again (v13b). Tiles of 256 pools were dropped: never chosen since v5,
+and with 32 column groups per 256 pools the selection's bound stays loose up to ~1,000 visible pools
+(rows of 513-1,000 pools overflow their slots and are redone on the host). (Two other folds of the
+column maxima, contiguous groups by reshape or by pairwise ``tl.split``, ran within 3% of this one
+and were removed.)"""
 
 
 @triton.autotune(configs=SCORE_CONFIGS, key=["H", "D", "size_class", "N_COLUMNS", "MAXIMA", "SEG"])
@@ -89,7 +92,10 @@ def _pool_scores_kernel(
     ``TMA``: queries and pool keys arrive through tensor descriptors (``tl.make_tensor_descriptor``,
     out-of-range rows zero-filled as the masked loads' ``other``) instead of per-element pointer
     tensors, whose registers made ptxas spill (``q`` must have ``stride_qh == D``; the caller sets
-    ``triton.set_allocator``)."""
+    ``triton.set_allocator``). ``Q_LO``/``Q_HI`` (``[n_q]`` int32, absolute pool indices): each
+    query's visible pools ``[lo, hi)``; a program skips the pool tiles that no query of its tile
+    sees, leaving them unwritten (v13). ``TMA_STORE``: score tiles leave through a tensor descriptor
+    (``stride_ot`` a multiple of 4 floats)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -245,6 +251,8 @@ def _select_kernel(
     ``COMPACT``: the slot's atomic increment, ``"relaxed"`` (no ordering: the barrier before the
     sort publishes the slots) or ``"atomic"`` (v7's acquire-release, 29% slower at 65,536 pools:
     kernels/NOTES.md, v9).
+    Only each row's visible pools ``[Q_LO, Q_HI)`` (``[n_rows]`` int32, absolute) are read: the score
+    kernel leaves other tiles unwritten.
     ``SEG > 0`` (v11, needs the score kernel's ``SEGMAX`` of the same ``SEG``): only the
     ``SEG``-pool segments whose maximum reaches the bound are read (every passing entry lies in
     one): their indices are compacted ``SEG_CHUNK`` at a time (prefix sum) into the row's
@@ -531,8 +539,9 @@ def triton_pool_topk(
         query_block = _query_block(batch, pool_keys.shape[1])
     starts = list(range(0, n_q, query_block))
     ends = [min(t0 + query_block, n_q) for t0 in starts]
-    first, last = (torch.tensor(v, device=q.device) for v in (starts, [t1 - 1 for t1 in ends]))
-    p_lo_all, p_hi_all = torch.stack([q_lo[first], q_hi[last]]).tolist()
+    # (strided views of the bounds, no host-to-device copy of block indices)
+    hi_last = torch.cat([q_hi[query_block - 1::query_block], q_hi[-1:]])[: len(starts)]
+    p_lo_all, p_hi_all = torch.stack([q_lo[::query_block], hi_last]).tolist()
     blocks = [(t0, t1, lo, hi) for t0, t1, lo, hi in zip(starts, ends, p_lo_all, p_hi_all) if hi > lo]
     if not blocks:
         return selected
