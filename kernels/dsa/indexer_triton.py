@@ -115,15 +115,14 @@ def _pool_scores_kernel(
     n_end = tl.minimum(tl.max(hi, axis=0), n_pools)
     q_base = Q + b * stride_qb + offs_m[:, None] * stride_qt + offs_d[None, :]
     w_base = W + b * stride_wb + offs_m * stride_wt
+    pid_b, n_batch = tl.program_id(2), tl.num_programs(2)   # the batch index as int32 (descriptor coordinates)
     if TMA:
-        pid_b = tl.program_id(2)
-        n_batch = tl.num_programs(2)
         q_desc = tl.make_tensor_descriptor(Q, shape=[n_batch, n_q, H * D], strides=[stride_qb, stride_qt, 1],
                                            block_shape=[1, BLOCK_M, D])
         pk_desc = tl.make_tensor_descriptor(PK, shape=[n_batch, p_lo + n_pools, D], strides=[stride_pb, stride_pp, 1],
                                             block_shape=[1, BLOCK_N, D])
     if TMA_STORE:
-        out_desc = tl.make_tensor_descriptor(OUT, shape=[tl.num_programs(2), n_q, n_pools],
+        out_desc = tl.make_tensor_descriptor(OUT, shape=[n_batch, n_q, n_pools],
                                              strides=[stride_ob, stride_ot, 1], block_shape=[1, BLOCK_M, BLOCK_N])
     col_max = tl.full([BLOCK_M, GROUP_N], float("-inf"), tl.float32)
     for n0 in range(n_first, n_end, stride_n):
@@ -163,7 +162,7 @@ def _pool_scores_kernel(
         visible = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
         acc = tl.where(visible, acc, float("-inf"))
         if TMA_STORE:   # rows and pools past the buffer's bounds are not written
-            out_desc.store([tl.program_id(2), pid_m * BLOCK_M, n0], acc.reshape(1, BLOCK_M, BLOCK_N))
+            out_desc.store([pid_b, pid_m * BLOCK_M, n0], acc.reshape(1, BLOCK_M, BLOCK_N))
         else:
             tl.store(OUT + b * stride_ob + offs_m[:, None] * stride_ot + offs_n[None, :], acc,
                      mask=mask_m[:, None] & mask_n[None, :])

@@ -92,6 +92,11 @@ def bound_source(maxima_or_bound_pass: bool, seg: int, selection: bool = False) 
     return "v8" if in_selection else (f"v11 SEG={seg}" if seg else "v9")
 
 
+def plain_source(source: str) -> str:
+    """An end-to-end variant's name without its load/store suffix (:func:`score_suffix`)."""
+    return source.split(" T")[0]
+
+
 def score_suffix(tma: bool, store: bool) -> str:
     """The name suffix of a score variant's load and store switches in :func:`end_to_end` (v12, v13)."""
     return "".join(f" {n}" for n, on in [("TMA", tma), ("TMA_STORE", store)] if on)
@@ -144,14 +149,14 @@ def end_to_end(shape, best, best_sel, ceil, report) -> None:
                 "v7": (False, 0, 0, first[2:5], (dict(CHUNK=1024, SPLIT_SORT=True, LOOP_STAGES=3, COMPACT="atomic"), 4),
                        "triton", plain_loops)}
     for source in sorted(best):   # v11 once per segment width, each with its load/store/loop switches
-        plain = source.split(" T")[0]
+        plain = plain_source(source)
         if plain in best_sel:
             name = {"v8": "v9, bound in selection"}.get(plain, plain) + source[len(plain):]
             variants[name] = (plain == "v8", best[source][5], DEFAULT_MIN_POOLS, best[source][2:5],
                               best_sel[plain][2:4], "triton", best[source][6])
     one_kernel = it.triton_expand_selection
     for name in [n for n in variants if n.startswith("v11") and CROSSOVER]:   # from the block size where it pays
-        whole = variants.get("v9" + name[len(name.split(" T")[0]):], variants.get("v9"))
+        whole = variants.get("v9" + name[len(plain_source(name)):], variants.get("v9"))
         try:
             pools = crossover(shape, whole, variants[name], report)
         except Exception as err:  # the end-to-end rows stand without it
@@ -208,6 +213,23 @@ def crossover(shape: str, whole, segmented, report) -> int | None:
         if all(faster[i:]):
             return pools
     return None
+
+
+def profile_call(call, label: str, top: int = 10) -> list[dict]:
+    """CUDA milliseconds of the ``top`` kernels of one ``call`` (after a warm-up) and the device's idle
+    time in its span (:func:`device_idle`), as rows labelled ``label``."""
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    rows = [dict(profile=label, kernel=e.key[:90], calls=e.count, ms=e.device_time_total / 1e3)
+            for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]]
+    try:
+        rows.append(dict(profile=label, **device_idle(prof)))
+    except Exception as err:  # the kernel rows stand without it
+        rows.append(dict(profile=label, device_idle_error=repr(err)[:300]))
+    return rows
 
 
 def device_idle(prof) -> dict:
@@ -416,7 +438,7 @@ def main() -> None:
         del ref_scores, scores, col_max, seg_max, seg_ref, hits, keys, want
         torch.cuda.empty_cache()
         for source in sorted(best):
-            plain = source.split(" T")[0]
+            plain = plain_source(source)
             if plain in best_sel:
                 report(dict(shape=shape, bound_source=source, fastest_scores=best[source][1], ms=best[source][0],
                             fastest_select=best_sel[plain][1], select_ms=best_sel[plain][0]))
@@ -428,18 +450,8 @@ def main() -> None:
         from kernels.dsa import lightning_indexer_topk
 
         inputs, kw, _ = indexer_inputs(1 << 20, SHAPES["full"])
-        lightning_indexer_topk(*inputs, **kw)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            lightning_indexer_topk(*inputs, **kw)
-            torch.cuda.synchronize()
-        events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
-        for e in events[:14]:
-            report(dict(profile="full 1M", kernel=e.key[:90], calls=e.count, ms=e.device_time_total / 1e3))
-        try:
-            report(dict(profile="full 1M", **device_idle(prof)))
-        except Exception as err:  # the kernel table above stands without it
-            report(dict(profile="full 1M", device_idle_error=repr(err)[:300]))
+        for row in profile_call(lambda: lightning_indexer_topk(*inputs, **kw), "full 1M", top=14):
+            report(row)
 
     for r in rows:
         if "end_to_end" in r:

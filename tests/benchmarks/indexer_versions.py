@@ -40,26 +40,6 @@ def load_anchor(path: str):
     return module
 
 
-def profile(call, label: str) -> list[dict]:
-    """CUDA milliseconds per kernel of one ``call`` (after a warm-up) and the device's idle time in its span."""
-    from indexer_score_variants import device_idle
-
-    call()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        call()
-        torch.cuda.synchronize()
-    rows = [dict(profile=label, kernel=e.key[:90], calls=e.count, ms=e.device_time_total / 1e3)
-            for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:10]]
-    try:
-        rows.append(dict(profile=label, **device_idle(prof)))
-    except Exception as err:  # the kernel rows stand without it
-        rows.append(dict(profile=label, device_idle_error=repr(err)[:300]))
-    for r in rows:
-        print(json.dumps(r), flush=True)
-    return rows
-
-
 def selection_memory(module, inputs, kw, label: str) -> dict:
     """Peak GiB allocated by ``module.triton_pool_topk`` alone (above what was allocated before it) and
     the number of rows it redid on the host, at the inputs of :func:`dsa_bench.indexer_inputs`."""
@@ -70,10 +50,10 @@ def selection_memory(module, inputs, kw, label: str) -> dict:
     grid = kpool_grid(k.shape[1], kpool, None, q.device)
     pool_keys = _compress_on_grid(k, gate_scores, ape, grid)
     redone = []
-    fill = module._fill_overflowing_rows
+    fill, capacity = module._fill_overflowing_rows, module._capacity(n_select)
 
     def counting(selected, scores, counts, *rest):
-        redone.append(int((counts > rest[-3 if len(rest) > 4 else -1]).sum()))
+        redone.append(int((counts > capacity).sum()))
         return fill(selected, scores, counts, *rest)
     module._fill_overflowing_rows = counting
     try:
@@ -127,7 +107,11 @@ def main() -> None:
                 for version, module in [("anchor", anchor), ("current", current)]:
                     rows.append(selection_memory(module, inputs, kw, f"{name} {seq_len // 1024}k {version}"))
             if args.profile:
-                rows += profile(lambda: lightning_indexer_topk(*inputs, **kw), f"{name} {seq_len // 1024}k")
+                from indexer_score_variants import profile_call
+
+                for row in profile_call(lambda: lightning_indexer_topk(*inputs, **kw), f"{name} {seq_len // 1024}k"):
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
             if len(selected) == 2:
                 same = torch.equal(selected["anchor"], selected["current"])
                 differing = int((selected["anchor"] != selected["current"]).any(-1).sum())
