@@ -87,7 +87,7 @@ SCRIPT = textwrap.dedent(
             ref = _torch_pool_topk(queries, keys, w, grid, n_select, 0.25, 0, 32)
             assert torch.equal(got, ref), (variant, (got != ref).nonzero())
         # one high-index pool above a tie of every other pool at 0: the tie overflows the slots
-        # and the redo must still put pool 40 first
+        # and the kernel's exact pass must still put pool 40 first
         grid = kpool_grid(n, 2)
         keys = torch.zeros(1, 48, 16)
         keys[0, 40] = 1.0
@@ -95,6 +95,17 @@ SCRIPT = textwrap.dedent(
         got = it.triton_pool_topk(ones, keys, w_pos, grid, n_select, 0.25, 0, query_block=query_block)
         assert torch.equal(got, _torch_pool_topk(ones, keys, w_pos, grid, n_select, 0.25, 0, 32))
         assert got[0, -1].tolist() == [40, 0, 1], got[0, -1]
+        # 32 pools above a tie of all others, in two column groups (pools p = 0, 1 mod 16 of every
+        # other 32-pool tile: the score kernel's groups 0 and 1, the selection's 0 and 16): the bound
+        # is the tie and the slots overflow; the exact pass must climb from the bound to the third
+        # score, or it keeps 32 candidates for 16 slots. 8 queries (CP offset 504), 512 one-token pools
+        grid = kpool_grid(512, 1)
+        keys = torch.ones(1, 512, 16)
+        top = torch.tensor([p for p in range(512) if p % 64 < 32 and p % 16 < 2])
+        keys[0, top] = torch.linspace(2.0, 9.0, len(top))[:, None]   # the best last
+        got = it.triton_pool_topk(ones[:, :8], keys, w_pos[:, :8], grid, n_select, 0.25, 504, query_block=query_block)
+        assert torch.equal(got, _torch_pool_topk(ones[:, :8], keys, w_pos[:, :8], grid, n_select, 0.25, 504, 32))
+        assert got[0, -1].tolist() == top.flip(0)[:3].tolist(), got[0, -1]
         # context-parallel call: the last 46 queries against all 96 keys, packed documents
         kpool, ape = 4, torch.randn(4, 16, generator=gen)
         grid = kpool_grid(n, kpool, torch.tensor([0, 30, 96]))

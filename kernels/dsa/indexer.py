@@ -10,6 +10,7 @@ visibility, tie rule, output layout).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,8 @@ class KPoolGrid:
         doc_bounds: ``[n_docs + 1]`` int64, ``cu_seqlens`` (``[0, S]`` for one document).
         doc_first_pool: ``[n_docs + 1]`` int64, index of each document's first pool.
         kpool: tokens per pool.
+        bounds_host, first_pool_host: ``doc_bounds`` and ``doc_first_pool`` as host integers
+            (block bounds without a device-to-host read).
     """
 
     start: torch.Tensor
@@ -45,6 +48,8 @@ class KPoolGrid:
     doc_bounds: torch.Tensor
     doc_first_pool: torch.Tensor
     kpool: int
+    bounds_host: tuple[int, ...]
+    first_pool_host: tuple[int, ...]
 
     @property
     def end(self) -> torch.Tensor:
@@ -58,11 +63,29 @@ class KPoolGrid:
         doc = doc.clamp(0, self.doc_bounds.numel() - 2)
         return self.doc_first_pool[doc] + (start_token - self.doc_bounds[doc]) // self.kpool
 
+    def visible_range(self, position: int) -> tuple[int, int]:
+        """The pools ``[lo, hi)`` a query at token ``position`` sees (host integers): its document's
+        complete pools whose last token is at or before it; :meth:`visible_ranges` for many."""
+        doc = bisect.bisect_right(self.bounds_host, position) - 1
+        lo = self.first_pool_host[doc]
+        return lo, lo + (position - self.bounds_host[doc] + 1) // self.kpool
+
+    def visible_ranges(self, q_pos: torch.Tensor, q_doc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T]`` int64 ``lo`` and ``hi`` of :meth:`visible_range` for queries at ``q_pos`` (``[T]``
+        int64) in documents ``q_doc``: ``lo`` the document's first pool, ``hi - lo`` its pools
+        that end at or before the query (a document's pools are ``kpool`` tokens from its start,
+        and one that ends at or before a query inside the document is complete)."""
+        lo = self.doc_first_pool[q_doc]
+        return lo, lo + (q_pos - self.doc_bounds[q_doc] + 1) // self.kpool
+
 
 def kpool_grid(
     n_keys: int, kpool: int, cu_seqlens: torch.Tensor | None = None, device: torch.device | None = None
 ) -> KPoolGrid:
     """Lay k-pools over ``n_keys`` keys, restarting at every document start.
+
+    The document bounds are read to the host once (none are read without ``cu_seqlens``); the
+    device tensors are built without waiting for the device.
 
     Args:
         n_keys: key count ``S``.
@@ -76,22 +99,26 @@ def kpool_grid(
     if kpool < 1:
         raise DSAInputError(f"kpool must be >= 1, got {kpool}")
     if cu_seqlens is None:
-        bounds = torch.tensor([0, n_keys], dtype=torch.long, device=device)
+        bounds_host = [0, n_keys]
     else:
-        bounds = cu_seqlens.to(device=device, dtype=torch.long)
-        if bounds.ndim != 1 or bounds.numel() < 2 or int(bounds[0]) != 0 or int(bounds[-1]) != n_keys or bool(
-            (bounds[1:] < bounds[:-1]).any()
+        bounds_host = cu_seqlens.long().tolist() if cu_seqlens.ndim == 1 else None
+        if bounds_host is None or len(bounds_host) < 2 or bounds_host[0] != 0 or bounds_host[-1] != n_keys or any(
+            b1 < b0 for b0, b1 in zip(bounds_host, bounds_host[1:])
         ):
             raise DSAInputError(f"cu_seqlens must rise from 0 to the key length {n_keys}, got {cu_seqlens.tolist()}")
-    lengths = bounds[1:] - bounds[:-1]
-    n_pools = (lengths + kpool - 1) // kpool
-    first_pool = torch.zeros(lengths.numel() + 1, dtype=torch.long, device=device)
-    first_pool[1:] = torch.cumsum(n_pools, 0)
-    doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), n_pools)
-    local = torch.arange(int(first_pool[-1]), device=device) - first_pool[doc]
+    first_pool_host = [0]
+    for b0, b1 in zip(bounds_host, bounds_host[1:]):
+        first_pool_host.append(first_pool_host[-1] + -(-(b1 - b0) // kpool))
+    # (non-blocking copies from host lists: torch.tensor(..., device=cuda) would wait for the device)
+    bounds = torch.tensor(bounds_host, dtype=torch.long).to(device, non_blocking=True)
+    first_pool = torch.tensor(first_pool_host, dtype=torch.long).to(device, non_blocking=True)
+    n_docs, n_pools = len(bounds_host) - 1, first_pool_host[-1]
+    doc = torch.repeat_interleave(torch.arange(n_docs, device=device), first_pool[1:] - first_pool[:-1],
+                                  output_size=n_pools)
+    local = torch.arange(n_pools, device=device) - first_pool[doc]
     start = bounds[doc] + local * kpool
     complete = start + kpool <= bounds[doc + 1]
-    return KPoolGrid(start, doc, complete, bounds, first_pool, kpool)
+    return KPoolGrid(start, doc, complete, bounds, first_pool, kpool, tuple(bounds_host), tuple(first_pool_host))
 
 
 def _check_kpool_inputs(keys: torch.Tensor, gate_scores: torch.Tensor, ape: torch.Tensor, kpool: int) -> None:

@@ -31,12 +31,14 @@ written and read once by the selection, plus the queries, re-read from L2 once p
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.dsa.errors import DSAInputError
-from kernels.dsa.indexer import KPoolGrid, _query_docs, _selection_keys, decode_selection_keys
+from kernels.dsa.indexer import KPoolGrid, _query_docs
 
 
 SCORE_CONFIGS = [
@@ -204,6 +206,21 @@ def _sorted_pools(slots, count, n_keys: tl.constexpr):
 
 
 @triton.jit
+def _ordered(vals):
+    """Order-preserving int32 image of float32 ``vals`` (-0.0 folded into +0.0: equal scores, equal
+    images), the high half of a composite selection key (:func:`kernels.dsa.indexer._selection_keys`)."""
+    bits = tl.where(vals == 0.0, 0.0, vals).to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _composite_key(vals, pools):
+    """int64 composite keys of float32 scores ``vals`` of pools ``pools`` (absolute indices): the
+    ordered score, then the complement of the pool index (equal scores: lower pool first)."""
+    return (_ordered(vals).to(tl.int64) << 32) | (4294967295 - pools.to(tl.int64))
+
+
+@triton.jit
 def _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY: tl.constexpr, COMPACT: tl.constexpr):
     """Write the entries of ``vals`` (float32 scores of pools ``p_lo + offs``) at or above
     ``bound`` as composite int64 keys to the next free ``slots`` (``counter``: the row's
@@ -213,11 +230,62 @@ def _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY: tl.const
         pos = tl.atomic_add(counter, 1, mask=keep, sem="relaxed")
     else:
         pos = tl.atomic_add(counter, 1, mask=keep)
-    vals = tl.where(vals == 0.0, 0.0, vals)  # -0.0 -> +0.0: equal scores get equal keys
-    bits = vals.to(tl.int32, bitcast=True).to(tl.int64)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    key = (ordered << 32) | (4294967295 - (p_lo + offs).to(tl.int64))
-    tl.store(slots + pos, key, mask=keep & (pos < CAPACITY))
+    tl.store(slots + pos, _composite_key(vals, p_lo + offs), mask=keep & (pos < CAPACITY))
+
+
+@triton.jit
+def _count_at_least(row, lo, hi, key, CHUNK: tl.constexpr):
+    """Visible entries of the score row ``row`` in ``[lo, hi)`` whose :func:`_ordered` image is
+    ``>= key`` (int64 scalar, at most ``2^31 - 1``), one read of the range."""
+    flat = tl.arange(0, CHUNK)
+    key32 = key.to(tl.int32)
+    n = tl.full([], 0, tl.int32)
+    for c0 in range(lo // CHUNK * CHUNK, hi, CHUNK):
+        offs = c0 + flat
+        vals = tl.load(row + offs, mask=(offs >= lo) & (offs < hi), other=float("-inf"))
+        n += tl.sum(((_ordered(vals) >= key32) & (vals > float("-inf"))).to(tl.int32), 0)
+    return n
+
+
+@triton.jit
+def _select_tied(row, lo, hi, bound, slots, p_lo, N_SELECT: tl.constexpr, CHUNK: tl.constexpr):
+    """Exact selection of a row whose candidates overflowed their slots (massive ties): the
+    composite keys of its best ``N_SELECT`` visible entries of ``[lo, hi)`` to ``slots[:N_SELECT]``,
+    in pool order (the caller sorts them). Returns ``N_SELECT`` (int32). ``CHUNK`` entries per step
+    (small: this rare path's vectors set the kernel's register count too).
+
+    The ``N_SELECT``-th largest score ``s`` (as its :func:`_ordered` image, at or above ``bound``'s)
+    by bisection: at most 32 reads of the range, one when ``s`` is the bound (the tie sits at the
+    bound). Then one read keeps every entry above ``s`` and the first ``N_SELECT - (entries above s)``
+    entries equal to ``s`` in pool order (the tie rule), placed by prefix sums."""
+    k_lo = _ordered(bound).to(tl.int64)          # count(>= k_lo) >= N_SELECT
+    k_hi = tl.full([], 2**31 - 1, tl.int64)      # count(>= k_hi) == 0: 0x7FFFFFFF is a NaN's image
+    k_hi = tl.where(_count_at_least(row, lo, hi, k_lo + 1, CHUNK) < N_SELECT, k_lo + 1, k_hi)
+    while k_hi - k_lo > 1:
+        mid = (k_lo + k_hi) // 2
+        enough = _count_at_least(row, lo, hi, mid, CHUNK) >= N_SELECT
+        k_lo = tl.where(enough, mid, k_lo)
+        k_hi = tl.where(enough, k_hi, mid)
+    need = N_SELECT - _count_at_least(row, lo, hi, k_lo + 1, CHUNK)
+    s = k_lo.to(tl.int32)
+    flat = tl.arange(0, CHUNK)
+    written = tl.full([], 0, tl.int32)
+    ties = tl.full([], 0, tl.int32)
+    for c0 in range(lo // CHUNK * CHUNK, hi, CHUNK):
+        offs = c0 + flat
+        vals = tl.load(row + offs, mask=(offs >= lo) & (offs < hi), other=float("-inf"))
+        image = _ordered(vals)
+        visible = vals > float("-inf")
+        tie = visible & (image == s)
+        keep = (visible & (image > s)) | (tie & (ties + tl.cumsum(tie.to(tl.int32), 0) <= need))
+        tl.store(slots + written + tl.cumsum(keep.to(tl.int32), 0) - 1, _composite_key(vals, p_lo + offs), mask=keep)
+        written += tl.sum(keep.to(tl.int32), 0)
+        ties += tl.sum(tie.to(tl.int32), 0)
+    return written
+
+
+TIE_CHUNK = tl.constexpr(256)
+"""Entries per step of the selection's exact pass over rows whose candidates overflow (:func:`_select_tied`)."""
 
 
 # COUNT is zeroed before each configuration's timing runs: accumulated over them, every row would
@@ -310,6 +378,9 @@ def _select_kernel(
     # other threads' slot writes and counter increments must be visible to this one's loads
     tl.debug_barrier()
     count = tl.load(count_ptr)
+    if count > CAPACITY:   # massive ties: more candidates than slots; an exact pass over the row
+        count = _select_tied(base, lo, hi, bound, slots, p_lo, N_SELECT, TIE_CHUNK)
+        tl.debug_barrier()
     out = OUT + b * stride_ob + t * stride_ot
     # (a runtime branch may not rebind a name to another shape: each branch stores its own)
     if SPLIT_SORT:
@@ -434,6 +505,12 @@ STORE_DESCRIPTOR = True
 memory that overlaps the next tile) instead of a layout conversion and per-thread stores (v13). On an
 H200, 64x128 tiles, 8192 x 65,536: 6.43 against 6.50 ms (full shape), 2.59 against 2.62 (small)."""
 
+OVERLAP_SELECTION = True
+"""Whether, with several query blocks, each block's selection runs on a side stream beside the next
+block's score kernel (two score buffers of :data:`SCORE_BUFFER_ELEMENTS`: 4 GiB at 1M tokens instead
+of 2) instead of after it on one stream. The selection is latency-bound (sorts, atomics, short
+loads) and the score kernel tensor-core bound (v14, kernels/NOTES.md)."""
+
 SCORE_BUFFER_ELEMENTS = 2**29
 """Float32 scores one query block may hold (2 GiB): ``triton_pool_topk`` takes query blocks of the
 largest multiple of 8192 queries whose ``[B, rows, pools]`` buffer fits (8192 at 1M tokens, kpool 16;
@@ -469,23 +546,6 @@ def _capacity(n_select: int) -> int:
     return triton.next_power_of_2(4 * n_select)
 
 
-def _fill_overflowing_rows(selected, scores, counts, n_select, p_lo, rows_lo, capacity, q_lo, q_hi) -> None:
-    """Redo the rows of one query block whose candidates overflowed ``capacity`` slots
-    (massive ties) from their score rows, with the torch tie rule. Only each row's visible pools
-    ``[q_lo, q_hi)`` (absolute pool indices, ``[rows]``) are read: the score kernel leaves the
-    tiles no query of a tile sees unwritten."""
-    batch, n_rows, n_cols = scores.shape
-    over = (counts > capacity).nonzero()
-    b, t = over[:, 0], over[:, 1]
-    row_scores = scores[b, t]
-    pool_index = torch.arange(p_lo, p_lo + n_cols, device=scores.device)
-    visible = (pool_index[None, :] >= q_lo[t, None]) & (pool_index[None, :] < q_hi[t, None])
-    row_scores = row_scores.masked_fill(~visible, float("-inf"))
-    keys = _selection_keys(row_scores, pool_index, torch.isfinite(row_scores)).topk(n_select, dim=-1).values
-    pools, valid = decode_selection_keys(keys)
-    selected[b, rows_lo + t, :n_select] = torch.where(valid, pools, -1)
-
-
 def triton_pool_topk(
     q: torch.Tensor,
     pool_keys: torch.Tensor,
@@ -496,6 +556,7 @@ def triton_pool_topk(
     q_offset: int,
     query_block: int | None = None,
     bound_pass: bool | None = None,
+    overlap: bool | None = None,
 ) -> torch.Tensor:
     """``[B, T, n_select]`` int64 selected pool indices (-1 = none), best first.
 
@@ -504,11 +565,14 @@ def triton_pool_topk(
     ``query_block`` queries (default :func:`_query_block`: as many multiples of 8192 as the
     :data:`SCORE_BUFFER_ELEMENTS` budget allows): :func:`_pool_scores_kernel` (scores + column
     maxima, only the tiles some query of a tile sees), then :func:`_select_kernel` (bound,
-    candidates, sort, decode; each row's visible pools only) into the output. The block bounds
-    are read to the host once, the overflow count once after the last block.
+    candidates, sort, decode; each row's visible pools only; rows whose candidates overflow their
+    slots, massive ties, are redone exactly in the kernel) into the output. The block bounds come
+    from the grid's host copy of the document bounds: the call never waits for the device.
     ``bound_pass`` (default :data:`BOUND_IN_SELECTION`): the selection reads each score row twice and
     computes the column maxima itself, the score kernel keeps none (same indices). Otherwise the
     selection reads only the :data:`SEGMENT`-pool segments that can hold a candidate.
+    ``overlap`` (default :data:`OVERLAP_SELECTION`): with several query blocks, each block's
+    selection runs on a side stream beside the next block's scores (two score buffers).
 
     Raises:
         DSAInputError: the index head dim is not a power of two >= 16, or there are 2^31 - 1 pools
@@ -522,26 +586,21 @@ def triton_pool_topk(
     weights = (weights.float() * softmax_scale).contiguous()
     if pool_keys.shape[1] >= 2**31 - 1:
         raise DSAInputError(f"the Triton indexer needs fewer than 2^31 - 1 pools, got {pool_keys.shape[1]}")
-    # each query's visible pools [lo, hi) as int32 pool indices: its document's first pool up to its
-    # complete pools ending at or before it (ends rise with the index: a pool's end is its start +
-    # kpool - 1; an incomplete pool ends past its document). Two registers per query in the score
-    # kernel instead of per-tile loads of pool ends and documents (v13)
-    q_pos, q_doc = _query_docs(grid, n_q, q_offset, q.device)
-    q_lo = grid.doc_first_pool[q_doc]
-    q_hi = torch.minimum(torch.searchsorted(grid.end, q_pos, right=True), grid.doc_first_pool[q_doc + 1])
-    q_lo, q_hi = q_lo.int().contiguous(), torch.maximum(q_hi, q_lo).int().contiguous()
+    # each query's visible pools [lo, hi) as int32 pool indices: two registers per query in the
+    # score kernel instead of per-tile loads of pool ends and documents (v13)
+    q_lo, q_hi = (r.int().contiguous() for r in grid.visible_ranges(*_query_docs(grid, n_q, q_offset, q.device)))
     selected = torch.full((batch, n_q, n_select), -1, dtype=torch.long, device=q.device)
     if n_q == 0:
         return selected
-    # visible pools of each query block: [lo of its first query, hi of its last); one host read
+    # visible pools of each query block: [lo of its first query, hi of its last), on the host
     if query_block is None:
         query_block = _query_block(batch, pool_keys.shape[1])
-    starts = list(range(0, n_q, query_block))
-    ends = [min(t0 + query_block, n_q) for t0 in starts]
-    # (strided views of the bounds, no host-to-device copy of block indices)
-    hi_last = torch.cat([q_hi[query_block - 1::query_block], q_hi[-1:]])[: len(starts)]
-    p_lo_all, p_hi_all = torch.stack([q_lo[::query_block], hi_last]).tolist()
-    blocks = [(t0, t1, lo, hi) for t0, t1, lo, hi in zip(starts, ends, p_lo_all, p_hi_all) if hi > lo]
+    blocks = []
+    for t0 in range(0, n_q, query_block):
+        t1 = min(t0 + query_block, n_q)
+        p_lo, p_hi = grid.visible_range(q_offset + t0)[0], grid.visible_range(q_offset + t1 - 1)[1]
+        if p_hi > p_lo:
+            blocks.append((t0, t1, p_lo, p_hi))
     if not blocks:
         return selected
     columns, capacity = _n_columns(n_select), _capacity(n_select)
@@ -549,6 +608,7 @@ def triton_pool_topk(
         _set_descriptor_allocator(q.device)
     bound_pass = BOUND_IN_SELECTION if bound_pass is None else bound_pass
     segment, min_pools = (0 if bound_pass else SEGMENT), SEGMENT_MIN_POOLS
+    n_buffers = 2 if (OVERLAP_SELECTION if overlap is None else overlap) and len(blocks) > 1 else 1
 
     def block_seg(n_pools: int) -> int:
         """The segment width of a block that sees ``n_pools`` pools (0: whole rows)."""
@@ -556,26 +616,37 @@ def triton_pool_topk(
 
     rows_max = max(t1 - t0 for t0, t1, _, _ in blocks)
     pools_max = max(hi - lo for _, _, lo, hi in blocks)
-    # rows padded to 16 pools: a tensor descriptor's row stride must be a multiple of 16 bytes
-    score_buf = torch.empty(batch * rows_max * _padded(pools_max), dtype=torch.float32, device=q.device)
-    col_max = torch.empty(batch, 1 if bound_pass else rows_max, columns, dtype=torch.float32, device=q.device)
-    # segment maxima and the selection's list of the segments it reads (v11; the widest block's)
     segs_max = triton.cdiv(pools_max, block_seg(pools_max)) if block_seg(pools_max) else 1
-    seg_buf = torch.empty(batch * rows_max * segs_max, dtype=torch.float32, device=q.device)
+    # per score buffer: the scores (rows padded to 16 pools: a tensor descriptor's row stride must be
+    # a multiple of 16 bytes), the column maxima and the segment maxima (v11; the widest block's)
+    buffers = [(torch.empty(batch * rows_max * _padded(pools_max), dtype=torch.float32, device=q.device),
+                torch.empty(batch, 1 if bound_pass else rows_max, columns, dtype=torch.float32, device=q.device),
+                torch.empty(batch * rows_max * segs_max, dtype=torch.float32, device=q.device))
+               for _ in range(n_buffers)]
+    # the selection's scratch: the segments it reads, candidate slots, candidate counts
     hits = torch.empty(batch * rows_max * segs_max, dtype=torch.int32, device=q.device)
     slots = torch.empty(batch * rows_max, capacity, dtype=torch.long, device=q.device)
     counts = torch.zeros(batch, n_q, dtype=torch.int32, device=q.device)
+    # (off CUDA, e.g. under the interpreter, the buffers alternate on one stream)
+    main = torch.cuda.current_stream(q.device) if n_buffers > 1 and q.is_cuda else None
+    side = torch.cuda.Stream(q.device) if main is not None else None
+    done = [None] * n_buffers   # per buffer: the event after the selection that last read it
 
-    def block_scores(t0: int, t1: int, p_lo: int, n_pools: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    for i, (t0, t1, p_lo, p_hi) in enumerate(blocks):
+        n_pools, n_rows = p_hi - p_lo, t1 - t0
+        width = block_seg(n_pools)
+        score_buf, col_max, seg_buf = buffers[i % n_buffers]
         row = _padded(n_pools)
-        scores = score_buf[: batch * (t1 - t0) * row].view(batch, t1 - t0, row)[:, :, :n_pools]
+        scores = score_buf[: batch * n_rows * row].view(batch, n_rows, row)[:, :, :n_pools]
         n_segs = triton.cdiv(n_pools, width) if width else 1
-        seg_max = seg_buf[: batch * (t1 - t0) * n_segs].view(batch, t1 - t0, n_segs)
+        seg_max = seg_buf[: batch * n_rows * n_segs].view(batch, n_rows, n_segs)
+        q_blk, w_blk = q[:, t0:t1], weights[:, t0:t1]
+        if done[i % n_buffers] is not None:
+            main.wait_event(done[i % n_buffers])
 
-        def launch(meta, n_rows=t1 - t0):
+        def launch(meta, n_rows=n_rows):
             return (columns // GROUP_N, triton.cdiv(n_rows, meta["BLOCK_M"]), batch)
 
-        q_blk, w_blk = q[:, t0:t1], weights[:, t0:t1]
         _pool_scores_kernel[launch](
             q_blk, pool_keys, w_blk, scores, col_max, seg_max, q_lo[t0:t1], q_hi[t0:t1],
             q_blk.stride(0), q_blk.stride(1), q_blk.stride(2),
@@ -584,28 +655,24 @@ def triton_pool_topk(
             scores.stride(0), scores.stride(1),
             col_max.stride(0), col_max.stride(1),
             seg_max.stride(0), seg_max.stride(1),
-            t1 - t0, n_pools, p_lo, _size_class(n_pools), H=heads, D=dim, N_COLUMNS=columns, GROUP_N=GROUP_N,
+            n_rows, n_pools, p_lo, _size_class(n_pools), H=heads, D=dim, N_COLUMNS=columns, GROUP_N=GROUP_N,
             MAXIMA=not bound_pass, SEG=width, TMA=TENSOR_DESCRIPTORS, TMA_STORE=STORE_DESCRIPTOR,
         )
-        return scores, seg_max
-
-    for t0, t1, p_lo, p_hi in blocks:
-        n_pools = p_hi - p_lo
-        width = block_seg(n_pools)
-        scores, seg_max = block_scores(t0, t1, p_lo, n_pools, width)
+        if side is not None:
+            side.wait_stream(main)
         out, cnt = selected[:, t0:t1], counts[:, t0:t1]
-        _select_kernel[(batch * (t1 - t0),)](
-            scores, col_max, seg_max, hits, cnt, slots, out, q_lo[t0:t1], q_hi[t0:t1],
-            scores.stride(0), scores.stride(1), col_max.stride(0), col_max.stride(1),
-            seg_max.stride(0), seg_max.stride(1), cnt.stride(0), out.stride(0), out.stride(1),
-            t1 - t0, n_pools, p_lo, _size_class(n_pools),
-            N_SELECT=min(n_select, n_pools), N_COLUMNS=columns, CAPACITY=capacity, BOUND_PASS=bound_pass,
-            SEG=width, SEG_CHUNK=SEGMENT_CHUNK,
-        )
-    if bool((counts > capacity).any()):
-        for t0, t1, p_lo, p_hi in blocks:
-            if bool((counts[:, t0:t1] > capacity).any()):
-                scores, _ = block_scores(t0, t1, p_lo, p_hi - p_lo, block_seg(p_hi - p_lo))
-                _fill_overflowing_rows(selected, scores, counts[:, t0:t1], min(n_select, p_hi - p_lo), p_lo, t0,
-                                       capacity, q_lo[t0:t1], q_hi[t0:t1])
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            _select_kernel[(batch * n_rows,)](
+                scores, col_max, seg_max, hits, cnt, slots, out, q_lo[t0:t1], q_hi[t0:t1],
+                scores.stride(0), scores.stride(1), col_max.stride(0), col_max.stride(1),
+                seg_max.stride(0), seg_max.stride(1), cnt.stride(0), out.stride(0), out.stride(1),
+                n_rows, n_pools, p_lo, _size_class(n_pools),
+                N_SELECT=min(n_select, n_pools), N_COLUMNS=columns, CAPACITY=capacity, BOUND_PASS=bound_pass,
+                SEG=width, SEG_CHUNK=SEGMENT_CHUNK,
+            )
+        if side is not None:
+            done[i % n_buffers] = side.record_event()
+    if side is not None:
+        # the buffers were allocated on the main stream: its later work (and their reuse) follows this
+        main.wait_stream(side)
     return selected

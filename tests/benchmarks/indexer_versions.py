@@ -10,13 +10,15 @@ on the same bf16 inputs, checks that both select identical indices (both are exa
 same tie rule), and reports the achieved score TFLOP/s against a bf16 matmul measured in the
 same run. ``--profile`` adds, per shape and length, the CUDA time per kernel of one call of the
 current version and the device's idle time inside it (host syncs, launches); ``--memory``, per
-version, the peak memory of ``triton_pool_topk`` alone (pooled keys made beforehand) and the rows
-it redid on the host (candidate overflow). One JSON line per row and a table.
+version, the peak memory of ``triton_pool_topk`` alone (pooled keys made beforehand); ``--serial``
+adds the current version with ``overlap=False`` (each block's selection after its scores, one
+stream). One JSON line per row and a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -40,34 +42,22 @@ def load_anchor(path: str):
     return module
 
 
-def selection_memory(module, inputs, kw, label: str) -> dict:
-    """Peak GiB allocated by ``module.triton_pool_topk`` alone (above what was allocated before it) and
-    the number of rows it redid on the host, at the inputs of :func:`dsa_bench.indexer_inputs`."""
+def selection_memory(fn, inputs, kw, label: str) -> dict:
+    """Peak GiB allocated by one call of ``fn`` (a ``triton_pool_topk``) alone, above what was
+    allocated before it, at the inputs of :func:`dsa_bench.indexer_inputs` (pooled keys made beforehand)."""
     from kernels.dsa.indexer import _compress_on_grid, kpool_grid
 
     q, k, gate_scores, ape, weights = inputs
     kpool, n_select = kw["kpool"], kw["topk"] // kw["kpool"]
     grid = kpool_grid(k.shape[1], kpool, None, q.device)
     pool_keys = _compress_on_grid(k, gate_scores, ape, grid)
-    redone = []
-    fill, capacity = module._fill_overflowing_rows, module._capacity(n_select)
-
-    def counting(selected, scores, counts, *rest):
-        redone.append(int((counts > capacity).sum()))
-        return fill(selected, scores, counts, *rest)
-    module._fill_overflowing_rows = counting
-    try:
-        module.triton_pool_topk(q, pool_keys, weights, grid, n_select, kw["softmax_scale"], 0)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        redone.clear()
-        module.triton_pool_topk(q, pool_keys, weights, grid, n_select, kw["softmax_scale"], 0)
-        torch.cuda.synchronize()
-        row = dict(memory=label, selection_peak_gib=(torch.cuda.max_memory_allocated() - base) / 2**30,
-                   rows_redone_on_host=sum(redone))
-    finally:
-        module._fill_overflowing_rows = fill
+    fn(q, pool_keys, weights, grid, n_select, kw["softmax_scale"], 0)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn(q, pool_keys, weights, grid, n_select, kw["softmax_scale"], 0)
+    torch.cuda.synchronize()
+    row = dict(memory=label, selection_peak_gib=(torch.cuda.max_memory_allocated() - base) / 2**30)
     print(json.dumps(row), flush=True)
     return row
 
@@ -79,10 +69,14 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["full", "small"], choices=list(SHAPES))
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--serial", action="store_true",
+                        help="also time the current version with each block's selection after its scores on one stream")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     anchor = load_anchor(args.anchor)
     versions = {"anchor": anchor.triton_pool_topk, "current": current.triton_pool_topk}
+    if args.serial:
+        versions["serial"] = functools.partial(current.triton_pool_topk, overlap=False)
     ceil = ceilings()
     print(json.dumps(dict(ceilings=ceil)), flush=True)
     rows = []
@@ -104,19 +98,20 @@ def main() -> None:
                 rows.append(row)
             current.triton_pool_topk = versions["current"]
             if args.memory:
-                for version, module in [("anchor", anchor), ("current", current)]:
-                    rows.append(selection_memory(module, inputs, kw, f"{name} {seq_len // 1024}k {version}"))
+                for version, fn in versions.items():
+                    rows.append(selection_memory(fn, inputs, kw, f"{name} {seq_len // 1024}k {version}"))
             if args.profile:
                 from indexer_score_variants import profile_call
 
                 for row in profile_call(lambda: lightning_indexer_topk(*inputs, **kw), f"{name} {seq_len // 1024}k"):
                     print(json.dumps(row), flush=True)
                     rows.append(row)
-            if len(selected) == 2:
-                same = torch.equal(selected["anchor"], selected["current"])
-                differing = int((selected["anchor"] != selected["current"]).any(-1).sum())
-                print(json.dumps(dict(shape=name, seq_len=seq_len, identical=same, differing_rows=differing)), flush=True)
-                rows.append(dict(shape=name, seq_len=seq_len, identical=same, differing_rows=differing))
+            for version in [v for v in selected if v != "anchor"] if "anchor" in selected else []:
+                same = torch.equal(selected["anchor"], selected[version])
+                differing = int((selected["anchor"] != selected[version]).any(-1).sum())
+                row = dict(shape=name, seq_len=seq_len, version=version, identical=same, differing_rows=differing)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
             del inputs, selected
             torch.cuda.empty_cache()
     print("\n| shape | T | version | s | TFLOP/s | % of matmul | peak GiB |\n|---|---|---|---|---|---|---|")
