@@ -31,8 +31,6 @@ written and read once by the selection, plus the queries, re-read from L2 once p
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
@@ -307,7 +305,7 @@ def _select_kernel(
     The bound is the ``N_SELECT``-th largest of the row's ``N_COLUMNS`` column-group maxima
     (written by :func:`_pool_scores_kernel`): it is met by ``N_SELECT`` entries of distinct
     groups, so it bounds the row's ``N_SELECT``-th value from below; with ``N_COLUMNS >=
-    4 * N_SELECT`` it is close to it (about ``N_SELECT * (1 + N_SELECT / (2 N_COLUMNS))``
+    2 * N_SELECT`` it is close to it (about ``N_SELECT * (1 + N_SELECT / (2 N_COLUMNS))``
     entries pass for random scores). Passing entries take a slot (``COMPACT``) and are written
     as composite int64 keys to a ``CAPACITY``-slot scratch row; the sort in registers makes the order exact and
     deterministic (tie rule: lower pool index first). ``COUNT`` gets the number that passed:
@@ -462,8 +460,16 @@ def _size_class(n_pools: int) -> int:
     return min(5, max(0, (n_pools.bit_length() - 7) // 2))
 
 
-GROUP_N = 32
-"""Column groups per score program (its maxima stay in registers beside the accumulator)."""
+GROUP_N = 16
+"""Column groups per score program (its maxima stay in registers beside the accumulator): with
+:data:`COLUMNS_PER_SELECTED` 2 and 128 selected pools, 16 programs along the pools, as v13's 32 with
+512 columns."""
+
+COLUMNS_PER_SELECTED = 2
+"""Column groups per selected pool. The selection sorts the row's column maxima for its bound (the
+``n_select``-th largest); more columns give a tighter bound (about ``n_select * (1 + n_select /
+(2 columns))`` candidates for random scores: 144 of 128 with 4 per selected pool, 160 with 2) at
+the price of a longer sort: 256 floats instead of v13's 512 (v14, kernels/NOTES.md)."""
 
 BOUND_IN_SELECTION = False
 """Where the selection's bound comes from by default: False, the score kernel folds column maxima
@@ -505,12 +511,6 @@ STORE_DESCRIPTOR = True
 memory that overlaps the next tile) instead of a layout conversion and per-thread stores (v13). On an
 H200, 64x128 tiles, 8192 x 65,536: 6.43 against 6.50 ms (full shape), 2.59 against 2.62 (small)."""
 
-OVERLAP_SELECTION = True
-"""Whether, with several query blocks, each block's selection runs on a side stream beside the next
-block's score kernel (two score buffers of :data:`SCORE_BUFFER_ELEMENTS`: 4 GiB at 1M tokens instead
-of 2) instead of after it on one stream. The selection is latency-bound (sorts, atomics, short
-loads) and the score kernel tensor-core bound (v14, kernels/NOTES.md)."""
-
 SCORE_BUFFER_ELEMENTS = 2**29
 """Float32 scores one query block may hold (2 GiB): ``triton_pool_topk`` takes query blocks of the
 largest multiple of 8192 queries whose ``[B, rows, pools]`` buffer fits (8192 at 1M tokens, kpool 16;
@@ -536,9 +536,9 @@ def _set_descriptor_allocator(device: torch.device) -> None:
 
 
 def _n_columns(n_select: int) -> int:
-    """Column groups per score row: ``>= 4 * n_select`` (a tight bound), a power of two and a
-    multiple of ``GROUP_N`` (each score program owns ``GROUP_N`` of them)."""
-    return max(triton.next_power_of_2(4 * n_select), GROUP_N)
+    """Column groups per score row: ``>= COLUMNS_PER_SELECTED * n_select`` (a tight bound), a power
+    of two and a multiple of ``GROUP_N`` (each score program owns ``GROUP_N`` of them)."""
+    return max(triton.next_power_of_2(COLUMNS_PER_SELECTED * n_select), GROUP_N)
 
 
 def _capacity(n_select: int) -> int:
@@ -556,7 +556,6 @@ def triton_pool_topk(
     q_offset: int,
     query_block: int | None = None,
     bound_pass: bool | None = None,
-    overlap: bool | None = None,
 ) -> torch.Tensor:
     """``[B, T, n_select]`` int64 selected pool indices (-1 = none), best first.
 
@@ -571,8 +570,6 @@ def triton_pool_topk(
     ``bound_pass`` (default :data:`BOUND_IN_SELECTION`): the selection reads each score row twice and
     computes the column maxima itself, the score kernel keeps none (same indices). Otherwise the
     selection reads only the :data:`SEGMENT`-pool segments that can hold a candidate.
-    ``overlap`` (default :data:`OVERLAP_SELECTION`): with several query blocks, each block's
-    selection runs on a side stream beside the next block's scores (two score buffers).
 
     Raises:
         DSAInputError: the index head dim is not a power of two >= 16, or there are 2^31 - 1 pools
@@ -608,7 +605,6 @@ def triton_pool_topk(
         _set_descriptor_allocator(q.device)
     bound_pass = BOUND_IN_SELECTION if bound_pass is None else bound_pass
     segment, min_pools = (0 if bound_pass else SEGMENT), SEGMENT_MIN_POOLS
-    n_buffers = 2 if (OVERLAP_SELECTION if overlap is None else overlap) and len(blocks) > 1 else 1
 
     def block_seg(n_pools: int) -> int:
         """The segment width of a block that sees ``n_pools`` pools (0: whole rows)."""
@@ -616,33 +612,24 @@ def triton_pool_topk(
 
     rows_max = max(t1 - t0 for t0, t1, _, _ in blocks)
     pools_max = max(hi - lo for _, _, lo, hi in blocks)
+    # rows padded to 16 pools: a tensor descriptor's row stride must be a multiple of 16 bytes
+    score_buf = torch.empty(batch * rows_max * _padded(pools_max), dtype=torch.float32, device=q.device)
+    col_max = torch.empty(batch, 1 if bound_pass else rows_max, columns, dtype=torch.float32, device=q.device)
+    # segment maxima and the selection's list of the segments it reads (v11; the widest block's)
     segs_max = triton.cdiv(pools_max, block_seg(pools_max)) if block_seg(pools_max) else 1
-    # per score buffer: the scores (rows padded to 16 pools: a tensor descriptor's row stride must be
-    # a multiple of 16 bytes), the column maxima and the segment maxima (v11; the widest block's)
-    buffers = [(torch.empty(batch * rows_max * _padded(pools_max), dtype=torch.float32, device=q.device),
-                torch.empty(batch, 1 if bound_pass else rows_max, columns, dtype=torch.float32, device=q.device),
-                torch.empty(batch * rows_max * segs_max, dtype=torch.float32, device=q.device))
-               for _ in range(n_buffers)]
-    # the selection's scratch: the segments it reads, candidate slots, candidate counts
+    seg_buf = torch.empty(batch * rows_max * segs_max, dtype=torch.float32, device=q.device)
     hits = torch.empty(batch * rows_max * segs_max, dtype=torch.int32, device=q.device)
     slots = torch.empty(batch * rows_max, capacity, dtype=torch.long, device=q.device)
     counts = torch.zeros(batch, n_q, dtype=torch.int32, device=q.device)
-    # (off CUDA, e.g. under the interpreter, the buffers alternate on one stream)
-    main = torch.cuda.current_stream(q.device) if n_buffers > 1 and q.is_cuda else None
-    side = torch.cuda.Stream(q.device) if main is not None else None
-    done = [None] * n_buffers   # per buffer: the event after the selection that last read it
 
-    for i, (t0, t1, p_lo, p_hi) in enumerate(blocks):
+    for t0, t1, p_lo, p_hi in blocks:
         n_pools, n_rows = p_hi - p_lo, t1 - t0
         width = block_seg(n_pools)
-        score_buf, col_max, seg_buf = buffers[i % n_buffers]
         row = _padded(n_pools)
         scores = score_buf[: batch * n_rows * row].view(batch, n_rows, row)[:, :, :n_pools]
         n_segs = triton.cdiv(n_pools, width) if width else 1
         seg_max = seg_buf[: batch * n_rows * n_segs].view(batch, n_rows, n_segs)
         q_blk, w_blk = q[:, t0:t1], weights[:, t0:t1]
-        if done[i % n_buffers] is not None:
-            main.wait_event(done[i % n_buffers])
 
         def launch(meta, n_rows=n_rows):
             return (columns // GROUP_N, triton.cdiv(n_rows, meta["BLOCK_M"]), batch)
@@ -658,21 +645,13 @@ def triton_pool_topk(
             n_rows, n_pools, p_lo, _size_class(n_pools), H=heads, D=dim, N_COLUMNS=columns, GROUP_N=GROUP_N,
             MAXIMA=not bound_pass, SEG=width, TMA=TENSOR_DESCRIPTORS, TMA_STORE=STORE_DESCRIPTOR,
         )
-        if side is not None:
-            side.wait_stream(main)
         out, cnt = selected[:, t0:t1], counts[:, t0:t1]
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            _select_kernel[(batch * n_rows,)](
-                scores, col_max, seg_max, hits, cnt, slots, out, q_lo[t0:t1], q_hi[t0:t1],
-                scores.stride(0), scores.stride(1), col_max.stride(0), col_max.stride(1),
-                seg_max.stride(0), seg_max.stride(1), cnt.stride(0), out.stride(0), out.stride(1),
-                n_rows, n_pools, p_lo, _size_class(n_pools),
-                N_SELECT=min(n_select, n_pools), N_COLUMNS=columns, CAPACITY=capacity, BOUND_PASS=bound_pass,
-                SEG=width, SEG_CHUNK=SEGMENT_CHUNK,
-            )
-        if side is not None:
-            done[i % n_buffers] = side.record_event()
-    if side is not None:
-        # the buffers were allocated on the main stream: its later work (and their reuse) follows this
-        main.wait_stream(side)
+        _select_kernel[(batch * n_rows,)](
+            scores, col_max, seg_max, hits, cnt, slots, out, q_lo[t0:t1], q_hi[t0:t1],
+            scores.stride(0), scores.stride(1), col_max.stride(0), col_max.stride(1),
+            seg_max.stride(0), seg_max.stride(1), cnt.stride(0), out.stride(0), out.stride(1),
+            n_rows, n_pools, p_lo, _size_class(n_pools),
+            N_SELECT=min(n_select, n_pools), N_COLUMNS=columns, CAPACITY=capacity, BOUND_PASS=bound_pass,
+            SEG=width, SEG_CHUNK=SEGMENT_CHUNK,
+        )
     return selected

@@ -10,19 +10,23 @@ on the same bf16 inputs, checks that both select identical indices (both are exa
 same tie rule), and reports the achieved score TFLOP/s against a bf16 matmul measured in the
 same run. ``--profile`` adds, per shape and length, the CUDA time per kernel of one call of the
 current version and the device's idle time inside it (host syncs, launches); ``--memory``, per
-version, the peak memory of ``triton_pool_topk`` alone (pooled keys made beforehand); ``--serial``
-adds the current version with ``overlap=False`` (each block's selection after its scores, one
-stream). One JSON line per row and a table.
+version, the peak memory of ``triton_pool_topk`` alone (pooled keys made beforehand); ``--also``
+adds the current version with some of its module constants set (e.g. ``v13cols:COLUMNS_PER_SELECTED=4,GROUP_N=32``);
+``--host``, per shape and length, the host time of one call of the current version and where it
+goes (``cProfile``). One JSON line per row and a table.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import ast
+import cProfile
 import importlib.util
 import json
 import os
+import pstats
 import sys
+import time
 
 import torch
 
@@ -40,6 +44,52 @@ def load_anchor(path: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def with_constants(fn, constants: dict):
+    """``fn`` run with the module constants ``constants`` of :mod:`kernels.dsa.indexer_triton` set
+    (restored after each call)."""
+    for attr in constants:
+        if not hasattr(current, attr):
+            raise SystemExit(f"kernels/dsa/indexer_triton.py has no constant {attr}")
+
+    def run(*args, **kwargs):
+        saved = {attr: getattr(current, attr) for attr in constants}
+        for attr, value in constants.items():
+            setattr(current, attr, value)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for attr, value in saved.items():
+                setattr(current, attr, value)
+    return run
+
+
+def host_time(call, label: str, calls: int = 10, top: int = 12) -> list[dict]:
+    """Host seconds per ``call`` (``calls`` calls issued back to back, timed before the device
+    finishes: the call never waits for the device) and the ``top`` functions by their own host time
+    under ``cProfile``, one row each."""
+    call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host = (time.perf_counter() - start) / calls
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    profiler.disable()
+    torch.cuda.synchronize()
+    rows = [dict(host=label, host_ms_per_call=1e3 * host)]
+    stats = pstats.Stats(profiler).stats
+    for (path, line, func), (_, n, own, cumulative, _) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]:
+        rows.append(dict(host=label, function=f"{os.path.basename(path)}:{line}:{func}", calls_per_call=n / calls,
+                         own_ms_per_call=1e3 * own / calls, cumulative_ms_per_call=1e3 * cumulative / calls))
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 def selection_memory(fn, inputs, kw, label: str) -> dict:
@@ -69,14 +119,18 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["full", "small"], choices=list(SHAPES))
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--memory", action="store_true")
-    parser.add_argument("--serial", action="store_true",
-                        help="also time the current version with each block's selection after its scores on one stream")
+    parser.add_argument("--host", action="store_true")
+    parser.add_argument("--also", nargs="+", default=[], metavar="NAME:ATTR=VALUE[,ATTR=VALUE]",
+                        help="also time the current version with module constants of kernels/dsa/indexer_triton.py "
+                             "set, e.g. v13cols:COLUMNS_PER_SELECTED=4,GROUP_N=32")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     anchor = load_anchor(args.anchor)
     versions = {"anchor": anchor.triton_pool_topk, "current": current.triton_pool_topk}
-    if args.serial:
-        versions["serial"] = functools.partial(current.triton_pool_topk, overlap=False)
+    for spec in args.also:
+        name, settings = spec.split(":", 1)
+        versions[name] = with_constants(current.triton_pool_topk, {
+            attr: ast.literal_eval(value) for attr, value in (item.split("=", 1) for item in settings.split(","))})
     ceil = ceilings()
     print(json.dumps(dict(ceilings=ceil)), flush=True)
     rows = []
@@ -100,6 +154,8 @@ def main() -> None:
             if args.memory:
                 for version, fn in versions.items():
                     rows.append(selection_memory(fn, inputs, kw, f"{name} {seq_len // 1024}k {version}"))
+            if args.host:
+                rows.extend(host_time(lambda: lightning_indexer_topk(*inputs, **kw), f"{name} {seq_len // 1024}k"))
             if args.profile:
                 from indexer_score_variants import profile_call
 
@@ -112,7 +168,7 @@ def main() -> None:
                 row = dict(shape=name, seq_len=seq_len, version=version, identical=same, differing_rows=differing)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-            del inputs, selected
+            inputs = selected = None   # freed before the next length
             torch.cuda.empty_cache()
     print("\n| shape | T | version | s | TFLOP/s | % of matmul | peak GiB |\n|---|---|---|---|---|---|---|")
     for r in rows:
