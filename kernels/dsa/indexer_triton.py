@@ -305,7 +305,7 @@ def _select_kernel(
     The bound is the ``N_SELECT``-th largest of the row's ``N_COLUMNS`` column-group maxima
     (written by :func:`_pool_scores_kernel`): it is met by ``N_SELECT`` entries of distinct
     groups, so it bounds the row's ``N_SELECT``-th value from below; with ``N_COLUMNS >=
-    2 * N_SELECT`` it is close to it (about ``N_SELECT * (1 + N_SELECT / (2 N_COLUMNS))``
+    4 * N_SELECT`` it is close to it (about ``N_SELECT * (1 + N_SELECT / (2 N_COLUMNS))``
     entries pass for random scores). Passing entries take a slot (``COMPACT``) and are written
     as composite int64 keys to a ``CAPACITY``-slot scratch row; the sort in registers makes the order exact and
     deterministic (tie rule: lower pool index first). ``COUNT`` gets the number that passed:
@@ -460,16 +460,17 @@ def _size_class(n_pools: int) -> int:
     return min(5, max(0, (n_pools.bit_length() - 7) // 2))
 
 
-GROUP_N = 16
-"""Column groups per score program (its maxima stay in registers beside the accumulator): with
-:data:`COLUMNS_PER_SELECTED` 2 and 128 selected pools, 16 programs along the pools, as v13's 32 with
-512 columns."""
+GROUP_N = 32
+"""Column groups per score program (its maxima stay in registers beside the accumulator): 16
+programs along the pools with :data:`COLUMNS_PER_SELECTED` 4 and 128 selected pools."""
 
-COLUMNS_PER_SELECTED = 2
+COLUMNS_PER_SELECTED = 4
 """Column groups per selected pool. The selection sorts the row's column maxima for its bound (the
 ``n_select``-th largest); more columns give a tighter bound (about ``n_select * (1 + n_select /
 (2 columns))`` candidates for random scores: 144 of 128 with 4 per selected pool, 160 with 2) at
-the price of a longer sort: 256 floats instead of v13's 512 (v14, kernels/NOTES.md)."""
+the price of a longer sort. 2 (a sort of 256 floats instead of 512, with ``GROUP_N`` 16) ran within
+2% end to end on an H200, either way (v14, kernels/NOTES.md)."""
+
 
 BOUND_IN_SELECTION = False
 """Where the selection's bound comes from by default: False, the score kernel folds column maxima
