@@ -12,9 +12,10 @@ the segments of :data:`SEGMENT` pools whose maximum (also kept by the score kern
 the bound, in blocks that see at least :data:`SEGMENT_MIN_POOLS` pools --,
 sorts those few keys in registers and writes the decoded pool indices: exact, with the tie
 rule (equal scores: lower pool index wins).
-Rows with more candidates than the slots hold (massive ties) are redone from their scores
-after the last block. The host synchronizes twice per call (block bounds before, overflow
-count after), not per block. Memory: ``O(T * n_select + Tq * P)``. With ``bound_pass`` the
+A row with more candidates than its slots hold (massive ties) is selected exactly by the same
+program in a few more reads of the row (:func:`_select_tied`). The host never waits for the
+device: block bounds come from the grid's host copy of the document bounds (v14). Memory:
+``O(T * n_select + Tq * P)``. With ``bound_pass`` the
 selection computes the column maxima itself from a first read of the row and the score kernel
 keeps none (:data:`BOUND_IN_SELECTION`). :func:`triton_expand_selection` turns the pool indices
 into the ``[B, T, W]`` int32 token indices in one kernel.
@@ -55,7 +56,7 @@ other's MMA; 6.43 ms per 8192 x 65,536 block for the full shape (86% of the matm
 7.75 for 128x128 with ``PAIR`` (kernels/NOTES.md, v13); for index dim 64 the 168-register cap (three
 CTAs per SM) is 9-20% faster again (v13b). Tiles of 256 pools were dropped: never chosen since v5,
 and with 32 column groups per 256 pools the selection's bound stays loose up to ~1,000 visible pools
-(rows of 513-1,000 pools overflow their slots and are redone on the host). (Two other folds of the
+(rows of 513-1,000 pools overflow their slots and take the exact pass for massive ties). (Two other folds of the
 column maxima, contiguous groups by reshape or by pairwise ``tl.split``, ran within 3% of this one
 and were removed.)"""
 
@@ -287,7 +288,7 @@ TIE_CHUNK = tl.constexpr(256)
 
 
 # COUNT is zeroed before each configuration's timing runs: accumulated over them, every row would
-# overflow its slots and be redone on the host in the tuning call
+# overflow its slots and take the slow exact pass (_select_tied) in the tuning call
 @triton.autotune(configs=SELECT_CONFIGS, key=["N_COLUMNS", "CAPACITY", "size_class", "BOUND_PASS", "SEG"],
                  reset_to_zero=["COUNT"])
 @triton.jit
@@ -308,8 +309,9 @@ def _select_kernel(
     4 * N_SELECT`` it is close to it (about ``N_SELECT * (1 + N_SELECT / (2 N_COLUMNS))``
     entries pass for random scores). Passing entries take a slot (``COMPACT``) and are written
     as composite int64 keys to a ``CAPACITY``-slot scratch row; the sort in registers makes the order exact and
-    deterministic (tie rule: lower pool index first). ``COUNT`` gets the number that passed:
-    rows above ``CAPACITY`` are redone by the caller. ``SPLIT_SORT``: rows with at most
+    deterministic (tie rule: lower pool index first). ``COUNT`` gets the number that passed (the
+    kernel's own counter; zeroed by the caller): a row above ``CAPACITY`` is selected again by
+    :func:`_select_tied` (massive ties). ``SPLIT_SORT``: rows with at most
     ``CAPACITY / 2`` candidates (nearly all) sort half as many keys. ``BOUND_PASS``: the column
     maxima (group ``c mod N_COLUMNS``) come from a first read of the row here instead of from
     the score kernel (``COLMAX`` unused; ``CHUNK`` must be a multiple of ``N_COLUMNS``).
@@ -515,7 +517,7 @@ H200, 64x128 tiles, 8192 x 65,536: 6.43 against 6.50 ms (full shape), 2.59 again
 SCORE_BUFFER_ELEMENTS = 2**29
 """Float32 scores one query block may hold (2 GiB): ``triton_pool_topk`` takes query blocks of the
 largest multiple of 8192 queries whose ``[B, rows, pools]`` buffer fits (8192 at 1M tokens, kpool 16;
-the whole sequence at 64k). Bigger blocks mean fewer launches and host reads; the causal triangle
+the whole sequence at 64k). Bigger blocks mean fewer launches; the causal triangle
 inside a block costs nothing, the score kernel skips the tiles no query of a tile sees (v13)."""
 
 

@@ -11,6 +11,11 @@ filled with NaN before every kernel call (so an unwritten output shows up):
 * sparse MLA attention forward on the selected indices: relative Frobenius error of the
   bf16 output vs float64 (sampled rows) <= 1e-2; backward (dq, dkv) vs float64 at the
   smallest length;
+* massive ties (``--ties``, and by default): every score equal (zero queries), and 160 pools
+  of six score levels above a tie of all others in 40 of the 512 column groups, so that the
+  selection's slots overflow and its exact pass (``_select_tied``) must climb above its bound:
+  the Triton selection equals the torch path exactly and, for the last query, the pools ranked
+  by (level, lower index first) directly;
 * context parallelism (when 2 GPUs are visible): indices computed on each rank from its
   local queries against all-gathered keys equal the single-GPU result.
 """
@@ -154,6 +159,38 @@ def check_attention(seq_len: int, shape: dict, indices: torch.Tensor, gen: torch
     return result
 
 
+def check_ties(seq_len: int = 16384) -> dict:
+    """The massive-tie cases of the module docstring at ``seq_len`` tokens (full shape's index heads)."""
+    from kernels.dsa.indexer_triton import triton_pool_topk
+
+    h, d, n_select = SHAPES["full"]["index_heads"], SHAPES["full"]["index_dim"], TOPK // KPOOL
+    grid = kpool_grid(seq_len, KPOOL, None, "cuda")
+    n_pools = seq_len // KPOOL
+    pool = torch.arange(n_pools, device="cuda")
+    # score level of each pool: 3 for the tie; 4-9 for pools p % 32 < 5 (in the score kernel's 128-pool
+    # tiles, 16 programs x 32 column groups: 40 groups hold them at 1,024 pools)
+    level = torch.where(pool % 32 < 5, 4 + (pool // 32) % 6, 3).float()
+    keys = torch.zeros(1, n_pools, d, device="cuda")
+    keys[0, :, 0] = level
+    weights = torch.full((1, seq_len, h), 1.0 / h, device="cuda")
+    result = {}
+    for case, q0 in [("all_equal", 0.0), ("climb", 1.0)]:
+        q = torch.zeros(1, seq_len, h, d, device="cuda")
+        q[..., 0] = q0
+        q, pool_keys = q.bfloat16(), keys.bfloat16()
+        poison()
+        got = triton_pool_topk(q, pool_keys, weights, grid, n_select, d**-0.5, 0)
+        ref = _torch_pool_topk(q, pool_keys, weights, grid, n_select, d**-0.5, 0, 1024)
+        last = seq_len - 1   # sees every pool; ranked by (level or 0, lower index first)
+        score = level if q0 else torch.zeros_like(level)
+        direct = sorted(range(n_pools), key=lambda p: (-float(score[p]), p))[:n_select]
+        result[case] = dict(rows_differing_from_torch=int((got != ref).any(-1).sum()),
+                            last_row_equal_direct=got[0, last].tolist() == direct)
+    result["ok"] = all(r["rows_differing_from_torch"] == 0 and r["last_row_equal_direct"]
+                       for r in result.values() if isinstance(r, dict))
+    return result
+
+
 def _cp_worker(rank: int, world: int, seq_len: int, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
     torch.cuda.set_device(rank)
@@ -191,8 +228,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--ties", action="store_true", help="only the massive-tie check")
     args = parser.parse_args()
     results = []
+    ties = dict(ties=check_ties())
+    print(json.dumps(ties), flush=True)
+    results.append(ties)
+    if args.ties:
+        args.seq_lens = []
     for seq_len in args.seq_lens:
         for name, shape in SHAPES.items():
             gen = torch.Generator(device="cuda").manual_seed(seq_len + len(name))
@@ -203,7 +246,7 @@ def main() -> None:
             results.append(row)
             del indices
             torch.cuda.empty_cache()
-    if torch.cuda.device_count() >= 2:
+    if torch.cuda.device_count() >= 2 and args.seq_lens:
         for world in (2, 4, 8):   # CP over 2 GPUs and, where the host has them, 4 and 8
             if world > torch.cuda.device_count():
                 break
@@ -214,7 +257,8 @@ def main() -> None:
     else:
         print("context parallel check skipped: fewer than 2 GPUs visible", flush=True)
     all_ok = all(r.get("indexer", {}).get("ok", True) and r.get("attention", {}).get("ok", True)
-                 and r.get("context_parallel", {}).get("ok", True) for r in results)
+                 and r.get("context_parallel", {}).get("ok", True) and r.get("ties", {}).get("ok", True)
+                 for r in results)
     print(f"ALL OK: {all_ok}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
