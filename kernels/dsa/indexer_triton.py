@@ -255,8 +255,9 @@ def _select_tied(row, lo, hi, bound, slots, p_lo, N_SELECT: tl.constexpr, CHUNK:
 
     The ``N_SELECT``-th largest score ``s`` (as its :func:`_ordered` image, at or above ``bound``'s)
     by bisection: at most 32 reads of the range, one when ``s`` is the bound (the tie sits at the
-    bound). Then one read keeps every entry above ``s`` and the first ``N_SELECT - (entries above s)``
-    entries equal to ``s`` in pool order (the tie rule), placed by prefix sums."""
+    bound). Then one read counts the entries above ``s`` and one keeps them and the first
+    ``N_SELECT - (entries above s)`` entries equal to ``s`` in pool order (the tie rule), placed by
+    prefix sums."""
     k_lo = _ordered(bound).to(tl.int64)          # count(>= k_lo) >= N_SELECT
     k_hi = tl.full([], 2**31 - 1, tl.int64)      # count(>= k_hi) == 0: 0x7FFFFFFF is a NaN's image
     k_hi = tl.where(_count_at_least(row, lo, hi, k_lo + 1, CHUNK) < N_SELECT, k_lo + 1, k_hi)
