@@ -255,18 +255,20 @@ def _select_tied(row, lo, hi, bound, slots, p_lo, N_SELECT: tl.constexpr, CHUNK:
 
     The ``N_SELECT``-th largest score ``s`` (as its :func:`_ordered` image, at or above ``bound``'s)
     by bisection: at most 32 reads of the range, one when ``s`` is the bound (the tie sits at the
-    bound). Then one read counts the entries above ``s`` and one keeps them and the first
-    ``N_SELECT - (entries above s)`` entries equal to ``s`` in pool order (the tie rule), placed by
-    prefix sums."""
+    bound; the bisection also ends with the count above ``s``). Then one read keeps the entries
+    above ``s`` and the first ``N_SELECT - (entries above s)`` entries equal to ``s`` in pool order
+    (the tie rule), placed by prefix sums."""
     k_lo = _ordered(bound).to(tl.int64)          # count(>= k_lo) >= N_SELECT
     k_hi = tl.full([], 2**31 - 1, tl.int64)      # count(>= k_hi) == 0: 0x7FFFFFFF is a NaN's image
-    k_hi = tl.where(_count_at_least(row, lo, hi, k_lo + 1, CHUNK) < N_SELECT, k_lo + 1, k_hi)
+    above = tl.full([], 0, tl.int32)             # count(>= k_hi) < N_SELECT
+    n = _count_at_least(row, lo, hi, k_lo + 1, CHUNK)
+    k_hi, above = tl.where(n < N_SELECT, k_lo + 1, k_hi), tl.where(n < N_SELECT, n, above)
     while k_hi - k_lo > 1:
         mid = (k_lo + k_hi) // 2
-        enough = _count_at_least(row, lo, hi, mid, CHUNK) >= N_SELECT
-        k_lo = tl.where(enough, mid, k_lo)
-        k_hi = tl.where(enough, k_hi, mid)
-    need = N_SELECT - _count_at_least(row, lo, hi, k_lo + 1, CHUNK)
+        n = _count_at_least(row, lo, hi, mid, CHUNK)
+        k_lo = tl.where(n >= N_SELECT, mid, k_lo)
+        k_hi, above = tl.where(n >= N_SELECT, k_hi, mid), tl.where(n >= N_SELECT, above, n)
+    need = N_SELECT - above                      # k_hi == k_lo + 1: above counts the entries > s
     s = k_lo.to(tl.int32)
     flat = tl.arange(0, CHUNK)
     written = tl.full([], 0, tl.int32)
