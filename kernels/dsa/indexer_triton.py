@@ -38,6 +38,7 @@ import triton.language as tl
 
 from kernels.dsa.errors import DSAInputError
 from kernels.dsa.indexer import KPoolGrid, _query_docs
+from kernels.dsa.indexer_gluon import gluon_pool_scores
 
 
 SCORE_CONFIGS = [
@@ -504,6 +505,11 @@ SEGMENT_CHUNK = 1024
 """Segment maxima the selection compacts at a time (one step up to 65,536 pools at ``SEGMENT`` 64)."""
 
 
+SCORE_KERNEL = "triton"
+"""Which score kernel :func:`triton_pool_topk` launches: ``"triton"`` (:func:`_pool_scores_kernel`) or
+``"gluon"`` (:func:`kernels.dsa.indexer_gluon.gluon_pool_scores`, v15: Hopper only, each head's
+``wgmma`` overlapping the previous head's ReLU-weighted accumulation inside the warpgroup)."""
+
 TENSOR_DESCRIPTORS = True
 """Whether the score kernel loads queries and pool keys through tensor descriptors (``TMA``). On an
 H200, full shape, 8192 x 65,536: 7.92 ms against 8.68 with pointer loads (ptxas spilled 296 bytes
@@ -562,6 +568,7 @@ def triton_pool_topk(
     q_offset: int,
     query_block: int | None = None,
     bound_pass: bool | None = None,
+    score_kernel: str | None = None,
 ) -> torch.Tensor:
     """``[B, T, n_select]`` int64 selected pool indices (-1 = none), best first.
 
@@ -576,14 +583,23 @@ def triton_pool_topk(
     ``bound_pass`` (default :data:`BOUND_IN_SELECTION`): the selection reads each score row twice and
     computes the column maxima itself, the score kernel keeps none (same indices). Otherwise the
     selection reads only the :data:`SEGMENT`-pool segments that can hold a candidate.
+    ``score_kernel`` (default :data:`SCORE_KERNEL`): ``"triton"`` (:func:`_pool_scores_kernel`) or
+    ``"gluon"`` (:func:`kernels.dsa.indexer_gluon.gluon_pool_scores`, Hopper only: each head's MMA
+    overlaps the previous head's accumulation); both write the same scores.
 
     Raises:
         DSAInputError: the index head dim is not a power of two >= 16, or there are 2^31 - 1 pools
-            or more (pool indices are int32 in the kernels).
+            or more (pool indices are int32 in the kernels); with the Gluon score kernel, an odd number
+            of index heads, inputs other than bf16/fp16 or a GPU other than Hopper.
     """
     batch, n_q, heads, dim = q.shape
     if dim & (dim - 1) or dim < 16:
         raise DSAInputError(f"the Triton indexer needs a power-of-two index head_dim >= 16, got {dim}")
+    score_kernel = SCORE_KERNEL if score_kernel is None else score_kernel
+    if score_kernel not in ("triton", "gluon"):
+        raise DSAInputError(f"score_kernel must be 'triton' or 'gluon', got {score_kernel!r}")
+    if score_kernel == "gluon" and heads % 2:
+        raise DSAInputError(f"the Gluon score kernel needs an even number of index heads, got {heads}")
     q = q.contiguous()
     pool_keys = pool_keys.to(q.dtype).contiguous()
     weights = (weights.float() * softmax_scale).contiguous()
@@ -607,7 +623,7 @@ def triton_pool_topk(
     if not blocks:
         return selected
     columns, capacity = _n_columns(n_select), _capacity(n_select)
-    if TENSOR_DESCRIPTORS or STORE_DESCRIPTOR:
+    if TENSOR_DESCRIPTORS or STORE_DESCRIPTOR or score_kernel == "gluon":
         _set_descriptor_allocator(q.device)
     bound_pass = BOUND_IN_SELECTION if bound_pass is None else bound_pass
     segment, min_pools = (0 if bound_pass else SEGMENT), SEGMENT_MIN_POOLS
@@ -640,17 +656,21 @@ def triton_pool_topk(
         def launch(meta, n_rows=n_rows):
             return (columns // GROUP_N, triton.cdiv(n_rows, meta["BLOCK_M"]), batch)
 
-        _pool_scores_kernel[launch](
-            q_blk, pool_keys, w_blk, scores, col_max, seg_max, q_lo[t0:t1], q_hi[t0:t1],
-            q_blk.stride(0), q_blk.stride(1), q_blk.stride(2),
-            pool_keys.stride(0), pool_keys.stride(1),
-            w_blk.stride(0), w_blk.stride(1),
-            scores.stride(0), scores.stride(1),
-            col_max.stride(0), col_max.stride(1),
-            seg_max.stride(0), seg_max.stride(1),
-            n_rows, n_pools, p_lo, _size_class(n_pools), H=heads, D=dim, N_COLUMNS=columns, GROUP_N=GROUP_N,
-            MAXIMA=not bound_pass, SEG=width, TMA=TENSOR_DESCRIPTORS, TMA_STORE=STORE_DESCRIPTOR,
-        )
+        if score_kernel == "gluon":
+            gluon_pool_scores(q_blk, pool_keys, w_blk, scores, col_max, seg_max, q_lo[t0:t1], q_hi[t0:t1], p_lo,
+                              _size_class(n_pools), columns, GROUP_N, not bound_pass, width)
+        else:
+            _pool_scores_kernel[launch](
+                q_blk, pool_keys, w_blk, scores, col_max, seg_max, q_lo[t0:t1], q_hi[t0:t1],
+                q_blk.stride(0), q_blk.stride(1), q_blk.stride(2),
+                pool_keys.stride(0), pool_keys.stride(1),
+                w_blk.stride(0), w_blk.stride(1),
+                scores.stride(0), scores.stride(1),
+                col_max.stride(0), col_max.stride(1),
+                seg_max.stride(0), seg_max.stride(1),
+                n_rows, n_pools, p_lo, _size_class(n_pools), H=heads, D=dim, N_COLUMNS=columns, GROUP_N=GROUP_N,
+                MAXIMA=not bound_pass, SEG=width, TMA=TENSOR_DESCRIPTORS, TMA_STORE=STORE_DESCRIPTOR,
+            )
         out, cnt = selected[:, t0:t1], counts[:, t0:t1]
         _select_kernel[(batch * n_rows,)](
             scores, col_max, seg_max, hits, cnt, slots, out, q_lo[t0:t1], q_hi[t0:t1],

@@ -1,6 +1,6 @@
 """Lightning indexer + top-k: the current Triton selection against an earlier version, same run (issue 4).
 
-    python tests/benchmarks/indexer_versions.py --anchor .bench/indexer_v4.py [--seq-lens ...] [--profile]
+    python tests/benchmarks/indexer_versions.py [--anchor .bench/indexer_v4.py] [--seq-lens ...] [--profile]
         [--out f.json]
 
 ``--anchor`` is an earlier copy of ``kernels/dsa/indexer_triton.py`` (e.g. ``git show
@@ -9,7 +9,7 @@
 on the same bf16 inputs, checks that both select identical indices (both are exact with the
 same tie rule), and reports the achieved score TFLOP/s against a bf16 matmul measured in the
 same run. ``--profile`` adds, per shape and length, the CUDA time per kernel of one call of the
-current version and the device's idle time inside it (host syncs, launches); ``--memory``, per
+current version (and of each ``--also`` version) and the device's idle time inside it (host syncs, launches); ``--memory``, per
 version, the peak memory of ``triton_pool_topk`` alone (pooled keys made beforehand); ``--also``
 adds the current version with some of its module constants set (e.g. ``v13cols:COLUMNS_PER_SELECTED=4,GROUP_N=32``);
 ``--host``, per shape and length, the host time of one call of the current version and where it
@@ -114,7 +114,8 @@ def selection_memory(fn, inputs, kw, label: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--anchor", required=True)
+    parser.add_argument("--anchor", default=None, help="an earlier indexer_triton.py (default: none; the "
+                        "--also versions are then checked against the current one)")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[65536, 262144, 1048576])
     parser.add_argument("--shapes", nargs="+", default=["full", "small"], choices=list(SHAPES))
     parser.add_argument("--profile", action="store_true")
@@ -125,8 +126,8 @@ def main() -> None:
                              "set, e.g. v13cols:COLUMNS_PER_SELECTED=4,GROUP_N=32")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    anchor = load_anchor(args.anchor)
-    versions = {"anchor": anchor.triton_pool_topk, "current": current.triton_pool_topk}
+    versions = {"anchor": load_anchor(args.anchor).triton_pool_topk} if args.anchor else {}
+    versions["current"] = current.triton_pool_topk
     for spec in args.also:
         name, settings = spec.split(":", 1)
         versions[name] = with_constants(current.triton_pool_topk, {
@@ -156,15 +157,22 @@ def main() -> None:
                     rows.append(selection_memory(fn, inputs, kw, f"{name} {seq_len // 1024}k {version}"))
             if args.host:
                 rows.extend(host_time(lambda: lightning_indexer_topk(*inputs, **kw), f"{name} {seq_len // 1024}k"))
-            if args.profile:
+            if args.profile:   # the current version and each --also version
                 from indexer_score_variants import profile_call
 
-                for row in profile_call(lambda: lightning_indexer_topk(*inputs, **kw), f"{name} {seq_len // 1024}k"):
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
-            for version in [v for v in selected if v != "anchor"] if "anchor" in selected else []:
-                same = torch.equal(selected["anchor"], selected[version])
-                differing = int((selected["anchor"] != selected[version]).any(-1).sum())
+                for version, fn in versions.items():
+                    if version == "anchor":
+                        continue
+                    current.triton_pool_topk = fn
+                    label = f"{name} {seq_len // 1024}k" + ("" if version == "current" else f" {version}")
+                    for row in profile_call(lambda: lightning_indexer_topk(*inputs, **kw), label):
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
+                current.triton_pool_topk = versions["current"]
+            reference = "anchor" if args.anchor else "current"
+            for version in [v for v in selected if v != reference] if reference in selected else []:
+                same = torch.equal(selected[reference], selected[version])
+                differing = int((selected[reference] != selected[version]).any(-1).sum())
                 row = dict(shape=name, seq_len=seq_len, version=version, identical=same, differing_rows=differing)
                 print(json.dumps(row), flush=True)
                 rows.append(row)

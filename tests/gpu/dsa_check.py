@@ -1,6 +1,6 @@
 """GPU correctness check of the DSA Triton kernels (issue 4). Run on an H200:
 
-    python tests/gpu/dsa_check.py [--seq-lens 4096 16384 65536] [--out results.json]
+    python tests/gpu/dsa_check.py [--seq-lens 4096 16384 65536] [--score-kernel gluon] [--out results.json]
 
 Per sequence length, with fresh random inputs and the caching allocator's free memory
 filled with NaN before every kernel call (so an unwritten output shows up):
@@ -190,7 +190,10 @@ def check_ties(seq_len: int = 16384) -> dict:
     return result
 
 
-def _cp_worker(rank: int, world: int, seq_len: int, port: int, queue) -> None:
+def _cp_worker(rank: int, world: int, seq_len: int, port: int, queue, score_kernel: str) -> None:
+    import kernels.dsa.indexer_triton as indexer_triton
+
+    indexer_triton.SCORE_KERNEL = score_kernel   # a spawned process imports the module afresh
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
@@ -217,9 +220,12 @@ def _cp_worker(rank: int, world: int, seq_len: int, port: int, queue) -> None:
 
 
 def check_context_parallel(seq_len: int, world: int = 2) -> dict:
+    import kernels.dsa.indexer_triton as indexer_triton
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_cp_worker, args=(world, seq_len, 29533 + world, queue), nprocs=world, start_method="spawn")
+    mp.start_processes(_cp_worker, args=(world, seq_len, 29533 + world, queue, indexer_triton.SCORE_KERNEL),
+                       nprocs=world, start_method="spawn")
     return dict(world=world, seq_len=seq_len, indices_equal_single_gpu=queue.get(), ok=None)
 
 
@@ -228,7 +234,14 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--out", default=None)
     parser.add_argument("--ties", action="store_true", help="only the massive-tie check")
+    parser.add_argument("--score-kernel", choices=["triton", "gluon"], default=None,
+                        help="the indexer's score kernel (default: kernels/dsa/indexer_triton.py's SCORE_KERNEL)")
     args = parser.parse_args()
+    import kernels.dsa.indexer_triton as indexer_triton
+
+    if args.score_kernel:
+        indexer_triton.SCORE_KERNEL = args.score_kernel
+    print(f"indexer score kernel: {indexer_triton.SCORE_KERNEL}", flush=True)
     results = []
     ties = dict(ties=check_ties())
     print(json.dumps(ties), flush=True)

@@ -8,9 +8,10 @@
 # Parts: actbytes (saved bytes per token vs the memory plan), model (tests/gpu/model_small.py),
 # sft (tests/gpu/sft_small.py with $SFT_CONFIGS), model_check (model_small.py's bf16-vs-CPU check
 # only), offload (tests/gpu/offload_check.py: activation offload on/off the copy stream, same
-# gradients), dsacheck (tests/gpu/dsa_check.py: correctness, CP over every GPU pair/quad), indexer
-# (tests/benchmarks/indexer_versions.py against $INDEXER_ANCHOR, default .bench/indexer_v5.py,
-# carried: an earlier kernels/dsa/indexer_triton.py; $INDEXER_ARGS, e.g. --profile), variants (tests/benchmarks/indexer_score_variants.py),
+# gradients), dsacheck (tests/gpu/dsa_check.py with $DSA_ARGS: correctness, CP over every GPU
+# pair/quad), indexer (tests/benchmarks/indexer_versions.py, against $INDEXER_ANCHOR when set: a carried
+# earlier kernels/dsa/indexer_triton.py such as .bench/indexer_v14.py; $INDEXER_ARGS, e.g. --profile),
+# variants (tests/benchmarks/indexer_score_variants.py),
 # bench (dsa_bench.py alone, with $BENCH_ARGS), dsa (dsa_check.py + dsa_bench.py).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -54,8 +55,8 @@ part sft "${T_SFT:-360}" python3 -m torch.distributed.run --nproc-per-node "${SF
 part model_check "${T_MODEL:-150}" python3 tests/gpu/model_small.py --seq --check-seq 2048 \
   --out "$OUT/model_check.json"
 part offload "${T_OFFLOAD:-120}" python3 tests/gpu/offload_check.py --out "$OUT/offload_check.json"
-part dsacheck "${T_DSA:-200}" python3 tests/gpu/dsa_check.py --out "$OUT/dsa_check.json"
-part indexer "${T_INDEXER:-170}" python3 tests/benchmarks/indexer_versions.py --anchor "${INDEXER_ANCHOR:-.bench/indexer_v5.py}" \
+part dsacheck "${T_DSA:-200}" python3 tests/gpu/dsa_check.py ${DSA_ARGS:-} --out "$OUT/dsa_check.json"
+part indexer "${T_INDEXER:-170}" python3 tests/benchmarks/indexer_versions.py ${INDEXER_ANCHOR:+--anchor "$INDEXER_ANCHOR"} \
   --seq-lens ${INDEXER_SEQ:-1048576 262144} --shapes ${INDEXER_SHAPES:-full small} ${INDEXER_ARGS:-} \
   --out "$OUT/indexer_versions.json"
 part variants "${T_VARIANTS:-240}" python3 tests/benchmarks/indexer_score_variants.py ${VARIANTS_ARGS:---shapes small full --profile} \
