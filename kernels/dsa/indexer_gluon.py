@@ -31,7 +31,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -84,6 +83,18 @@ def _load_pool_keys(pk_desc, pk_smem, pk_bar, tile, first_pool, stride_n, pred):
 
 
 @gluon.jit
+def _accumulate(acc, product, w, EPILOGUE: gl.constexpr):
+    """``acc + relu(product) * w[:, None]`` (``EPILOGUE`` 2; 1: ``acc + product``, timing only)."""
+    gl.static_assert((EPILOGUE == 1) | (EPILOGUE == 2))
+    if EPILOGUE == 2:
+        # relu(scale * s) * w == relu(s) * (scale * w) for scale > 0: W arrives pre-scaled
+        acc += gl.maximum(product, 0.0) * w[:, None]
+    else:
+        acc += product
+    return acc
+
+
+@gluon.jit
 def _finish_tile(acc, col_max, n0, offs_m, mask_m, lo, hi, n_pools, OUT, out_desc, out_smem, SEGMAX,
                  stride_ot, stride_gt, m0, n_q,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_N: gl.constexpr, MAXIMA: gl.constexpr,
@@ -126,7 +137,7 @@ def _pool_scores_gluon_kernel(
     n_q, n_pools, p_lo, n_pools_total, size_class,
     H: gl.constexpr, D: gl.constexpr, N_COLUMNS: gl.constexpr, GROUP_N: gl.constexpr,
     BLOCK_N: gl.constexpr, Q_STAGES: gl.constexpr, MAXIMA: gl.constexpr, SEG: gl.constexpr,
-    TMA_STORE: gl.constexpr, HEAD_GROUP: gl.constexpr,
+    TMA_STORE: gl.constexpr, HEAD_GROUP: gl.constexpr, EPILOGUE: gl.constexpr = 2,
 ):
     """Scores of 64 queries against the pool tiles ``pid_n, pid_n + n_prog, ...`` (``n_prog =
     N_COLUMNS / GROUP_N``), with the arguments and outputs of
@@ -140,6 +151,8 @@ def _pool_scores_gluon_kernel(
     ``wgmma`` is issued before the previous head's product is waited for and accumulated (see the loop).
     Query tiles come through a ``Q_STAGES``-deep ring of TMA loads, a slot refilled as soon as the product
     that read it retires; pool-key tiles through two buffers, tile ``j + 2`` loaded when tile ``j`` is summed.
+    ``EPILOGUE`` is a timing knob (``tests/benchmarks/indexer_gluon_variants.py``): 2 (the scores) or 1 (a
+    plain sum of the products, one add per product instead of a max and an FMA: wrong scores).
     """
     num_warps: gl.constexpr = gl.num_warps()
     gl.static_assert(num_warps == 4)
@@ -221,8 +234,7 @@ def _pool_scores_gluon_kernel(
             x_ready = warpgroup_mma_wait(num_outstanding=1, deps=(x,))   # step i0 + g - 2 retired
             _load_queries(q_desc, q_smem, q_bar, i0 + g - 2 + Q_STAGES, m0, i0 + g - 2 + Q_STAGES < n_steps,
                           H, D, Q_STAGES)
-            # relu(scale * s) * w == relu(s) * (scale * w) for scale > 0: W arrives pre-scaled
-            acc += gl.maximum(x_ready, 0.0) * w_x[:, None]
+            acc = _accumulate(acc, x_ready, w_x, EPILOGUE)
             # a wait on nothing new (y is the one group in flight) that takes the sum: it pins the
             # accumulation before the next issue (LLVM otherwise sinks it past later waits, keeping
             # every product of the group live and overlapping nothing)
@@ -233,7 +245,7 @@ def _pool_scores_gluon_kernel(
             y_ready = warpgroup_mma_wait(num_outstanding=1, deps=(y,))   # step i0 + g - 1 retired
             _load_queries(q_desc, q_smem, q_bar, i0 + g - 1 + Q_STAGES, m0, i0 + g - 1 + Q_STAGES < n_steps,
                           H, D, Q_STAGES)
-            acc += gl.maximum(y_ready, 0.0) * w_y[:, None]
+            acc = _accumulate(acc, y_ready, w_y, EPILOGUE)
             acc, y_ready = warpgroup_mma_wait(num_outstanding=1, deps=(acc, y_ready))
             mbarrier.wait(q_bar.index((i0 + g + 1) % Q_STAGES), ((i0 + g + 1) // Q_STAGES) & 1)
             y = warpgroup_mma(q_smem.index((i0 + g + 1) % Q_STAGES), pk_tile, y_ready, use_acc=False, is_async=True)
@@ -241,12 +253,12 @@ def _pool_scores_gluon_kernel(
         x_dead = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
         _load_queries(q_desc, q_smem, q_bar, i0 + HEAD_GROUP - 2 + Q_STAGES, m0,
                       i0 + HEAD_GROUP - 2 + Q_STAGES < n_steps, H, D, Q_STAGES)
-        acc += gl.maximum(x_dead, 0.0) * w_x[:, None]
+        acc = _accumulate(acc, x_dead, w_x, EPILOGUE)
         acc, x_dead = warpgroup_mma_wait(num_outstanding=1, deps=(acc, x_dead))
         y_dead = warpgroup_mma_wait(num_outstanding=0, deps=(y,))
         _load_queries(q_desc, q_smem, q_bar, i0 + HEAD_GROUP - 1 + Q_STAGES, m0,
                       i0 + HEAD_GROUP - 1 + Q_STAGES < n_steps, H, D, Q_STAGES)
-        acc += gl.maximum(y_dead, 0.0) * w_y[:, None]
+        acc = _accumulate(acc, y_dead, w_y, EPILOGUE)
         if h0 + HEAD_GROUP == H:   # tile j summed: its key buffer takes tile j + 2
             _load_pool_keys(pk_desc, pk_smem, pk_bar, j + 2, first_pool, stride_n, j + 2 < n_tiles)
             col_max = _finish_tile(acc, col_max, n_first + j * stride_n, offs_m, mask_m, lo, hi, n_pools,
@@ -269,8 +281,11 @@ def _pool_scores_gluon_kernel(
 
 def gluon_pool_scores(q: torch.Tensor, pool_keys: torch.Tensor, weights: torch.Tensor, scores: torch.Tensor,
                       col_max: torch.Tensor, seg_max: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.Tensor,
-                      p_lo: int, size_class: int, n_columns: int, group_n: int, maxima: bool, seg: int) -> None:
-    """Launch :func:`_pool_scores_gluon_kernel` (autotuned) for one query block.
+                      p_lo: int, size_class: int, n_columns: int, group_n: int, maxima: bool, seg: int,
+                      config: dict | None = None) -> None:
+    """Launch :func:`_pool_scores_gluon_kernel` (autotuned; with ``config``, its keyword arguments,
+    e.g. ``dict(BLOCK_N=128, Q_STAGES=3, TMA_STORE=False, HEAD_GROUP=8)``, without the tuner) for one
+    query block.
 
     Args:
         q: ``[B, n_q, H, D]`` bf16 or fp16 queries, ``stride(2) == D`` and ``stride(3) == 1``.
@@ -298,10 +313,12 @@ def gluon_pool_scores(q: torch.Tensor, pool_keys: torch.Tensor, weights: torch.T
     def grid(meta):
         return (n_columns // group_n, triton.cdiv(n_q, BLOCK_M), batch)
 
-    _pool_scores_gluon_kernel[grid](
+    kernel = _pool_scores_gluon_kernel if config is None else _pool_scores_gluon_kernel.fn
+    kernel[grid](
         q, pool_keys, weights, scores, col_max, seg_max, q_lo, q_hi,
         q.stride(0), q.stride(1), pool_keys.stride(0), pool_keys.stride(1), weights.stride(0), weights.stride(1),
         scores.stride(0), scores.stride(1), col_max.stride(0), col_max.stride(1), seg_max.stride(0), seg_max.stride(1),
         n_q, n_pools, p_lo, pool_keys.shape[1], size_class,
         H=heads, D=dim, N_COLUMNS=n_columns, GROUP_N=group_n, MAXIMA=maxima, SEG=seg,
+        **({} if config is None else dict(config, num_warps=4)),
     )

@@ -558,6 +558,38 @@ def _capacity(n_select: int) -> int:
     return triton.next_power_of_2(4 * n_select)
 
 
+def launch_pool_scores(score_kernel: str, q: torch.Tensor, pool_keys: torch.Tensor, weights: torch.Tensor,
+                       scores: torch.Tensor, col_max: torch.Tensor, seg_max: torch.Tensor, q_lo: torch.Tensor,
+                       q_hi: torch.Tensor, p_lo: int, columns: int, maxima: bool, seg: int) -> None:
+    """One query block's scores, column-group maxima and segment maxima with the ``score_kernel``
+    (``"triton"``: :func:`_pool_scores_kernel`, ``"gluon"``: :func:`kernels.dsa.indexer_gluon.gluon_pool_scores`),
+    both autotuned. ``q`` ``[B, n_q, H, D]``, ``pool_keys`` ``[B, P, D]`` (same 16-bit dtype for Gluon),
+    ``weights`` ``[B, n_q, H]`` float32 pre-scaled, ``scores`` ``[B, n_q, n_pools]`` float32 (row stride a
+    multiple of 4), ``col_max`` ``[B, n_q, columns]``, ``seg_max`` ``[B, n_q, cdiv(n_pools, seg)]``,
+    ``q_lo``/``q_hi`` ``[n_q]`` int32 absolute visible pool ranges, ``p_lo`` the block's first pool."""
+    batch, n_q, heads, dim = q.shape
+    n_pools = scores.shape[-1]
+    if score_kernel == "gluon":
+        gluon_pool_scores(q, pool_keys, weights, scores, col_max, seg_max, q_lo, q_hi, p_lo, _size_class(n_pools),
+                          columns, GROUP_N, maxima, seg)
+        return
+
+    def launch(meta):
+        return (columns // GROUP_N, triton.cdiv(n_q, meta["BLOCK_M"]), batch)
+
+    _pool_scores_kernel[launch](
+        q, pool_keys, weights, scores, col_max, seg_max, q_lo, q_hi,
+        q.stride(0), q.stride(1), q.stride(2),
+        pool_keys.stride(0), pool_keys.stride(1),
+        weights.stride(0), weights.stride(1),
+        scores.stride(0), scores.stride(1),
+        col_max.stride(0), col_max.stride(1),
+        seg_max.stride(0), seg_max.stride(1),
+        n_q, n_pools, p_lo, _size_class(n_pools), H=heads, D=dim, N_COLUMNS=columns, GROUP_N=GROUP_N,
+        MAXIMA=maxima, SEG=seg, TMA=TENSOR_DESCRIPTORS, TMA_STORE=STORE_DESCRIPTOR,
+    )
+
+
 def triton_pool_topk(
     q: torch.Tensor,
     pool_keys: torch.Tensor,
@@ -653,24 +685,8 @@ def triton_pool_topk(
         seg_max = seg_buf[: batch * n_rows * n_segs].view(batch, n_rows, n_segs)
         q_blk, w_blk = q[:, t0:t1], weights[:, t0:t1]
 
-        def launch(meta, n_rows=n_rows):
-            return (columns // GROUP_N, triton.cdiv(n_rows, meta["BLOCK_M"]), batch)
-
-        if score_kernel == "gluon":
-            gluon_pool_scores(q_blk, pool_keys, w_blk, scores, col_max, seg_max, q_lo[t0:t1], q_hi[t0:t1], p_lo,
-                              _size_class(n_pools), columns, GROUP_N, not bound_pass, width)
-        else:
-            _pool_scores_kernel[launch](
-                q_blk, pool_keys, w_blk, scores, col_max, seg_max, q_lo[t0:t1], q_hi[t0:t1],
-                q_blk.stride(0), q_blk.stride(1), q_blk.stride(2),
-                pool_keys.stride(0), pool_keys.stride(1),
-                w_blk.stride(0), w_blk.stride(1),
-                scores.stride(0), scores.stride(1),
-                col_max.stride(0), col_max.stride(1),
-                seg_max.stride(0), seg_max.stride(1),
-                n_rows, n_pools, p_lo, _size_class(n_pools), H=heads, D=dim, N_COLUMNS=columns, GROUP_N=GROUP_N,
-                MAXIMA=not bound_pass, SEG=width, TMA=TENSOR_DESCRIPTORS, TMA_STORE=STORE_DESCRIPTOR,
-            )
+        launch_pool_scores(score_kernel, q_blk, pool_keys, w_blk, scores, col_max, seg_max, q_lo[t0:t1],
+                           q_hi[t0:t1], p_lo, columns, not bound_pass, width)
         out, cnt = selected[:, t0:t1], counts[:, t0:t1]
         _select_kernel[(batch * n_rows,)](
             scores, col_max, seg_max, hits, cnt, slots, out, q_lo[t0:t1], q_hi[t0:t1],
