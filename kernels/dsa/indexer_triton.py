@@ -137,7 +137,10 @@ def _pool_scores_kernel(
                          mask=mask_n[:, None], other=0.0)
         pk_t = tl.trans(pk)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        # relu(scale * s) * w == relu(s) * (scale * w) for scale > 0: W arrives pre-scaled
+        # relu(scale * s) * w == relu(s) * (scale * w) for scale > 0: W arrives pre-scaled. And
+        # relu(s) * w == (s + |s|) * (w / 2) bit for bit (s + |s| is 2 relu(s) exactly, w / 2 exact for
+        # normal w): an FADD with a free |.| operand modifier, at the FP32 pipe's full rate, instead of an
+        # FMNMX at half rate (v15, kernels/NOTES.md)
         if PAIR:
             tl.static_assert(H % 2 == 0)
             for h in range(0, H, 2):
@@ -147,20 +150,21 @@ def _pool_scores_kernel(
                 else:
                     q0 = tl.load(q_base + h * stride_qh, mask=mask_m[:, None], other=0.0)
                     q1 = tl.load(q_base + (h + 1) * stride_qh, mask=mask_m[:, None], other=0.0)
-                w0 = tl.load(w_base + h, mask=mask_m, other=0.0).to(tl.float32)
-                w1 = tl.load(w_base + h + 1, mask=mask_m, other=0.0).to(tl.float32)
+                w0 = tl.load(w_base + h, mask=mask_m, other=0.0).to(tl.float32) * 0.5
+                w1 = tl.load(w_base + h + 1, mask=mask_m, other=0.0).to(tl.float32) * 0.5
                 s0 = tl.dot(q0, pk_t)
                 s1 = tl.dot(q1, pk_t)
-                acc += tl.maximum(s0, 0.0) * w0[:, None]
-                acc += tl.maximum(s1, 0.0) * w1[:, None]
+                acc += (s0 + tl.abs(s0)) * w0[:, None]
+                acc += (s1 + tl.abs(s1)) * w1[:, None]
         else:
             for h in range(H):
                 if TMA:
                     q = q_desc.load([pid_b, pid_m * BLOCK_M, h * D]).reshape(BLOCK_M, D)
                 else:
                     q = tl.load(q_base + h * stride_qh, mask=mask_m[:, None], other=0.0)
-                w = tl.load(w_base + h, mask=mask_m, other=0.0).to(tl.float32)
-                acc += tl.maximum(tl.dot(q, pk_t), 0.0) * w[:, None]
+                w = tl.load(w_base + h, mask=mask_m, other=0.0).to(tl.float32) * 0.5
+                s = tl.dot(q, pk_t)
+                acc += (s + tl.abs(s)) * w[:, None]
         visible = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
         acc = tl.where(visible, acc, float("-inf"))
         if TMA_STORE:   # rows and pools past the buffer's bounds are not written
