@@ -137,10 +137,7 @@ def _pool_scores_kernel(
                          mask=mask_n[:, None], other=0.0)
         pk_t = tl.trans(pk)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        # relu(scale * s) * w == relu(s) * (scale * w) for scale > 0: W arrives pre-scaled. And
-        # relu(s) * w == (s + |s|) * (w / 2) bit for bit (s + |s| is 2 relu(s) exactly, w / 2 exact for
-        # normal w): an FADD with a free |.| operand modifier, at the FP32 pipe's full rate, instead of an
-        # FMNMX at half rate (v15, kernels/NOTES.md)
+        # relu(scale * s) * w == relu(s) * (scale * w) for scale > 0: W arrives pre-scaled
         if PAIR:
             tl.static_assert(H % 2 == 0)
             for h in range(0, H, 2):
@@ -150,21 +147,20 @@ def _pool_scores_kernel(
                 else:
                     q0 = tl.load(q_base + h * stride_qh, mask=mask_m[:, None], other=0.0)
                     q1 = tl.load(q_base + (h + 1) * stride_qh, mask=mask_m[:, None], other=0.0)
-                w0 = tl.load(w_base + h, mask=mask_m, other=0.0).to(tl.float32) * 0.5
-                w1 = tl.load(w_base + h + 1, mask=mask_m, other=0.0).to(tl.float32) * 0.5
+                w0 = tl.load(w_base + h, mask=mask_m, other=0.0).to(tl.float32)
+                w1 = tl.load(w_base + h + 1, mask=mask_m, other=0.0).to(tl.float32)
                 s0 = tl.dot(q0, pk_t)
                 s1 = tl.dot(q1, pk_t)
-                acc += (s0 + tl.abs(s0)) * w0[:, None]
-                acc += (s1 + tl.abs(s1)) * w1[:, None]
+                acc += tl.maximum(s0, 0.0) * w0[:, None]
+                acc += tl.maximum(s1, 0.0) * w1[:, None]
         else:
             for h in range(H):
                 if TMA:
                     q = q_desc.load([pid_b, pid_m * BLOCK_M, h * D]).reshape(BLOCK_M, D)
                 else:
                     q = tl.load(q_base + h * stride_qh, mask=mask_m[:, None], other=0.0)
-                w = tl.load(w_base + h, mask=mask_m, other=0.0).to(tl.float32) * 0.5
-                s = tl.dot(q, pk_t)
-                acc += (s + tl.abs(s)) * w[:, None]
+                w = tl.load(w_base + h, mask=mask_m, other=0.0).to(tl.float32)
+                acc += tl.maximum(tl.dot(q, pk_t), 0.0) * w[:, None]
         visible = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
         acc = tl.where(visible, acc, float("-inf"))
         if TMA_STORE:   # rows and pools past the buffer's bounds are not written
@@ -509,10 +505,33 @@ SEGMENT_CHUNK = 1024
 """Segment maxima the selection compacts at a time (one step up to 65,536 pools at ``SEGMENT`` 64)."""
 
 
-SCORE_KERNEL = "triton"
-"""Which score kernel :func:`triton_pool_topk` launches: ``"triton"`` (:func:`_pool_scores_kernel`) or
-``"gluon"`` (:func:`kernels.dsa.indexer_gluon.gluon_pool_scores`, v15: Hopper only, each head's
-``wgmma`` overlapping the previous head's ReLU-weighted accumulation inside the warpgroup)."""
+SCORE_KERNEL = "auto"
+"""Which score kernel :func:`triton_pool_topk` launches: ``"triton"`` (:func:`_pool_scores_kernel`),
+``"gluon"`` (:func:`kernels.dsa.indexer_gluon.gluon_pool_scores`, v15: Hopper only, each head's ``wgmma``
+overlapping the previous head's ReLU-weighted accumulation inside the warpgroup) or ``"auto"``
+(:func:`resolve_score_kernel`). Both write the same scores bit for bit; on an H200, one block of 8192
+queries x 65,536 pools took 2.26 ms (Gluon) against 2.44 (Triton) at index dim 64 and 6.24 against
+6.43 at 128 (``tests/benchmarks/indexer_gluon_variants.py``, kernels/NOTES.md, v15)."""
+
+
+def resolve_score_kernel(score_kernel: str, q: torch.Tensor) -> str:
+    """The score kernel ``score_kernel`` names for queries ``q`` (``[B, T, H, D]``): ``"auto"`` is
+    ``"gluon"`` for bf16/fp16 queries on a Hopper GPU (CUDA capability 9.x) with an even head count,
+    ``"triton"`` otherwise (other GPUs such as B200, fp32, the Triton interpreter on the CPU).
+
+    Raises:
+        DSAInputError: ``score_kernel`` is none of ``"auto"``, ``"triton"``, ``"gluon"``, or ``"gluon"`` with
+            an odd number of heads.
+    """
+    if score_kernel not in ("auto", "triton", "gluon"):
+        raise DSAInputError(f"score_kernel must be 'auto', 'triton' or 'gluon', got {score_kernel!r}")
+    heads = q.shape[2]
+    if score_kernel == "gluon" and heads % 2:
+        raise DSAInputError(f"the Gluon score kernel needs an even number of index heads, got {heads}")
+    if score_kernel == "auto":
+        hopper = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+        score_kernel = "gluon" if hopper and q.dtype in (torch.bfloat16, torch.float16) and heads % 2 == 0 else "triton"
+    return score_kernel
 
 TENSOR_DESCRIPTORS = True
 """Whether the score kernel loads queries and pool keys through tensor descriptors (``TMA``). On an
@@ -619,23 +638,20 @@ def triton_pool_topk(
     ``bound_pass`` (default :data:`BOUND_IN_SELECTION`): the selection reads each score row twice and
     computes the column maxima itself, the score kernel keeps none (same indices). Otherwise the
     selection reads only the :data:`SEGMENT`-pool segments that can hold a candidate.
-    ``score_kernel`` (default :data:`SCORE_KERNEL`): ``"triton"`` (:func:`_pool_scores_kernel`) or
+    ``score_kernel`` (default :data:`SCORE_KERNEL`): ``"triton"`` (:func:`_pool_scores_kernel`),
     ``"gluon"`` (:func:`kernels.dsa.indexer_gluon.gluon_pool_scores`, Hopper only: each head's MMA
-    overlaps the previous head's accumulation); both write the same scores.
+    overlaps the previous head's accumulation) or ``"auto"`` (:func:`resolve_score_kernel`); both write
+    the same scores.
 
     Raises:
         DSAInputError: the index head dim is not a power of two >= 16, or there are 2^31 - 1 pools
-            or more (pool indices are int32 in the kernels); with the Gluon score kernel, an odd number
-            of index heads, inputs other than bf16/fp16 or a GPU other than Hopper.
+            or more (pool indices are int32 in the kernels); an unknown ``score_kernel``; with the Gluon
+            score kernel, an odd number of index heads, inputs other than bf16/fp16 or a GPU other than Hopper.
     """
     batch, n_q, heads, dim = q.shape
     if dim & (dim - 1) or dim < 16:
         raise DSAInputError(f"the Triton indexer needs a power-of-two index head_dim >= 16, got {dim}")
-    score_kernel = SCORE_KERNEL if score_kernel is None else score_kernel
-    if score_kernel not in ("triton", "gluon"):
-        raise DSAInputError(f"score_kernel must be 'triton' or 'gluon', got {score_kernel!r}")
-    if score_kernel == "gluon" and heads % 2:
-        raise DSAInputError(f"the Gluon score kernel needs an even number of index heads, got {heads}")
+    score_kernel = resolve_score_kernel(SCORE_KERNEL if score_kernel is None else score_kernel, q)
     q = q.contiguous()
     pool_keys = pool_keys.to(q.dtype).contiguous()
     weights = (weights.float() * softmax_scale).contiguous()

@@ -204,7 +204,11 @@ def main() -> None:
     parser.add_argument("--no-torch-indexer", action="store_true", help="skip the torch blockwise indexer rows")
     args = parser.parse_args()
     ceil = ceilings()
-    print(json.dumps(dict(ceilings=ceil)), flush=True)
+    from kernels.dsa import indexer_gluon, indexer_triton, sparse_attention_triton
+
+    probe = torch.empty(1, 1, 2, 1, device="cuda", dtype=torch.bfloat16)
+    score_kernel = indexer_triton.resolve_score_kernel(indexer_triton.SCORE_KERNEL, probe)
+    print(json.dumps(dict(ceilings=ceil, score_kernel=score_kernel)), flush=True)
     table = []
     for name in args.shapes:
         shape = SHAPES[name]
@@ -226,10 +230,9 @@ def main() -> None:
     for r in table:
         print(f"| {r['shape']} | {r['seq_len'] // 1024}k | {r['op']} | {r['predicted']:.4f} | {r['seconds']:.4f} "
               f"| {r['peak_gib']:.1f} | {r['tflops']:.0f} |")
-    from kernels.dsa import indexer_triton, sparse_attention_triton
-
     tuned = {}
     for module, names in [(indexer_triton, ["_pool_scores_kernel", "_select_kernel"]),
+                          (indexer_gluon, ["_pool_scores_gluon_kernel"]),
                           (sparse_attention_triton, ["_sparse_mla_fwd_kernel", "_sparse_mla_bwd_kernel",
                                                      "_sparse_mla_mass_kernel"])]:
         for name in names:
@@ -237,7 +240,7 @@ def main() -> None:
     print(json.dumps(dict(autotuned=tuned), indent=1), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(ceilings=ceil, rows=table, autotuned=tuned), f, indent=1)
+            json.dump(dict(ceilings=ceil, score_kernel=score_kernel, rows=table, autotuned=tuned), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
     python tests/benchmarks/sm90_resources.py [--shape full]
 
-Compiles :mod:`kernels.dsa.indexer_triton`'s score, selection and expansion kernels for
+Compiles :mod:`kernels.dsa.indexer_triton`'s score, selection and expansion kernels and the Gluon score kernel
+(:mod:`kernels.dsa.indexer_gluon`) for
 ``GPUTarget("cuda", 90, 32)`` (Triton's front end and ptxas run on the CPU) for every
 autotuned configuration and prints a table: registers per thread and shared memory per CTA
 (``cuobjdump --dump-resource-usage`` of the cubin), the stack frame ptxas spills registers to, and the CTAs one H100/H200
@@ -22,12 +23,15 @@ import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.autotuner import Autotuner
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
+import kernels.dsa.indexer_gluon as ig  # noqa: E402
 import kernels.dsa.indexer_triton as it  # noqa: E402
 from dsa_bench import KPOOL, SHAPES, TOPK  # noqa: E402
 
@@ -50,6 +54,37 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, warps: int, stages: 
                     attrs=aligned)
     options = dict(num_warps=warps, num_stages=stages) | ({"maxnreg": maxnreg} if maxnreg else {})
     return triton.compile(src, target=TARGET, options=options)
+
+
+def compile_gluon_scores(heads: int, dim: int, config: dict, maxima: bool = True, seg: int = it.SEGMENT):
+    """``triton.compile`` of the Gluon score kernel (:func:`kernels.dsa.indexer_gluon._pool_scores_gluon_kernel`)
+    for sm_90 with ``config`` (its ``BLOCK_N``, ``Q_STAGES``, ``TMA_STORE``, ``HEAD_GROUP``), ``heads`` x ``dim``
+    bf16 queries and the column groups of ``TOPK // KPOOL`` selected pools; aligned as the launcher specializes."""
+    fn = ig._pool_scores_gluon_kernel.fn
+    scalars = ("n_q", "n_pools", "p_lo", "n_pools_total", "size_class")
+    sig = dict(zip(["Q", "PK", "W", "OUT", "COLMAX", "SEGMAX", "Q_LO", "Q_HI"],
+                   ["*bf16", "*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*i32"]))
+    sig.update({n: "i64" for n in fn.arg_names if n.startswith("stride_")})
+    sig.update({n: "i32" for n in scalars})
+    constexprs = dict(config, H=heads, D=dim, N_COLUMNS=it._n_columns(TOPK // KPOOL), GROUP_N=it.GROUP_N,
+                      MAXIMA=maxima, SEG=seg, EPILOGUE=2)
+    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in sig if n not in scalars}
+    src = GluonASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in constexprs}), constexprs=constexprs,
+                         attrs=aligned)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=4))
+
+
+def ptxas_report(compiled) -> str:
+    """``ptxas -v`` (Triton's bundled ptxas) on a compiled kernel's PTX for sm_90a: its register and spill lines
+    and its performance warnings, e.g. C7510-C7519 when it serializes ``wgmma`` instructions."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        ptxas = get_ptxas(90).path   # the one Triton itself runs for sm_90 (3.9: ptxas-blackwell, a newer PTX ISA)
+        result = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "k.cubin")],
+                                capture_output=True, text=True, check=True)
+    return result.stdout + result.stderr
 
 
 def resources(compiled, warps: int) -> dict:
@@ -116,6 +151,10 @@ def main() -> None:
     kw = dict(KPOOL=KPOOL, KPOOL_P2=triton.next_power_of_2(KPOOL), SELECT_P2=triton.next_power_of_2(n_select),
               TAIL=True, BLOCK_T=2)
     rows.append(("expand BLOCK_T=2 w4", compile_sm90(it._expand_kernel, expand_sig, kw, 4), 4))
+    for config in ig.GLUON_CONFIGS:
+        if h % config.kwargs["HEAD_GROUP"] == 0:
+            name = "gluon scores " + " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in config.kwargs.items())
+            rows.append((name, compile_gluon_scores(h, d, config.kwargs), 4))
     print(f"| kernel ({args.shape}: {h} heads x {d}) | registers | spill stack B/thread | shared KiB | CTAs/SM | warps/SM |")
     print("|---|---|---|---|---|---|")
     for name, compiled, warps in rows:

@@ -234,14 +234,16 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--out", default=None)
     parser.add_argument("--ties", action="store_true", help="only the massive-tie check")
-    parser.add_argument("--score-kernel", choices=["triton", "gluon"], default=None,
+    parser.add_argument("--score-kernel", choices=["auto", "triton", "gluon"], default=None,
                         help="the indexer's score kernel (default: kernels/dsa/indexer_triton.py's SCORE_KERNEL)")
     args = parser.parse_args()
     import kernels.dsa.indexer_triton as indexer_triton
 
     if args.score_kernel:
         indexer_triton.SCORE_KERNEL = args.score_kernel
-    print(f"indexer score kernel: {indexer_triton.SCORE_KERNEL}", flush=True)
+    probe = torch.empty(1, 1, SHAPES["full"]["index_heads"], 1, device="cuda", dtype=torch.bfloat16)
+    print(f"indexer score kernel: {indexer_triton.SCORE_KERNEL} -> "
+          f"{indexer_triton.resolve_score_kernel(indexer_triton.SCORE_KERNEL, probe)}", flush=True)
     results = []
     ties = dict(ties=check_ties())
     print(json.dumps(ties), flush=True)
