@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from kernels.dsa import indexer_kl_loss, lightning_indexer_topk, sparse_mla_attention  # noqa: E402
 from kernels.dsa.indexer import _compress_on_grid, _torch_pool_topk, kpool_grid  # noqa: E402
+from kernels.dsa import indexer_gluon, indexer_triton, sparse_attention_triton  # noqa: E402
 
 SHAPES = {
     "small": dict(heads=8, dqk=512, qk_head=128, v_head=128, index_heads=16, index_dim=64),
@@ -95,7 +96,8 @@ def bench_indexer(seq_len: int, shape: dict, ceil: dict, reps: int, torch_path: 
             lightning_indexer_topk(q, k, g, ape, w, **kw)
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8), flush=True)
-    rows = [dict(op="indexer+topk (triton)", seconds=t, predicted=predicted, peak_gib=peak,
+    scores = indexer_triton.resolve_score_kernel(indexer_triton.SCORE_KERNEL, q)
+    rows = [dict(op=f"indexer+topk (Triton selection, {scores} scores)", seconds=t, predicted=predicted, peak_gib=peak,
                  tflops=flops / t / 1e12, pct_of_matmul=100 * flops / t / 1e12 / ceil["matmul_tflops"])]
     if torch_path:
         grid = kpool_grid(seq_len, KPOOL, None, q.device)
@@ -204,8 +206,6 @@ def main() -> None:
     parser.add_argument("--no-torch-indexer", action="store_true", help="skip the torch blockwise indexer rows")
     args = parser.parse_args()
     ceil = ceilings()
-    from kernels.dsa import indexer_gluon, indexer_triton, sparse_attention_triton
-
     probe = torch.empty(1, 1, 2, 1, device="cuda", dtype=torch.bfloat16)
     score_kernel = indexer_triton.resolve_score_kernel(indexer_triton.SCORE_KERNEL, probe)
     print(json.dumps(dict(ceilings=ceil, score_kernel=score_kernel)), flush=True)
