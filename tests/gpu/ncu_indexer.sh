@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Nsight Compute on single launches of the lightning indexer's kernels (one device call, from session.sh's
+# part ncu). $NCU_CASES: "shape:seq_len:kernel:launch ...", launch = the call's query block (0-based). For each
+# case: a warm run (compile + autotuning caches), then ncu on one launch; ncu_<i>.txt gets the details
+# page (speed of light, occupancy, warp stall reasons, instruction mix) and ncu_<i>.sass.csv the SASS
+# with its per-instruction stall samples (source counters); both leave as one $OUT/ncu.tgz (the device tool
+# returns few files). Read the SASS table with tests/benchmarks/ncu_sass.py.
+set -u
+OUT=${OUT:-/tmp/out}
+DIR=$(mktemp -d)
+NCU=${NCU:-/usr/local/cuda/bin/ncu}
+"$NCU" --version | tail -1
+SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
+  --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section SourceCounters"
+i=0
+for case in ${NCU_CASES:-small:262144:_select_kernel:3}; do
+  IFS=: read -r shape seq kernel launch <<< "$case"
+  echo "--- ncu case $i: $shape $seq $kernel launch $launch"
+  python3 tests/benchmarks/indexer_ncu.py --shape "$shape" --seq-len "$seq" --warm-only
+  "$NCU" --kernel-name "$kernel" --launch-skip "$launch" --launch-count 1 $SECTIONS --import-source yes \
+    -f -o "$DIR/ncu_$i" python3 tests/benchmarks/indexer_ncu.py --shape "$shape" --seq-len "$seq" 2>&1 | tail -3
+  "$NCU" --import "$DIR/ncu_$i.ncu-rep" --page details --print-details all > "$DIR/ncu_$i.txt" 2>&1
+  "$NCU" --import "$DIR/ncu_$i.ncu-rep" --page source --print-source sass --csv > "$DIR/ncu_$i.sass.csv" 2>&1
+  rm -f "$DIR/ncu_$i.ncu-rep"
+  grep -E "Duration|Block Size|Registers Per|Achieved Occupancy|Compute \(SM\) Throughput|Memory Throughput|No Eligible" \
+    "$DIR/ncu_$i.txt" | head -12
+  i=$((i + 1))
+done
+tar -czf "$OUT/ncu.tgz" -C "$DIR" .
