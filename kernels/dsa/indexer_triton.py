@@ -6,11 +6,12 @@ can see into a ``[B, Tq, P_visible]`` float32 buffer (invisible pools -> ``-inf`
 the ``[Tq, H, P]`` per-head intermediate a torch implementation materializes, and the row
 maxima of ``N_COLUMNS`` disjoint column groups (see the kernel). A second kernel takes the
 ``n_select``-th largest group maximum as a lower bound of the row's ``n_select``-th value,
-reads the row once to keep the entries above it as composite int64 keys (score bits, then
-the complement of the pool index, as the torch path; slots taken by atomic increments) -- only
+reads the row once to keep the entries above it (score and pool index, slots taken by atomic
+increments; whole rows in 16-byte vector loads) -- only
 the segments of :data:`SEGMENT` pools whose maximum (also kept by the score kernel) reaches
 the bound, in blocks that see at least :data:`SEGMENT_MIN_POOLS` pools --,
-sorts those few keys in registers and writes the decoded pool indices: exact, with the tie
+builds the composite int64 keys of those few (score bits, then the complement of the pool index, as the
+torch path), sorts them in registers and writes the decoded pool indices: exact, with the tie
 rule (equal scores: lower pool index wins).
 A row with more candidates than its slots hold (massive ties) is selected exactly by the same
 program in a few more reads of the row (:func:`_select_tied`). The host never waits for the
@@ -195,12 +196,24 @@ sorts per row dominate; one or two warps per row do them with fewer cross-warp e
 
 
 @triton.jit
-def _sorted_pools(slots, count, n_keys: tl.constexpr):
-    """The pools of the first ``count`` (``<= n_keys``) composite keys at ``slots``, best first
-    (``[n_keys]`` int64, -1 past ``count``)."""
+def _put_candidates(slots, pos, vals, pools, mask, CAPACITY: tl.constexpr):
+    """Store candidates in a row's slots (``[2 * CAPACITY]`` int32): the float32 bits of their scores ``vals``
+    at ``pos``, their absolute pool indices ``pools`` (int32) at ``CAPACITY + pos`` (v16: the composite keys are
+    built by :func:`_sorted_pools` for the few candidates, not for every entry of a chunk)."""
+    tl.store(slots + pos, vals.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(slots + CAPACITY + pos, pools, mask=mask)
+
+
+@triton.jit
+def _sorted_pools(slots, count, n_keys: tl.constexpr, CAPACITY: tl.constexpr):
+    """The pools of the first ``count`` (``<= n_keys``) candidates at ``slots`` (:func:`_put_candidates`), best
+    first (``[n_keys]`` int64, -1 past ``count``)."""
     idx = tl.arange(0, n_keys)
+    valid = idx < count
+    bits = tl.load(slots + idx, mask=valid, other=0)
+    pools = tl.load(slots + CAPACITY + idx, mask=valid, other=0)
     # empty slots get INVALID_KEY (int64 min), which sorts last and decodes to -1
-    cand = tl.load(slots + idx, mask=idx < count, other=-9223372036854775808)
+    cand = tl.where(valid, _composite_key(bits.to(tl.float32, bitcast=True), pools), -9223372036854775808)
     cand = tl.sort(cand, descending=True)
     return tl.where(cand == -9223372036854775808, -1, 4294967295 - (cand & 4294967295))
 
@@ -223,14 +236,14 @@ def _composite_key(vals, pools):
 @triton.jit
 def _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY: tl.constexpr, COMPACT: tl.constexpr):
     """Write the entries of ``vals`` (float32 scores of pools ``p_lo + offs``) at or above
-    ``bound`` as composite int64 keys to the next free ``slots`` (``counter``: the row's
+    ``bound`` to the next free ``slots`` (:func:`_put_candidates`; ``counter``: the row's
     count, ``[len(vals)]`` pointers to it; slots past ``CAPACITY`` are counted, not written)."""
     keep = (vals >= bound) & (vals > float("-inf"))
     if COMPACT == "relaxed":
         pos = tl.atomic_add(counter, 1, mask=keep, sem="relaxed")
     else:
         pos = tl.atomic_add(counter, 1, mask=keep)
-    tl.store(slots + pos, _composite_key(vals, p_lo + offs), mask=keep & (pos < CAPACITY))
+    _put_candidates(slots, pos, vals, p_lo + offs, keep & (pos < CAPACITY), CAPACITY)
 
 
 @triton.jit
@@ -248,9 +261,10 @@ def _count_at_least(row, lo, hi, key, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _select_tied(row, lo, hi, bound, slots, p_lo, N_SELECT: tl.constexpr, CHUNK: tl.constexpr):
-    """Exact selection of a row whose candidates overflowed their slots (massive ties): the
-    composite keys of its best ``N_SELECT`` visible entries of ``[lo, hi)`` to ``slots[:N_SELECT]``,
+def _select_tied(row, lo, hi, bound, slots, p_lo, N_SELECT: tl.constexpr, CHUNK: tl.constexpr,
+                 CAPACITY: tl.constexpr):
+    """Exact selection of a row whose candidates overflowed their slots (massive ties): its best
+    ``N_SELECT`` visible entries of ``[lo, hi)`` to the first ``N_SELECT`` slots (:func:`_put_candidates`),
     in pool order (the caller sorts them). Returns ``N_SELECT`` (int32). ``CHUNK`` entries per step
     (small: this rare path's vectors set the kernel's register count too).
 
@@ -281,7 +295,7 @@ def _select_tied(row, lo, hi, bound, slots, p_lo, N_SELECT: tl.constexpr, CHUNK:
         visible = vals > float("-inf")
         tie = visible & (image == s)
         keep = (visible & (image > s)) | (tie & (ties + tl.cumsum(tie.to(tl.int32), 0) <= need))
-        tl.store(slots + written + tl.cumsum(keep.to(tl.int32), 0) - 1, _composite_key(vals, p_lo + offs), mask=keep)
+        _put_candidates(slots, written + tl.cumsum(keep.to(tl.int32), 0) - 1, vals, p_lo + offs, keep, CAPACITY)
         written += tl.sum(keep.to(tl.int32), 0)
         ties += tl.sum(tie.to(tl.int32), 0)
     return written
@@ -312,7 +326,8 @@ def _select_kernel(
     groups, so it bounds the row's ``N_SELECT``-th value from below; with ``N_COLUMNS >=
     4 * N_SELECT`` it is close to it (about ``N_SELECT * (1 + N_SELECT / (2 N_COLUMNS))``
     entries pass for random scores). Passing entries take a slot (``COMPACT``) and are written
-    as composite int64 keys to a ``CAPACITY``-slot scratch row; the sort in registers makes the order exact and
+    to a ``CAPACITY``-slot scratch row (:func:`_put_candidates`); their composite int64 keys (score bits, then
+    the complement of the pool index, as the torch path), sorted in registers, make the order exact and
     deterministic (tie rule: lower pool index first). ``COUNT`` gets the number that passed (the
     kernel's own counter; zeroed by the caller): a row above ``CAPACITY`` is selected again by
     :func:`_select_tied` (massive ties). ``SPLIT_SORT``: rows with at most
@@ -350,7 +365,7 @@ def _select_kernel(
         col_max = tl.load(COLMAX + b * stride_cb + t * stride_ct + tl.arange(0, N_COLUMNS))
     ranked = tl.sort(col_max, descending=True)
     bound = tl.max(tl.where(tl.arange(0, N_COLUMNS) == N_SELECT - 1, ranked, float("-inf")), axis=0)
-    slots = SLOTS + row * CAPACITY
+    slots = SLOTS + row * (2 * CAPACITY)
     count_ptr = COUNT + b * stride_nb + t
     counter = count_ptr + tl.zeros([CHUNK], tl.int32)
     if SEG > 0:
@@ -375,28 +390,32 @@ def _select_kernel(
             vals = tl.load(base + offs, mask=(k < n_hits) & (offs >= lo) & (offs < hi), other=float("-inf"))
             _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY, COMPACT)
     else:
-        for c0 in tl.range(lo // CHUNK * CHUNK, hi, CHUNK, num_stages=LOOP_STAGES):
+        # whole 16-byte vectors of the row ([lo, hi) widened to multiples of 4 floats: inside the row's padded
+        # stride), masked to [lo, hi) after the load: vector loads instead of one per float (v16)
+        lo4, hi4 = lo // 4 * 4, (hi + 3) // 4 * 4
+        for c0 in tl.range(lo4 // CHUNK * CHUNK, hi4, CHUNK, num_stages=LOOP_STAGES):
             offs = c0 + flat
-            vals = tl.load(base + offs, mask=(offs >= lo) & (offs < hi), other=float("-inf"))
+            vals = tl.load(base + offs, mask=(offs >= lo4) & (offs < hi4))
+            vals = tl.where((offs >= lo) & (offs < hi), vals, float("-inf"))
             _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY, COMPACT)
     # other threads' slot writes and counter increments must be visible to this one's loads
     tl.debug_barrier()
     count = tl.load(count_ptr)
     if count > CAPACITY:   # massive ties: more candidates than slots; an exact pass over the row
-        count = _select_tied(base, lo, hi, bound, slots, p_lo, N_SELECT, TIE_CHUNK)
+        count = _select_tied(base, lo, hi, bound, slots, p_lo, N_SELECT, TIE_CHUNK, CAPACITY)
         tl.debug_barrier()
     out = OUT + b * stride_ob + t * stride_ot
     # (a runtime branch may not rebind a name to another shape: each branch stores its own)
     if SPLIT_SORT:
         if count <= CAPACITY // 2:   # CAPACITY // 2 >= 2 * N_SELECT (_capacity)
             half = tl.arange(0, CAPACITY // 2)
-            tl.store(out + half, _sorted_pools(slots, count, CAPACITY // 2), mask=half < N_SELECT)
+            tl.store(out + half, _sorted_pools(slots, count, CAPACITY // 2, CAPACITY), mask=half < N_SELECT)
         else:
             whole = tl.arange(0, CAPACITY)
-            tl.store(out + whole, _sorted_pools(slots, count, CAPACITY), mask=whole < N_SELECT)
+            tl.store(out + whole, _sorted_pools(slots, count, CAPACITY, CAPACITY), mask=whole < N_SELECT)
     else:
         idx = tl.arange(0, CAPACITY)
-        tl.store(out + idx, _sorted_pools(slots, count, CAPACITY), mask=idx < N_SELECT)
+        tl.store(out + idx, _sorted_pools(slots, count, CAPACITY, CAPACITY), mask=idx < N_SELECT)
 
 
 @triton.jit
@@ -693,7 +712,8 @@ def triton_pool_topk(
     segs_max = triton.cdiv(pools_max, block_seg(pools_max)) if block_seg(pools_max) else 1
     seg_buf = torch.empty(batch * rows_max * segs_max, dtype=torch.float32, device=q.device)
     hits = torch.empty(batch * rows_max * segs_max, dtype=torch.int32, device=q.device)
-    slots = torch.empty(batch * rows_max, capacity, dtype=torch.long, device=q.device)
+    # per row: the candidates' score bits, then their pool indices (int32; _put_candidates)
+    slots = torch.empty(batch * rows_max, 2 * capacity, dtype=torch.int32, device=q.device)
     counts = torch.zeros(batch, n_q, dtype=torch.int32, device=q.device)
 
     for t0, t1, p_lo, p_hi in blocks:
