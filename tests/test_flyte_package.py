@@ -24,7 +24,8 @@ def b200_package(tmp_path_factory):
     subprocess.run([str(pyflyte), "--pkgs", "workflows", "package", "--image", "megabase-gpu:test", "-f",
                     "-o", str(out / "pkg.tgz")], cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
     with tarfile.open(out / "pkg.tgz") as tar:
-        tar.extractall(out / "pkg", filter="data")
+        # the "data" filter exists from Python 3.11.4 (Debian 12's python3 is 3.11.2)
+        tar.extractall(out / "pkg", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     return out / "pkg"
 
 
