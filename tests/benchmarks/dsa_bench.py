@@ -27,9 +27,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from kernels.dsa import indexer_kl_loss, lightning_indexer_topk, sparse_mla_attention  # noqa: E402
+from kernels.dsa import (indexer_gluon, indexer_kl_loss, indexer_triton, lightning_indexer_topk,  # noqa: E402
+                         sparse_attention_triton, sparse_mla_attention)
 from kernels.dsa.indexer import _compress_on_grid, _torch_pool_topk, kpool_grid  # noqa: E402
-from kernels.dsa import indexer_gluon, indexer_triton, sparse_attention_triton  # noqa: E402
 
 SHAPES = {
     "small": dict(heads=8, dqk=512, qk_head=128, v_head=128, index_heads=16, index_dim=64),
@@ -83,7 +83,8 @@ def ceilings() -> dict:
     return dict(matmul_tflops=2 * 8192**3 / t / 1e12, copy_tbps=2 * x.numel() * 4 / tc / 1e12)
 
 
-def bench_indexer(seq_len: int, shape: dict, ceil: dict, reps: int, torch_path: bool, profile: bool) -> list[dict]:
+def bench_indexer(seq_len: int, shape: dict, ceil: dict, reps: int, torch_path: bool, profile: bool,
+                  score_kernel: str) -> list[dict]:
     d = shape["index_dim"]
     (q, k, g, ape, w), kw, flops = indexer_inputs(seq_len, shape)
     pools = seq_len // KPOOL
@@ -96,8 +97,7 @@ def bench_indexer(seq_len: int, shape: dict, ceil: dict, reps: int, torch_path: 
             lightning_indexer_topk(q, k, g, ape, w, **kw)
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8), flush=True)
-    scores = indexer_triton.resolve_score_kernel(indexer_triton.SCORE_KERNEL, q)
-    rows = [dict(op=f"indexer+topk (Triton selection, {scores} scores)", seconds=t, predicted=predicted, peak_gib=peak,
+    rows = [dict(op=f"indexer+topk (Triton selection, {score_kernel} scores)", seconds=t, predicted=predicted, peak_gib=peak,
                  tflops=flops / t / 1e12, pct_of_matmul=100 * flops / t / 1e12 / ceil["matmul_tflops"])]
     if torch_path:
         grid = kpool_grid(seq_len, KPOOL, None, q.device)
@@ -215,7 +215,7 @@ def main() -> None:
         for seq_len in args.seq_lens:
             reps = 3 if seq_len <= 65536 else 1
             rows = bench_indexer(seq_len, shape, ceil, reps, torch_path=seq_len <= 262144 and not args.no_torch_indexer,
-                                 profile=seq_len == max(args.seq_lens))
+                                 profile=seq_len == max(args.seq_lens), score_kernel=score_kernel)
             rows += bench_attention(seq_len, shape, ceil, reps)
             if seq_len <= 262144:
                 rows += bench_sdpa(seq_len, shape, ceil, reps)
@@ -226,7 +226,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
             table += rows
             torch.cuda.empty_cache()
-    print(f"\n| shape | T | op | predicted s | measured s | peak GiB | TFLOP/s |\n|---|---|---|---|---|---|---|")
+    print("\n| shape | T | op | predicted s | measured s | peak GiB | TFLOP/s |\n|---|---|---|---|---|---|---|")
     for r in table:
         print(f"| {r['shape']} | {r['seq_len'] // 1024}k | {r['op']} | {r['predicted']:.4f} | {r['seconds']:.4f} "
               f"| {r['peak_gib']:.1f} | {r['tflops']:.0f} |")
