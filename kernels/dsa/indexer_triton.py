@@ -183,59 +183,16 @@ def _pool_scores_kernel(
                  mask=mask_m[:, None])
 
 
-SELECT_CONFIGS = [triton.Config({"CHUNK": c, "SPLIT_SORT": True, "LOOP_STAGES": st, "COMPACT": compact}, num_warps=w)
-                  for c, st, w, compact in [(512, 2, 4, "relaxed"), (512, 3, 4, "relaxed"), (1024, 3, 4, "relaxed"),
-                                            (2048, 3, 4, "relaxed"), (2048, 1, 4, "relaxed"), (4096, 1, 4, "relaxed"),
-                                            (512, 2, 2, "relaxed"), (512, 2, 1, "relaxed"), (1024, 3, 2, "relaxed"),
-                                            (512, 2, 1, "warp"), (512, 3, 1, "warp"), (1024, 2, 1, "warp"),
-                                            (1024, 3, 1, "warp"), (2048, 2, 1, "warp")]]
-assert all(c.num_warps == 1 for c in SELECT_CONFIGS if c.kwargs["COMPACT"] == "warp"), "COMPACT 'warp' is one warp"
+SELECT_CONFIGS = [triton.Config({"CHUNK": c, "SPLIT_SORT": True, "LOOP_STAGES": st, "COMPACT": "relaxed"}, num_warps=w)
+                  for c, st, w in [(512, 2, 4), (512, 3, 4), (1024, 3, 4), (2048, 3, 4), (2048, 1, 4), (4096, 1, 4),
+                                   (512, 2, 2), (512, 2, 1), (1024, 3, 2)]]
 """Autotuned configurations of :func:`_select_kernel`. The kernel is latency-bound (a load, an
 atomic and a store per chunk, serially): small chunks keep few registers (64-80 at 1024-2048 vs
 151 at 8192: more programs per SM) and pipelined loads overlap the chain; at 65,536 pools
 CHUNK 1024 with 3 stages took 1.17 ms per 8192 rows against 1.51 for v6b's 4096 (kernels/NOTES.md, v7),
 and 0.90 ms with relaxed slot atomics (v9; a prefix sum instead of atomics took 1.67). With short rows
 (64k tokens: 65,536 rows of at most 4,096 pools, 1.18 ms, ~19 us per program) the two in-register
-sorts per row dominate; one or two warps per row do them with fewer cross-warp exchanges (v13).
-``COMPACT`` ``"warp"`` (v17, one warp per row): slots from a warp prefix sum in inline PTX
-(:func:`_warp_slots_ptx`) instead of one atomic per entry."""
-
-
-@triton.constexpr_function
-def _warp_slots_ptx(per_thread):
-    """Inline PTX giving one warp's candidates distinct slots without atomics (v17, ``COMPACT`` ``"warp"``).
-
-    One instance per thread takes its ``p = per_thread`` entries of a chunk (Triton's ``pack``: the thread's
-    registers, in any order) as operands ``$2p .. $3p - 1`` (keep, 0 or 1) and the row's count so far as
-    ``$3p .. $4p - 1`` (equal copies), and writes slots to ``$0 .. $p - 1`` and the new count to ``$p .. $2p - 1``:
-    thread ``l``'s kept entries take the slots after those of lanes ``< l`` (an inclusive prefix sum over the
-    warp's 32 lanes in five ``shfl.sync.up``), numbered in register order; the warp's total comes from lane 31
-    (``shfl.sync.idx``). Slots of entries not kept are meaningless. Every lane of the warp must execute it (the
-    program is one warp: the call sits outside any branch). Before, each entry took its slot by an atomic
-    increment of the row's counter: ptxas aggregates those over the warp but waits for each one's return
-    before the next (kernels/NOTES.md, v16 ncu: 23% of the stall samples at 256k, 19% at 1M)."""
-    p = per_thread
-    keep = [f"${2 * p + j}" for j in range(p)]
-    lines = ["{", ".reg .u32 %c, %s, %x, %tot, %run;", ".reg .pred %ok;", f".reg .u32 %o<{p}>;",
-             f"mov.u32 %c, {keep[0]};"]
-    lines += [f"add.u32 %c, %c, {k};" for k in keep[1:]]
-    lines.append("mov.u32 %s, %c;")
-    for d in (1, 2, 4, 8, 16):
-        lines += [f"shfl.sync.up.b32 %x|%ok, %s, {d}, 0, -1;", "@%ok add.u32 %s, %s, %x;"]
-    lines += ["shfl.sync.idx.b32 %tot, %s, 31, 31, -1;", "sub.u32 %run, %s, %c;", f"add.u32 %run, %run, ${3 * p};"]
-    for j in range(p):   # all operands are read before any result is written (results may share their registers)
-        lines.append(f"mov.u32 %o{j}, %run;")
-        if j < p - 1:
-            lines.append(f"add.u32 %run, %run, {keep[j]};")
-    lines.append(f"add.u32 %tot, %tot, ${3 * p};")
-    lines += [f"mov.u32 ${j}, %o{j};" for j in range(p)] + [f"mov.u32 ${p + j}, %tot;" for j in range(p)]
-    return " ".join(lines + ["}"])
-
-
-@triton.constexpr_function
-def _warp_slots_constraints(per_thread):
-    """The operand constraints of :func:`_warp_slots_ptx`: ``2 p`` results, then ``2 p`` operands (32-bit)."""
-    return ",".join(["=r"] * (2 * per_thread) + ["r"] * (2 * per_thread))
+sorts per row dominate; one or two warps per row do them with fewer cross-warp exchanges (v13)."""
 
 
 @triton.jit
@@ -277,25 +234,16 @@ def _composite_key(vals, pools):
 
 
 @triton.jit
-def _take_candidates(vals, offs, bound, counter, taken, slots, p_lo, CAPACITY: tl.constexpr, COMPACT: tl.constexpr):
-    """Write the entries of ``vals`` (``[N]`` float32 scores of pools ``p_lo + offs``) at or above
-    ``bound`` to the next free ``slots`` (:func:`_put_candidates`; slots past ``CAPACITY`` are counted, not
-    written). ``COMPACT`` ``"relaxed"``/``"atomic"``: each entry's slot is an atomic increment of the row's
-    counter (``counter``: ``[N]`` pointers to it); ``"warp"`` (one warp): a warp prefix sum in inline PTX
-    (:func:`_warp_slots_ptx`) from the count so far ``taken`` (``[N]`` int32, equal entries). Returns the
-    new count (``taken``; unchanged with atomics)."""
+def _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY: tl.constexpr, COMPACT: tl.constexpr):
+    """Write the entries of ``vals`` (float32 scores of pools ``p_lo + offs``) at or above
+    ``bound`` to the next free ``slots`` (:func:`_put_candidates`; ``counter``: the row's
+    count, ``[len(vals)]`` pointers to it; slots past ``CAPACITY`` are counted, not written)."""
     keep = (vals >= bound) & (vals > float("-inf"))
-    if COMPACT == "warp":
-        # not pure: the shuffles need every lane, so the call must stay where it is (outside any branch)
-        pos, taken = tl.inline_asm_elementwise(
-            _warp_slots_ptx(vals.shape[0] // 32), _warp_slots_constraints(vals.shape[0] // 32),
-            [keep.to(tl.int32), taken], dtype=(tl.int32, tl.int32), is_pure=False, pack=vals.shape[0] // 32)
-    elif COMPACT == "relaxed":
+    if COMPACT == "relaxed":
         pos = tl.atomic_add(counter, 1, mask=keep, sem="relaxed")
     else:
         pos = tl.atomic_add(counter, 1, mask=keep)
     _put_candidates(slots, pos, vals, p_lo + offs, keep & (pos < CAPACITY), CAPACITY)
-    return taken
 
 
 @triton.jit
@@ -420,7 +368,6 @@ def _select_kernel(
     slots = SLOTS + row * (2 * CAPACITY)
     count_ptr = COUNT + b * stride_nb + t
     counter = count_ptr + tl.zeros([CHUNK], tl.int32)
-    taken = tl.zeros([CHUNK], tl.int32)   # COMPACT "warp": the count so far, in every entry
     if SEG > 0:
         tl.static_assert(CHUNK % SEG == 0)
         n_segs = tl.cdiv(n_cols, SEG)
@@ -441,7 +388,7 @@ def _select_kernel(
             seg = tl.load(hits + k, mask=k < n_hits, other=0)
             offs = seg * SEG + flat % SEG
             vals = tl.load(base + offs, mask=(k < n_hits) & (offs >= lo) & (offs < hi), other=float("-inf"))
-            taken = _take_candidates(vals, offs, bound, counter, taken, slots, p_lo, CAPACITY, COMPACT)
+            _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY, COMPACT)
     else:
         # whole 16-byte vectors of the row ([lo, hi) widened to multiples of 4 floats: inside the row's padded
         # stride), masked to [lo, hi) after the load: vector loads instead of one per float (v16)
@@ -450,14 +397,10 @@ def _select_kernel(
             offs = c0 + flat
             vals = tl.load(base + offs, mask=(offs >= lo4) & (offs < hi4))
             vals = tl.where((offs >= lo) & (offs < hi), vals, float("-inf"))
-            taken = _take_candidates(vals, offs, bound, counter, taken, slots, p_lo, CAPACITY, COMPACT)
-    if COMPACT == "warp":
-        count = tl.max(taken, 0)
-        tl.store(count_ptr, count)
+            _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY, COMPACT)
     # other threads' slot writes and counter increments must be visible to this one's loads
     tl.debug_barrier()
-    if COMPACT != "warp":
-        count = tl.load(count_ptr)
+    count = tl.load(count_ptr)
     if count > CAPACITY:   # massive ties: more candidates than slots; an exact pass over the row
         count = _select_tied(base, lo, hi, bound, slots, p_lo, N_SELECT, TIE_CHUNK, CAPACITY)
         tl.debug_barrier()

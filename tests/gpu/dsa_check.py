@@ -236,17 +236,11 @@ def main() -> None:
     parser.add_argument("--ties", action="store_true", help="only the massive-tie check")
     parser.add_argument("--score-kernel", choices=["auto", "triton", "gluon"], default=None,
                         help="the indexer's score kernel (default: kernels/dsa/indexer_triton.py's SCORE_KERNEL)")
-    parser.add_argument("--select-compact", choices=["relaxed", "warp"], default=None,
-                        help="tune the selection kernel over the configurations with this COMPACT only (default: all)")
     args = parser.parse_args()
     import kernels.dsa.indexer_triton as indexer_triton
 
     if args.score_kernel:
         indexer_triton.SCORE_KERNEL = args.score_kernel
-    if args.select_compact:
-        select = indexer_triton._select_kernel
-        select.configs = [c for c in select.configs if c.kwargs["COMPACT"] == args.select_compact]
-        print(f"selection configurations: {[(c.kwargs, c.num_warps) for c in select.configs]}", flush=True)
     probe = torch.empty(1, 1, SHAPES["full"]["index_heads"], 1, device="cuda", dtype=torch.bfloat16)
     print(f"indexer score kernel: {indexer_triton.SCORE_KERNEL} -> "
           f"{indexer_triton.resolve_score_kernel(indexer_triton.SCORE_KERNEL, probe)}", flush=True)
