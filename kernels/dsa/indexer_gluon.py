@@ -105,16 +105,19 @@ def _accumulate(acc, product, w, EPILOGUE: gl.constexpr):
 
 
 @gluon.jit
-def _finish_tile(acc, col_max, n0, offs_m, mask_m, lo, hi, n_pools, OUT, out_desc, out_smem, SEGMAX,
+def _finish_tile(acc, col_max, n0, offs_m, mask_m, lo, hi, lo_max, hi_min, n_pools, OUT, out_desc, out_smem, SEGMAX,
                  stride_ot, stride_gt, m0, n_q,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_N: gl.constexpr, MAXIMA: gl.constexpr,
                  SEG: gl.constexpr, TMA_STORE: gl.constexpr, num_warps: gl.constexpr):
     """Mask the summed tile of pools ``[n0, n0 + BLOCK_N)`` (``-inf`` outside each query's ``[lo, hi)``),
-    store it, fold it into the column-group maxima and store its segment maxima. Returns the maxima."""
+    store it, fold it into the column-group maxima and store its segment maxima. Returns the maxima.
+    ``lo_max``/``hi_min``: the largest ``lo`` and smallest ``hi`` of the tile's queries; a tile inside every
+    query's range (most of them: the causal edge and document starts cross few) skips the mask (v18)."""
     cols_l: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=cols_l)
-    visible = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
-    acc = gl.where(visible, acc, float("-inf"))
+    if (n0 < lo_max) | (n0 + BLOCK_N > hi_min):
+        visible = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+        acc = gl.where(visible, acc, float("-inf"))
     if TMA_STORE:   # rows and pools past the descriptor's shape are not written
         tma.store_wait(0)          # the previous tile's store has read out_smem
         _cta_barrier()
@@ -128,8 +131,10 @@ def _finish_tile(acc, col_max, n0, offs_m, mask_m, lo, hi, n_pools, OUT, out_des
         col_max = gl.maximum(col_max, gl.max(gl.reshape(acc, [BLOCK_M, BLOCK_N // GROUP_N, GROUP_N]), axis=1))
     if SEG > 0:
         gl.static_assert(BLOCK_N % SEG == 0)
-        seg_l: gl.constexpr = gl.BlockedLayout([1, BLOCK_N // SEG], [32, 1], [num_warps, 1], [1, 0])
-        seg_max = gl.convert_layout(gl.max(gl.reshape(acc, [BLOCK_M, BLOCK_N // SEG, SEG]), axis=2), seg_l)
+        # stored from the reduction's own layout (the wgmma accumulator's, sliced; lanes of a quad store the same
+        # value): a layout conversion here went through shared memory behind a CTA barrier every tile (v18)
+        seg_max = gl.max(gl.reshape(acc, [BLOCK_M, BLOCK_N // SEG, SEG]), axis=2)
+        seg_l: gl.constexpr = seg_max.type.layout
         rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, seg_l))
         segs = n0 // SEG + gl.arange(0, BLOCK_N // SEG, layout=gl.SliceLayout(0, seg_l))
         gl.store(SEGMAX + rows[:, None] * stride_gt + segs[None, :], seg_max,
@@ -181,6 +186,7 @@ def _pool_scores_gluon_kernel(
     hi = gl.load(Q_HI + offs_m, mask=mask_m, other=0) - p_lo
     n_first = pid_n * BLOCK_N + gl.maximum(gl.min(lo, axis=0) - pid_n * BLOCK_N, 0) // stride_n * stride_n
     n_end = gl.minimum(gl.max(hi, axis=0), n_pools)
+    lo_max, hi_min = gl.max(lo, axis=0), gl.min(hi, axis=0)   # the pools every query of the tile sees
     n_tiles = (gl.maximum(n_end - n_first, 0) + stride_n - 1) // stride_n
     n_steps = n_tiles * H
 
@@ -271,7 +277,7 @@ def _pool_scores_gluon_kernel(
         acc = _accumulate(acc, y_dead, w_y, EPILOGUE)
         if h0 + HEAD_GROUP == H:   # tile j summed: its key buffer takes tile j + 2
             _load_pool_keys(pk_desc, pk_smem, pk_bar, j + 2, first_pool, stride_n, j + 2 < n_tiles)
-            col_max = _finish_tile(acc, col_max, n_first + j * stride_n, offs_m, mask_m, lo, hi, n_pools,
+            col_max = _finish_tile(acc, col_max, n_first + j * stride_n, offs_m, mask_m, lo, hi, lo_max, hi_min, n_pools,
                                    OUT, out_desc, out_smem, SEGMAX, stride_ot, stride_gt, m0, n_q,
                                    BLOCK_M, BLOCK_N, GROUP_N, MAXIMA, SEG, TMA_STORE, num_warps)
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)

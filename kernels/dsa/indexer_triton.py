@@ -116,6 +116,7 @@ def _pool_scores_kernel(
     stride_n: tl.constexpr = n_prog * BLOCK_N
     n_first = pid_n * BLOCK_N + tl.maximum(tl.min(lo, axis=0) - pid_n * BLOCK_N, 0) // stride_n * stride_n
     n_end = tl.minimum(tl.max(hi, axis=0), n_pools)
+    lo_max, hi_min = tl.max(lo, axis=0), tl.min(hi, axis=0)   # the pools every query of the tile sees
     q_base = Q + b * stride_qb + offs_m[:, None] * stride_qt + offs_d[None, :]
     w_base = W + b * stride_wb + offs_m * stride_wt
     pid_b, n_batch = tl.program_id(2), tl.num_programs(2)   # the batch index as int32 (descriptor coordinates)
@@ -162,8 +163,9 @@ def _pool_scores_kernel(
                     q = tl.load(q_base + h * stride_qh, mask=mask_m[:, None], other=0.0)
                 w = tl.load(w_base + h, mask=mask_m, other=0.0).to(tl.float32)
                 acc += tl.maximum(tl.dot(q, pk_t), 0.0) * w[:, None]
-        visible = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
-        acc = tl.where(visible, acc, float("-inf"))
+        if (n0 < lo_max) | (n0 + BLOCK_N > hi_min):   # a tile inside every query's range skips the mask (v18)
+            visible = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+            acc = tl.where(visible, acc, float("-inf"))
         if TMA_STORE:   # rows and pools past the buffer's bounds are not written
             out_desc.store([pid_b, pid_m * BLOCK_M, n0], acc.reshape(1, BLOCK_M, BLOCK_N))
         else:
@@ -504,12 +506,16 @@ the score kernel keeps none. At 1M tokens, full shape: 0.7440 s against 0.7506 s
 (``tests/benchmarks/indexer_score_variants.py``, kernels/NOTES.md)."""
 
 
-SEGMENT = 64
+SEGMENT = 32
 """Pools per segment whose row maxima the score kernel keeps (``SEG``) so that the selection reads
 only the segments that can hold a candidate (v11, kernels/NOTES.md); 0: the selection reads
 whole rows (v9). Unused with the bound computed in the selection. At 65,536 pools on an H200 the
 selection took 0.55 ms per 8192 rows with 64-pool segments (13% of each row read), 1.02 ms with
-128-pool ones (25% read) and 0.90 ms reading whole rows (``indexer_score_variants.py``)."""
+128-pool ones (25% read) and 0.90 ms reading whole rows (``indexer_score_variants.py``). The selection
+gathers about ``n_select`` segments per row whatever the row's length, so narrower segments halve its
+work while the score kernel keeps more maxima: at 1M tokens, small shape, the selection took 58 / 43 / 37
+ms with 64- / 32- / 16-pool segments and the Gluon score kernel 152 / 161 / 171 ms; end to end 0.2205 /
+0.2116 / 0.2141 s (``indexer_versions.py --also``, kernels/NOTES.md, v18)."""
 
 SEGMENT_MIN_POOLS = 16384
 """Query blocks that see fewer pools read whole rows: there the score kernel's segment maxima cost
