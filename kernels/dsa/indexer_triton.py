@@ -346,7 +346,7 @@ def _select_kernel(
     one): their indices are compacted ``SEG_CHUNK`` at a time (prefix sum) into the row's
     ``HITS`` scratch (int32, ``cdiv(n_cols, SEG)`` entries), then gathered ``CHUNK / SEG``
     segments per step. For random scores a little more than ``N_SELECT`` segments pass: 13% of the
-    row at 65,536 pools, ``SEG`` 64, ``N_SELECT`` 128 (25% at ``SEG`` 128).
+    row at 65,536 pools, ``SEG`` 64, ``N_SELECT`` 128 (about 7% at ``SEG`` 32, the default; 25% at 128).
     """
     row = tl.program_id(0).to(tl.int64)
     b = row // n_rows
@@ -527,7 +527,7 @@ kernels/NOTES.md, v11). For index dim 64 segments paid only at 65,536 pools and 
 variant beat whole rows beyond noise (1M: 0.2840 s whole rows, 0.2859 s segmented)."""
 
 SEGMENT_CHUNK = 1024
-"""Segment maxima the selection compacts at a time (one step up to 65,536 pools at ``SEGMENT`` 64)."""
+"""Segment maxima the selection compacts at a time (one step up to 32,768 pools at ``SEGMENT`` 32, two at 65,536)."""
 
 
 SCORE_KERNEL = "auto"
