@@ -29,12 +29,23 @@ sys.path.insert(0, os.path.dirname(__file__))
 import kernels.dsa.indexer_triton as it  # noqa: E402
 from dsa_bench import SHAPES, TOPK, KPOOL, ceilings, timed  # noqa: E402
 from indexer_score_variants import group_maxima  # noqa: E402
-from kernels.dsa.indexer_gluon import gluon_pool_scores  # noqa: E402
+from kernels.dsa.indexer_gluon import gluon_pool_scores, resident_fits  # noqa: E402
 
 ROWS, POOLS = 8192, 65536
-# (BLOCK_N, Q_STAGES, TMA_STORE, HEAD_GROUP, EPILOGUE)
-GLUON_VARIANTS = [(128, 3, False, 8, 2), (128, 3, False, 8, 1), (128, 3, False, 16, 2), (128, 3, False, 16, 1),
-                  (128, 3, False, 4, 2), (128, 2, False, 16, 2), (128, 4, True, 8, 2), (64, 3, True, 8, 2)]
+GLUON_VARIANTS = [
+    dict(BLOCK_N=128, Q_STAGES=3, TMA_STORE=False, HEAD_GROUP=8, W_SMEM=False),
+    dict(BLOCK_N=128, Q_STAGES=3, TMA_STORE=False, HEAD_GROUP=8),
+    dict(BLOCK_N=128, Q_STAGES=3, TMA_STORE=False, HEAD_GROUP=8, EPILOGUE=1),
+    dict(BLOCK_N=128, Q_STAGES=3, TMA_STORE=False, HEAD_GROUP=16, W_SMEM=False),
+    dict(BLOCK_N=128, Q_STAGES=3, TMA_STORE=False, HEAD_GROUP=16),
+    dict(BLOCK_N=128, Q_STAGES=2, TMA_STORE=False, HEAD_GROUP=16),
+    dict(RESIDENT=True, BLOCK_N=256),
+    dict(RESIDENT=True, BLOCK_N=256, EPILOGUE=1),
+    dict(RESIDENT=True, BLOCK_N=128),
+]
+"""Configurations timed: the ring kernel's (``W_SMEM`` False: head weights by global loads, v18) and the
+resident-query kernel's (``RESIDENT``, v19; only where :func:`kernels.dsa.indexer_gluon.resident_fits`);
+``EPILOGUE`` 1 times a plain add per product (wrong scores, not compared)."""
 
 
 def block_inputs(shape: dict, seed: int):
@@ -68,9 +79,9 @@ def main() -> None:
         col_max = torch.empty(1, ROWS, columns, device="cuda")
         seg_max = torch.empty(1, ROWS, POOLS // seg, device="cuda")
         variants = [("triton (autotuned)", None)] + [
-            (f"gluon BLOCK_N={bn} Q_STAGES={st} TMA_STORE={int(store)} HEAD_GROUP={g}" + ("" if epi == 2 else " EPILOGUE=1"),
-             dict(BLOCK_N=bn, Q_STAGES=st, TMA_STORE=store, HEAD_GROUP=g, EPILOGUE=epi))
-            for bn, st, store, g, epi in GLUON_VARIANTS]
+            ("gluon " + " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in c.items()), dict(c))
+            for c in GLUON_VARIANTS
+            if not c.get("RESIDENT") or resident_fits(shape["index_heads"], shape["index_dim"])]
         reference = None
         for label, config in variants:
             def call():
@@ -86,7 +97,7 @@ def main() -> None:
                 row = dict(shape=name, variant=label)
                 if config is None:
                     reference = scores.clone()
-                elif config["EPILOGUE"] == 2:
+                elif config.get("EPILOGUE", 2) == 2:
                     block_n = config["BLOCK_N"]
                     row.update(scores_equal=bool(torch.equal(scores, reference)),
                                col_max_equal=bool(torch.equal(col_max[0], group_maxima(scores[0], block_n))),

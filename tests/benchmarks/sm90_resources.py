@@ -15,6 +15,7 @@ spending device time on them (kernels/NOTES.md).
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -56,22 +57,28 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, warps: int, stages: 
     return triton.compile(src, target=TARGET, options=options)
 
 
-def compile_gluon_scores(heads: int, dim: int, config: dict, maxima: bool = True, seg: int = it.SEGMENT):
-    """``triton.compile`` of the Gluon score kernel (:func:`kernels.dsa.indexer_gluon._pool_scores_gluon_kernel`)
-    for sm_90 with ``config`` (its ``BLOCK_N``, ``Q_STAGES``, ``TMA_STORE``, ``HEAD_GROUP``), ``heads`` x ``dim``
-    bf16 queries and the column groups of ``TOPK // KPOOL`` selected pools; aligned as the launcher specializes."""
-    fn = ig._pool_scores_gluon_kernel.fn
+def compile_gluon_scores(heads: int, dim: int, config: dict, maxima: bool = True, seg: int = it.SEGMENT,
+                         resident: bool = False):
+    """``triton.compile`` of the Gluon score kernel (:func:`kernels.dsa.indexer_gluon._pool_scores_gluon_kernel`,
+    or with ``resident`` :func:`kernels.dsa.indexer_gluon._pool_scores_gluon_resident_kernel`, 8 warps) for sm_90
+    with ``config`` (its constexprs: ``BLOCK_N``, ``Q_STAGES``, ``TMA_STORE``, ``HEAD_GROUP``; only ``BLOCK_N``
+    with ``resident``), ``heads`` x ``dim`` bf16 queries and the column groups of ``TOPK // KPOOL`` selected
+    pools; aligned as the launcher specializes."""
+    fn = (ig._pool_scores_gluon_resident_kernel if resident else ig._pool_scores_gluon_kernel).fn
     scalars = ("n_q", "n_pools", "p_lo", "n_pools_total", "size_class")
     sig = dict(zip(["Q", "PK", "W", "OUT", "COLMAX", "SEGMAX", "Q_LO", "Q_HI"],
                    ["*bf16", "*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*i32"]))
     sig.update({n: "i64" for n in fn.arg_names if n.startswith("stride_")})
     sig.update({n: "i32" for n in scalars})
     constexprs = dict(config, H=heads, D=dim, N_COLUMNS=it._n_columns(TOPK // KPOOL), GROUP_N=it.GROUP_N,
-                      MAXIMA=maxima, SEG=seg, EPILOGUE=2)
+                      MAXIMA=maxima, SEG=seg)
+    # constexpr defaults (EPILOGUE, W_SMEM) as the launcher applies them; triton.compile would pass None
+    constexprs.update({p.name: p.default for p in fn.params
+                       if p.is_constexpr and p.name not in constexprs and p.default is not inspect.Parameter.empty})
     aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in sig if n not in scalars}
     src = GluonASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in constexprs}), constexprs=constexprs,
                          attrs=aligned)
-    return triton.compile(src, target=TARGET, options=dict(num_warps=4))
+    return triton.compile(src, target=TARGET, options=dict(num_warps=8 if resident else 4))
 
 
 def ptxas_report(compiled) -> str:
