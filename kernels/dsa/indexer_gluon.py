@@ -54,7 +54,8 @@ GLUON_CONFIGS = [
 """Autotuned configurations of :func:`_pool_scores_gluon_kernel`: ``BLOCK_N`` pools per tile, the depth of
 the query ring, whether score tiles leave through shared memory and a TMA store, heads per unrolled loop
 iteration (``H`` must be a multiple; the last product of each group is not overlapped). Shared memory per
-CTA: ``Q_STAGES * 64 * D * 2 + 2 * BLOCK_N * D * 2`` bytes, plus ``64 * BLOCK_N * 4`` with ``TMA_STORE``
+CTA: ``Q_STAGES * 64 * D * 2 + 2 * BLOCK_N * D * 2 + H * 64 * 4`` bytes (query ring, key tiles, staged head
+weights), plus ``64 * BLOCK_N * 4`` with ``TMA_STORE``
 (configurations that do not fit are skipped by the tuner). Registers (offline sm_90 compile, Triton
 3.6): 128-pool tiles 255 (three ``[64, 128]`` float32 tiles: two products and the running sum), 64-pool
 tiles ~205: two CTAs per SM."""
@@ -191,7 +192,10 @@ def _pool_scores_gluon_kernel(
     Query tiles come through a ``Q_STAGES``-deep ring of TMA loads, a slot refilled as soon as the product
     that read it retires; pool-key tiles through two buffers, tile ``j + 2`` loaded when tile ``j`` is summed.
     ``EPILOGUE`` is a timing knob (``tests/benchmarks/indexer_gluon_variants.py``): 2 (the scores) or 1 (a
-    plain sum of the products, one add per product instead of a max and an FMA: wrong scores).
+    plain sum of the products, one add per product instead of a max and an FMA: wrong scores). ``W_SMEM``
+    (default, v19): the tile's head weights are staged in shared memory once and each head reads its row
+    there; otherwise each head loads them from global memory inside the loop (whose misses stalled the
+    accumulation: 14% of the stall samples at 1M, kernels/NOTES.md).
     """
     num_warps: gl.constexpr = gl.num_warps()
     gl.static_assert(num_warps == 4)
@@ -323,161 +327,13 @@ def _pool_scores_gluon_kernel(
                  mask=(rows < n_q)[:, None])
 
 
-RESIDENT_QUERIES = True
-"""Whether :func:`gluon_pool_scores` runs :func:`_pool_scores_gluon_resident_kernel` where the queries fit
-(:func:`resident_fits`; v19, kernels/NOTES.md), else the ring kernel."""
-
-RESIDENT_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=8) for bn in (256, 128)]
-"""Autotuned configurations of :func:`_pool_scores_gluon_resident_kernel`: ``BLOCK_N`` pools per tile, split
-between the CTA's two warpgroups (``wgmma`` ``m64n128`` or ``m64n64`` each)."""
-
-RESIDENT_SHARED_BYTES = 200 * 1024
-"""Shared memory the resident-query kernel may take per CTA (of 227 KiB on sm_90): its queries (``H * 64 * D *
-2`` bytes), two pool-key tiles of 256 pools and the staged head weights must fit, else the ring kernel runs."""
-
-
-def resident_fits(heads: int, dim: int, itemsize: int = 2) -> bool:
-    """Whether :func:`_pool_scores_gluon_resident_kernel` holds ``heads`` x ``dim`` queries of 64 rows in shared
-    memory beside two 256-pool key tiles within :data:`RESIDENT_SHARED_BYTES` (the small DSA shape: 16 x 64,
-    128 KiB of queries; the full one, 32 x 128, does not fit)."""
-    return heads * BLOCK_M * dim * itemsize + 2 * 256 * dim * itemsize + heads * BLOCK_M * 4 <= RESIDENT_SHARED_BYTES
-
-
-@gluon.jit
-def _resident_head(q_smem, h, j):
-    """Head ``h``'s query tile of the resident ``[H, 64, D]`` buffer, addressed through an opaque zero computed
-    where the head's ``wgmma`` is issued (volatile inline PTX on the tile counter ``j``): with a static index,
-    LLVM hoists all ``H * D / 16`` shared-memory descriptors out of the tile loop and ptxas spills them (368
-    bytes of stack, offline sm_90 compile)."""
-    zero = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [j], dtype=gl.int32, is_pure=False, pack=1)
-    return q_smem.index(h + zero)
-
-
-@triton.autotune(configs=RESIDENT_CONFIGS, key=["H", "D", "size_class", "N_COLUMNS", "MAXIMA", "SEG"])
-@gluon.jit
-def _pool_scores_gluon_resident_kernel(
-    Q, PK, W, OUT, COLMAX, SEGMAX, Q_LO, Q_HI,
-    stride_qb, stride_qt, stride_pb, stride_pp, stride_wb, stride_wt, stride_ob, stride_ot,
-    stride_cb, stride_ct, stride_gb, stride_gt,
-    n_q, n_pools, p_lo, n_pools_total, size_class,
-    H: gl.constexpr, D: gl.constexpr, N_COLUMNS: gl.constexpr, GROUP_N: gl.constexpr,
-    BLOCK_N: gl.constexpr, MAXIMA: gl.constexpr, SEG: gl.constexpr, EPILOGUE: gl.constexpr = 2,
-):
-    """:func:`_pool_scores_gluon_kernel` with the CTA's queries resident in shared memory (v19): the same
-    arguments, outputs and scores bit for bit, for head counts and widths that fit (:func:`resident_fits`).
-
-    The ring kernel re-reads a ``[64, D]`` query tile per head and pool tile through TMA; each of those
-    steps costs an mbarrier wait, a TMA issue and, as Triton 3.6 orders the ring's shared-memory accesses,
-    about three CTA barriers per head. Here the 64 queries' ``H`` head tiles are loaded once (``H`` TMA
-    copies on one mbarrier) and stay, the head loop is unrolled over all ``H`` heads with static
-    shared-memory addresses, and only the pool-key tiles stream (two buffers, one wait per tile). Two
-    warpgroups (``num_warps`` 8, ``warps_per_cta`` ``[4, 2]``) split each ``BLOCK_N``-pool tile, so the CTA
-    has the two ``wgmma`` streams the ring kernel gets from two CTAs per SM; its shared memory (128 KiB of
-    queries at 16 x 64) allows one CTA per SM.
-    """
-    num_warps: gl.constexpr = gl.num_warps()
-    gl.static_assert(num_warps == 8)
-    gl.static_assert(H % 2 == 0)
-    BLOCK_M: gl.constexpr = 64
-    pid_n = gl.program_id(0)
-    pid_m = gl.program_id(1)
-    b = gl.program_id(2).to(gl.int64)
-    m0 = pid_m * BLOCK_M
-    n_prog: gl.constexpr = N_COLUMNS // GROUP_N
-    stride_n: gl.constexpr = n_prog * BLOCK_N
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, BLOCK_N // 2, 16])
-    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
-    offs_m = m0 + gl.arange(0, BLOCK_M, layout=rows_l)
-    mask_m = offs_m < n_q
-    lo = gl.load(Q_LO + offs_m, mask=mask_m, other=2**31 - 1) - p_lo
-    hi = gl.load(Q_HI + offs_m, mask=mask_m, other=0) - p_lo
-    n_first = pid_n * BLOCK_N + gl.maximum(gl.min(lo, axis=0) - pid_n * BLOCK_N, 0) // stride_n * stride_n
-    n_end = gl.minimum(gl.max(hi, axis=0), n_pools)
-    lo_max, hi_min = gl.max(lo, axis=0), gl.min(hi, axis=0)
-    n_tiles = (gl.maximum(n_end - n_first, 0) + stride_n - 1) // stride_n
-
-    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb, shape=[n_q, H * D], strides=[stride_qt, 1],
-                                        block_shape=[BLOCK_M, D], layout=_nvmma([BLOCK_M, D], Q.dtype.element_ty))
-    pk_desc = tma.make_tensor_descriptor(PK + b * stride_pb, shape=[n_pools_total, D], strides=[stride_pp, 1],
-                                         block_shape=[BLOCK_N, D], layout=_nvmma([BLOCK_N, D], PK.dtype.element_ty))
-    OUT = OUT + b * stride_ob
-    W = W + b * stride_wb
-    COLMAX = COLMAX + b * stride_cb
-    SEGMAX = SEGMAX + b * stride_gb
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [H, BLOCK_M, D], q_desc.layout)
-    pk_smem = gl.allocate_shared_memory(pk_desc.dtype, [2, BLOCK_N, D], pk_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    pk_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar.index(0), count=1)
-    for s in gl.static_range(2):
-        mbarrier.init(pk_bar.index(s), count=1)
-
-    first_pool = p_lo + n_first
-    _load_pool_keys(pk_desc, pk_smem, pk_bar, 0, first_pool, stride_n, n_tiles > 0)
-    _load_pool_keys(pk_desc, pk_smem, pk_bar, 1, first_pool, stride_n, n_tiles > 1)
-    mbarrier.expect(q_bar.index(0), H * q_desc.block_type.nbytes, pred=n_tiles > 0)
-    for h in gl.static_range(H):
-        _tma_load(q_desc, [m0, h * D], q_bar.index(0), q_smem.index(h), pred=n_tiles > 0)
-    w_smem = _stage_weights(W + offs_m * stride_wt, mask_m, rows_l, H, BLOCK_M)
-    mbarrier.wait(q_bar.index(0), 0, pred=n_tiles > 0)
-
-    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-    col_max = gl.max(gl.reshape(gl.full([BLOCK_M, BLOCK_N], float("-inf"), gl.float32, mma),
-                                [BLOCK_M, BLOCK_N // GROUP_N, GROUP_N]), axis=1)
-    # as in the ring kernel: two register sets take the products in turn, each accumulation pinned before
-    # the next issue by a wait on nothing new, and the tile drains at its end (no product in flight across
-    # the loop's back edge)
-    x_dead = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-    y_dead = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-    for j in range(n_tiles):
-        mbarrier.wait(pk_bar.index(j % 2), (j // 2) & 1)
-        pk_tile = pk_smem.index(j % 2).permute((1, 0))
-        x = warpgroup_mma(_resident_head(q_smem, 0, j), pk_tile, x_dead, use_acc=False, is_async=True)
-        w_x = w_smem.index(0).load(rows_l)
-        y = warpgroup_mma(_resident_head(q_smem, 1, j), pk_tile, y_dead, use_acc=False, is_async=True)
-        w_y = w_smem.index(1).load(rows_l)
-        for g in gl.static_range(2, H, 2):
-            x_ready = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
-            acc = _accumulate(acc, x_ready, w_x, EPILOGUE)
-            acc, x_ready = warpgroup_mma_wait(num_outstanding=1, deps=(acc, x_ready))
-            x = warpgroup_mma(_resident_head(q_smem, g, j), pk_tile, x_ready, use_acc=False, is_async=True)
-            w_x = w_smem.index(g).load(rows_l)
-            y_ready = warpgroup_mma_wait(num_outstanding=1, deps=(y,))
-            acc = _accumulate(acc, y_ready, w_y, EPILOGUE)
-            acc, y_ready = warpgroup_mma_wait(num_outstanding=1, deps=(acc, y_ready))
-            y = warpgroup_mma(_resident_head(q_smem, g + 1, j), pk_tile, y_ready, use_acc=False, is_async=True)
-            w_y = w_smem.index(g + 1).load(rows_l)
-        x_dead = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
-        acc = _accumulate(acc, x_dead, w_x, EPILOGUE)
-        acc, x_dead = warpgroup_mma_wait(num_outstanding=1, deps=(acc, x_dead))
-        y_dead = warpgroup_mma_wait(num_outstanding=0, deps=(y,))
-        acc = _accumulate(acc, y_dead, w_y, EPILOGUE)
-        _load_pool_keys(pk_desc, pk_smem, pk_bar, j + 2, first_pool, stride_n, j + 2 < n_tiles)
-        col_max = _finish_tile(acc, col_max, n_first + j * stride_n, offs_m, mask_m, lo, hi, lo_max, hi_min, n_pools,
-                               OUT, q_desc, q_smem, SEGMAX, stride_ot, stride_gt, m0, n_q,
-                               BLOCK_M, BLOCK_N, GROUP_N, MAXIMA, SEG, False, num_warps)
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-    mbarrier.invalidate(q_bar.index(0))
-    for s in gl.static_range(2):
-        mbarrier.invalidate(pk_bar.index(s))
-    if MAXIMA:
-        cm_l: gl.constexpr = gl.BlockedLayout([1, GROUP_N], [32, 1], [num_warps, 1], [1, 0])
-        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, cm_l))
-        offs_g = pid_n * GROUP_N + gl.arange(0, GROUP_N, layout=gl.SliceLayout(0, cm_l))
-        gl.store(COLMAX + rows[:, None] * stride_ct + offs_g[None, :], gl.convert_layout(col_max, cm_l),
-                 mask=(rows < n_q)[:, None])
-
-
 def gluon_pool_scores(q: torch.Tensor, pool_keys: torch.Tensor, weights: torch.Tensor, scores: torch.Tensor,
                       col_max: torch.Tensor, seg_max: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.Tensor,
                       p_lo: int, size_class: int, n_columns: int, group_n: int, maxima: bool, seg: int,
                       config: dict | None = None) -> None:
-    """Launch the Gluon score kernel for one query block: :func:`_pool_scores_gluon_resident_kernel` where the
-    queries fit in shared memory (:func:`resident_fits`, :data:`RESIDENT_QUERIES`), else
-    :func:`_pool_scores_gluon_kernel`; autotuned, or with ``config`` (the kernel's keyword arguments, e.g.
-    ``dict(BLOCK_N=128, Q_STAGES=3, TMA_STORE=False, HEAD_GROUP=8)``, or ``dict(RESIDENT=True, BLOCK_N=256)``
-    for the resident kernel) without the tuner.
+    """Launch :func:`_pool_scores_gluon_kernel` (autotuned; with ``config``, its keyword arguments,
+    e.g. ``dict(BLOCK_N=128, Q_STAGES=3, TMA_STORE=False, HEAD_GROUP=8)``, without the tuner) for one
+    query block.
 
     Args:
         q: ``[B, n_q, H, D]`` bf16 or fp16 queries, ``stride(2) == D`` and ``stride(3) == 1``.
@@ -505,21 +361,12 @@ def gluon_pool_scores(q: torch.Tensor, pool_keys: torch.Tensor, weights: torch.T
     def grid(meta):
         return (n_columns // group_n, triton.cdiv(n_q, BLOCK_M), batch)
 
-    resident = resident_fits(heads, dim, q.element_size()) and RESIDENT_QUERIES if config is None \
-        else config.get("RESIDENT", False)
-    if resident:
-        kernel = _pool_scores_gluon_resident_kernel
-        config = None if config is None else dict(BLOCK_N=config["BLOCK_N"], EPILOGUE=config.get("EPILOGUE", 2),
-                                                  num_warps=8)
-    else:
-        kernel = _pool_scores_gluon_kernel
-        config = None if config is None else dict({k: v for k, v in config.items() if k != "RESIDENT"}, num_warps=4)
-    kernel = kernel if config is None else kernel.fn
+    kernel = _pool_scores_gluon_kernel if config is None else _pool_scores_gluon_kernel.fn
     kernel[grid](
         q, pool_keys, weights, scores, col_max, seg_max, q_lo, q_hi,
         q.stride(0), q.stride(1), pool_keys.stride(0), pool_keys.stride(1), weights.stride(0), weights.stride(1),
         scores.stride(0), scores.stride(1), col_max.stride(0), col_max.stride(1), seg_max.stride(0), seg_max.stride(1),
         n_q, n_pools, p_lo, pool_keys.shape[1], size_class,
         H=heads, D=dim, N_COLUMNS=n_columns, GROUP_N=group_n, MAXIMA=maxima, SEG=seg,
-        **({} if config is None else config),
+        **({} if config is None else dict(config, num_warps=4)),
     )

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import kernels.dsa.indexer_triton as it  # noqa: E402
 from dsa_bench import SHAPES, TOPK, KPOOL, ceilings, timed  # noqa: E402
 from indexer_score_variants import group_maxima  # noqa: E402
-from kernels.dsa.indexer_gluon import gluon_pool_scores, resident_fits  # noqa: E402
+from kernels.dsa.indexer_gluon import gluon_pool_scores  # noqa: E402
 
 ROWS, POOLS = 8192, 65536
 GLUON_VARIANTS = [
@@ -39,12 +39,8 @@ GLUON_VARIANTS = [
     dict(BLOCK_N=128, Q_STAGES=3, TMA_STORE=False, HEAD_GROUP=16, W_SMEM=False),
     dict(BLOCK_N=128, Q_STAGES=3, TMA_STORE=False, HEAD_GROUP=16),
     dict(BLOCK_N=128, Q_STAGES=2, TMA_STORE=False, HEAD_GROUP=16),
-    dict(RESIDENT=True, BLOCK_N=256),
-    dict(RESIDENT=True, BLOCK_N=256, EPILOGUE=1),
-    dict(RESIDENT=True, BLOCK_N=128),
 ]
-"""Configurations timed: the ring kernel's (``W_SMEM`` False: head weights by global loads, v18) and the
-resident-query kernel's (``RESIDENT``, v19; only where :func:`kernels.dsa.indexer_gluon.resident_fits`);
+"""Configurations timed (``W_SMEM`` False: head weights by global loads in the head loop, as before v19);
 ``EPILOGUE`` 1 times a plain add per product (wrong scores, not compared)."""
 
 
@@ -80,8 +76,7 @@ def main() -> None:
         seg_max = torch.empty(1, ROWS, POOLS // seg, device="cuda")
         variants = [("triton (autotuned)", None)] + [
             ("gluon " + " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in c.items()), dict(c))
-            for c in GLUON_VARIANTS
-            if not c.get("RESIDENT") or resident_fits(shape["index_heads"], shape["index_dim"])]
+            for c in GLUON_VARIANTS]
         reference = None
         for label, config in variants:
             def call():

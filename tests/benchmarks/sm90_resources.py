@@ -57,14 +57,12 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, warps: int, stages: 
     return triton.compile(src, target=TARGET, options=options)
 
 
-def compile_gluon_scores(heads: int, dim: int, config: dict, maxima: bool = True, seg: int = it.SEGMENT,
-                         resident: bool = False):
-    """``triton.compile`` of the Gluon score kernel (:func:`kernels.dsa.indexer_gluon._pool_scores_gluon_kernel`,
-    or with ``resident`` :func:`kernels.dsa.indexer_gluon._pool_scores_gluon_resident_kernel`, 8 warps) for sm_90
-    with ``config`` (its constexprs: ``BLOCK_N``, ``Q_STAGES``, ``TMA_STORE``, ``HEAD_GROUP``; only ``BLOCK_N``
-    with ``resident``), ``heads`` x ``dim`` bf16 queries and the column groups of ``TOPK // KPOOL`` selected
-    pools; aligned as the launcher specializes."""
-    fn = (ig._pool_scores_gluon_resident_kernel if resident else ig._pool_scores_gluon_kernel).fn
+def compile_gluon_scores(heads: int, dim: int, config: dict, maxima: bool = True, seg: int = it.SEGMENT):
+    """``triton.compile`` of the Gluon score kernel (:func:`kernels.dsa.indexer_gluon._pool_scores_gluon_kernel`)
+    for sm_90 with ``config`` (its ``BLOCK_N``, ``Q_STAGES``, ``TMA_STORE``, ``HEAD_GROUP``, optionally
+    ``W_SMEM``), ``heads`` x ``dim`` bf16 queries and the column groups of ``TOPK // KPOOL`` selected pools;
+    aligned as the launcher specializes."""
+    fn = ig._pool_scores_gluon_kernel.fn
     scalars = ("n_q", "n_pools", "p_lo", "n_pools_total", "size_class")
     sig = dict(zip(["Q", "PK", "W", "OUT", "COLMAX", "SEGMAX", "Q_LO", "Q_HI"],
                    ["*bf16", "*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*i32", "*i32"]))
@@ -78,7 +76,7 @@ def compile_gluon_scores(heads: int, dim: int, config: dict, maxima: bool = True
     aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in sig if n not in scalars}
     src = GluonASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in constexprs}), constexprs=constexprs,
                          attrs=aligned)
-    return triton.compile(src, target=TARGET, options=dict(num_warps=8 if resident else 4))
+    return triton.compile(src, target=TARGET, options=dict(num_warps=4))
 
 
 def ptxas_report(compiled) -> str:
