@@ -178,7 +178,6 @@ def _pool_scores_gluon_kernel(
     H: gl.constexpr, D: gl.constexpr, N_COLUMNS: gl.constexpr, GROUP_N: gl.constexpr,
     BLOCK_N: gl.constexpr, Q_STAGES: gl.constexpr, MAXIMA: gl.constexpr, SEG: gl.constexpr,
     TMA_STORE: gl.constexpr, HEAD_GROUP: gl.constexpr, EPILOGUE: gl.constexpr = 2, W_SMEM: gl.constexpr = True,
-    DEFER_FINISH: gl.constexpr = True,
 ):
     """Scores of 64 queries against the pool tiles ``pid_n, pid_n + n_prog, ...`` (``n_prog =
     N_COLUMNS / GROUP_N``), with the arguments and outputs of
@@ -279,12 +278,6 @@ def _pool_scores_gluon_kernel(
         mbarrier.wait(q_bar.index((i0 + 1) % Q_STAGES), ((i0 + 1) // Q_STAGES) & 1)
         y = warpgroup_mma(q_smem.index((i0 + 1) % Q_STAGES), pk_tile, y_dead, use_acc=False, is_async=True)
         w_y = _head_weights(w_row, w_smem, h0 + 1, mask_m, rows_l, W_SMEM)
-        if DEFER_FINISH:
-            if (h0 == 0) & (i0 > 0):   # tile j - 1 summed: finished while heads 0 and 1 of tile j run
-                col_max = _finish_tile(acc, col_max, n_first + (j - 1) * stride_n, offs_m, mask_m, lo, hi, lo_max,
-                                       hi_min, n_pools, OUT, out_desc, out_smem, SEGMAX, stride_ot, stride_gt, m0, n_q,
-                                       BLOCK_M, BLOCK_N, GROUP_N, MAXIMA, SEG, TMA_STORE, num_warps)
-                acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
         for g in gl.static_range(2, HEAD_GROUP, 2):
             x_ready = warpgroup_mma_wait(num_outstanding=1, deps=(x,))   # step i0 + g - 2 retired
             _load_queries(q_desc, q_smem, q_bar, i0 + g - 2 + Q_STAGES, m0, i0 + g - 2 + Q_STAGES < n_steps,
@@ -316,16 +309,10 @@ def _pool_scores_gluon_kernel(
         acc = _accumulate(acc, y_dead, w_y, EPILOGUE)
         if h0 + HEAD_GROUP == H:   # tile j summed: its key buffer takes tile j + 2
             _load_pool_keys(pk_desc, pk_smem, pk_bar, j + 2, first_pool, stride_n, j + 2 < n_tiles)
-            if not DEFER_FINISH:
-                col_max = _finish_tile(acc, col_max, n_first + j * stride_n, offs_m, mask_m, lo, hi, lo_max, hi_min,
-                                       n_pools, OUT, out_desc, out_smem, SEGMAX, stride_ot, stride_gt, m0, n_q,
-                                       BLOCK_M, BLOCK_N, GROUP_N, MAXIMA, SEG, TMA_STORE, num_warps)
-                acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-    if DEFER_FINISH:
-        if n_tiles > 0:   # the last tile, with nothing left to overlap
-            col_max = _finish_tile(acc, col_max, n_first + (n_tiles - 1) * stride_n, offs_m, mask_m, lo, hi, lo_max,
-                                   hi_min, n_pools, OUT, out_desc, out_smem, SEGMAX, stride_ot, stride_gt, m0, n_q,
+            col_max = _finish_tile(acc, col_max, n_first + j * stride_n, offs_m, mask_m, lo, hi, lo_max, hi_min, n_pools,
+                                   OUT, out_desc, out_smem, SEGMAX, stride_ot, stride_gt, m0, n_q,
                                    BLOCK_M, BLOCK_N, GROUP_N, MAXIMA, SEG, TMA_STORE, num_warps)
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     if TMA_STORE:
         tma.store_wait(0)
     for s in gl.static_range(Q_STAGES):
