@@ -14,6 +14,9 @@ while head ``h`` runs, the software pipelining FlashAttention-3 uses between its
 double buffer, both signalled by mbarriers. Measured on an H200 (one block of 8192 queries x 65,536
 pools): 2.26 against 2.44 ms at index dim 64, 6.24 against 6.43 at 128; halving the epilogue's
 instructions still saves 18%, so the epilogue and the MMA mostly alternate even so (kernels/NOTES.md, v15).
+With the head weights staged in shared memory (v19): 2.19 ms at 64 (2.30 before, same run), and 6.10 at 128
+with two query stages. Holding a CTA's queries in shared memory instead of the ring (two warpgroups, one CTA per
+SM) was slower, 2.44 ms: two CTAs per SM fill each other's gaps better (kernels/NOTES.md, v19).
 
 Same outputs as the Triton kernel, bit for bit where the products are (the same ``wgmma`` instructions
 in the same order; the same ``max`` then ``fma`` per head): scores of the visible pools of every tile some
