@@ -39,6 +39,9 @@ GLUON_VARIANTS = [
     dict(BLOCK_N=128, Q_STAGES=3, TMA_STORE=False, HEAD_GROUP=16),
     dict(BLOCK_N=128, Q_STAGES=2, TMA_STORE=False, HEAD_GROUP=16),
     dict(BLOCK_N=64, Q_STAGES=3, TMA_STORE=True, HEAD_GROUP=8),
+    dict(BLOCK_N=128, Q_STAGES=3, TMA_STORE=True, HEAD_GROUP=8),
+    dict(BLOCK_N=128, Q_STAGES=2, TMA_STORE=True, HEAD_GROUP=16),
+    dict(BLOCK_N=128, Q_STAGES=4, TMA_STORE=False, HEAD_GROUP=8),
 ]
 """Configurations timed (``W_SMEM`` False: head weights by global loads in the head loop, as before v19);
 ``EPILOGUE`` 1 times a plain add per product (wrong scores, not compared)."""
