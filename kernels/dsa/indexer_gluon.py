@@ -95,13 +95,13 @@ def _load_pool_keys(pk_desc, pk_smem, pk_bar, tile, first_pool, stride_n, pred):
 
 
 @gluon.jit
-def _stage_weights(w_row, mask_m, rows_l: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr):
+def _stage_weights(w_row, mask_m, H: gl.constexpr, BLOCK_M: gl.constexpr):
     """The head weights of the tile's rows (``w_row``: ``[BLOCK_M]`` pointers to each row's ``H`` float32
     weights; 0 where ``mask_m`` is false) staged in shared memory as ``[H, BLOCK_M]``: inside the head loop a
     head's weights are then a shared-memory read, whose latency is short and fixed, instead of a global load
-    whose L1 misses stalled the accumulation (v19). (Stored head by head in ``rows_l``: Triton 3.6 allocates a
-    ``[H, BLOCK_M]`` buffer that ``index`` can address only with a rank-1 layout, which a 2-d initial value
-    cannot have.)"""
+    whose L1 misses stalled the accumulation (v19). (Stored head by head, in ``w_row``'s layout: Triton 3.6
+    allocates a ``[H, BLOCK_M]`` buffer that ``index`` can address only with a rank-1 layout, which a 2-d
+    initial value cannot have.)"""
     w_smem = gl.allocate_shared_memory(gl.float32, [H, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for h in gl.static_range(H):
         w_smem.index(h).store(gl.load(w_row + h, mask=mask_m, other=0.0))
@@ -255,7 +255,7 @@ def _pool_scores_gluon_kernel(
 
     w_row = W + offs_m * stride_wt
     if W_SMEM:
-        w_smem = _stage_weights(w_row, mask_m, rows_l, H, BLOCK_M)
+        w_smem = _stage_weights(w_row, mask_m, H, BLOCK_M)
     else:
         w_smem = q_bar   # unused
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
