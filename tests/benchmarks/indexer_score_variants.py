@@ -232,6 +232,57 @@ def profile_call(call, label: str, top: int = 10) -> list[dict]:
     return rows
 
 
+def block_profile(call, label: str, seq_len: int, kpool: int, heads: int, dim: int, matmul_tflops: float,
+                  bins: int = 8) -> list[dict]:
+    """Per query block of one ``call`` (after a warm-up) of the indexer on one ``seq_len``-token sequence
+    (no documents, ``kpool``-token pools): the CUDA milliseconds of its score and selection kernels, in
+    launch order, summed over ``bins`` runs of consecutive blocks, with each run's score FLOPs as a share of
+    ``matmul_tflops`` (``2 * heads * dim`` per query and visible pool; the query at position ``t`` sees
+    ``(t + 1) // kpool`` pools; blocks of :func:`kernels.dsa.indexer_triton._query_block` queries). A last
+    row compares the score kernel's total with its total at the rate of the last run (the largest blocks):
+    the difference is what smaller blocks cost beyond their FLOPs (fixed costs per program and launch)."""
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    launches = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA)
+    score = [(end - start) / 1e3 for start, end, name in launches if "pool_scores" in name]
+    select = [(end - start) / 1e3 for start, end, name in launches if "_select_kernel" in name]
+    return binned_blocks(label, score, select, seq_len, kpool, heads, dim, matmul_tflops, bins)
+
+
+def binned_blocks(label: str, score: list, select: list, seq_len: int, kpool: int, heads: int, dim: int,
+                  matmul_tflops: float, bins: int) -> list[dict]:
+    """:func:`block_profile`'s rows from the per-launch milliseconds ``score`` and ``select`` (launch order)."""
+    import kernels.dsa.indexer_triton as it
+
+    block = it._query_block(1, seq_len // kpool)
+    bounds = [(t0, min(t0 + block, seq_len)) for t0 in range(0, seq_len, block) if min(t0 + block, seq_len) > kpool - 1]
+    if not (len(score) == len(select) == len(bounds)):
+        return [dict(blocks=label, error=f"{len(score)} score and {len(select)} selection launches, "
+                                         f"{len(bounds)} blocks expected")]
+
+    def visible(t: int) -> int:   # sum over queries [0, t) of (q + 1) // kpool = sum over u in [1, t] of u // kpool
+        full, rest = divmod(t, kpool)
+        return kpool * full * (full - 1) // 2 + full * (rest + 1)
+
+    flops = [2 * heads * dim * (visible(t1) - visible(t0)) for t0, t1 in bounds]
+    rows, per_bin = [], -(-len(bounds) // bins)
+    for b0 in range(0, len(bounds), per_bin):
+        b1 = min(b0 + per_bin, len(bounds))
+        s_ms, f = sum(score[b0:b1]), sum(flops[b0:b1])
+        rows.append(dict(blocks=label, first_block=b0, last_block=b1 - 1, pools_last=bounds[b1 - 1][1] // kpool,
+                         score_ms=s_ms, score_pct=100 * f / (s_ms / 1e3) / 1e12 / matmul_tflops,
+                         select_ms=sum(select[b0:b1]), select_ns_per_row=1e6 * sum(select[b0:b1]) /
+                         (bounds[b1 - 1][1] - bounds[b0][0])))
+    last_rate = sum(flops[b0:]) / sum(score[b0:])
+    rows.append(dict(blocks=label, score_ms=sum(score), score_ms_at_last_rate=sum(flops) / last_rate,
+                     select_ms=sum(select)))
+    return rows
+
+
 def device_idle(prof) -> dict:
     """Device busy and idle milliseconds of one profiled call: the kernels' union against the span
     from the first kernel's start to the last one's end, and the five longest idle gaps with the

@@ -13,7 +13,8 @@ current version (and of each ``--also`` version) and the device's idle time insi
 version, the peak memory of ``triton_pool_topk`` alone (pooled keys made beforehand); ``--also``
 adds the current version with some of its module constants set (e.g. ``v13cols:COLUMNS_PER_SELECTED=4,GROUP_N=32``);
 ``--host``, per shape and length, the host time of one call of the current version and where it
-goes (``cProfile``). One JSON line per row and a table.
+goes (``cProfile``); ``--blocks``, per run of consecutive query blocks, the score and selection kernels'
+milliseconds and the score kernel's share of the matmul rate. One JSON line per row and a table.
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--host", action="store_true")
+    parser.add_argument("--blocks", action="store_true", help="per run of query blocks: score and selection "
+                        "kernel milliseconds and the score kernel's share of the matmul rate (current and --also versions)")
     parser.add_argument("--also", nargs="+", default=[], metavar="NAME:ATTR=VALUE[,ATTR=VALUE]",
                         help="also time the current version with module constants of kernels/dsa/indexer_triton.py "
                              "set, e.g. v13cols:COLUMNS_PER_SELECTED=4,GROUP_N=32")
@@ -166,6 +169,20 @@ def main() -> None:
                     current.triton_pool_topk = fn
                     label = f"{name} {seq_len // 1024}k" + ("" if version == "current" else f" {version}")
                     for row in profile_call(lambda: lightning_indexer_topk(*inputs, **kw), label):
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
+                current.triton_pool_topk = versions["current"]
+            if args.blocks:
+                from indexer_score_variants import block_profile
+
+                shape = SHAPES[name]
+                for version, fn in versions.items():
+                    if version == "anchor":
+                        continue
+                    current.triton_pool_topk = fn
+                    label = f"{name} {seq_len // 1024}k" + ("" if version == "current" else f" {version}")
+                    for row in block_profile(lambda: lightning_indexer_topk(*inputs, **kw), label, seq_len, kw["kpool"],
+                                             shape["index_heads"], shape["index_dim"], ceil["matmul_tflops"]):
                         print(json.dumps(row), flush=True)
                         rows.append(row)
                 current.triton_pool_topk = versions["current"]
