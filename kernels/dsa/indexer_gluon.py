@@ -52,14 +52,17 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier   # renamed aft
 
 GLUON_CONFIGS = [
     triton.Config({"BLOCK_N": bn, "Q_STAGES": stages, "TMA_STORE": store, "HEAD_GROUP": group}, num_warps=4)
-    for bn, stages, store, group in [(128, 3, False, 8), (128, 3, False, 16), (128, 2, False, 16), (64, 3, True, 8)]
+    for bn, stages, store, group in [(128, 3, False, 8), (128, 3, False, 16), (128, 2, False, 16), (64, 3, True, 8),
+                                     (128, 4, False, 8), (128, 3, True, 8)]
 ]
 """Autotuned configurations of :func:`_pool_scores_gluon_kernel`: ``BLOCK_N`` pools per tile, the depth of
 the query ring, whether score tiles leave through shared memory and a TMA store, heads per unrolled loop
 iteration (``H`` must be a multiple; the last product of each group is not overlapped). Shared memory per
 CTA: ``Q_STAGES * 64 * D * 2 + 2 * BLOCK_N * D * 2 + H * 64 * 4`` bytes (query ring, key tiles, staged head
 weights), plus ``64 * BLOCK_N * 4`` with ``TMA_STORE``
-(configurations that do not fit are skipped by the tuner). Registers (offline sm_90 compile, Triton
+(configurations that do not fit are skipped by the tuner). The last two (a 4-deep query ring; 128-pool tiles stored
+through shared memory and TMA) ran 2-3% faster than the tuner's pick on the last 1M block of the small shape
+(kernels/NOTES.md, twelfth session, call 8). Registers (offline sm_90 compile, Triton
 3.6): 128-pool tiles 255 (three ``[64, 128]`` float32 tiles: two products and the running sum), 64-pool
 tiles ~205: two CTAs per SM."""
 

@@ -139,7 +139,7 @@ def main() -> None:
             rows.append((name, compile_sm90(it._pool_scores_kernel, score_sig, kw, config.num_warps,
                                             config.num_stages, config.maxnreg), config.num_warps))
     select_sig = dict(zip(["S", "COLMAX", "SEGMAX", "HITS", "COUNT", "SLOTS", "OUT", "Q_LO", "Q_HI"],
-                          ["*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i32", "*i64", "*i32", "*i32"]))
+                          ["*fp32", "*fp32", "*fp32", "*i32", "*i32", "*i64", "*i64", "*i32", "*i32"]))
     select_sig.update({n: "i64" for n in ["stride_sb", "stride_st", "stride_cb", "stride_ct", "stride_gb", "stride_gt",
                                            "stride_nb", "stride_ob", "stride_ot"]})
     select_sig.update({n: "i32" for n in ["n_rows", "n_cols", "p_lo", "size_class"]})
