@@ -6,10 +6,11 @@ can see into a ``[B, Tq, P_visible]`` float32 buffer (invisible pools -> ``-inf`
 the ``[Tq, H, P]`` per-head intermediate a torch implementation materializes, and the row
 maxima of ``N_COLUMNS`` disjoint column groups (see the kernel). A second kernel takes the
 ``n_select``-th largest group maximum as a lower bound of the row's ``n_select``-th value,
-reads the row once to keep the entries above it (score and pool index, slots taken by atomic
-increments; whole rows in 16-byte vector loads) -- only
+reads the row once to keep the entries above it (score and pool index in one int64 slot; whole rows
+in 16-byte vector loads, slots taken by atomic increments) -- only
 the segments of :data:`SEGMENT` pools whose maximum (also kept by the score kernel) reaches
-the bound, in blocks that see at least :data:`SEGMENT_MIN_POOLS` pools --,
+the bound, in blocks that see at least :data:`SEGMENT_MIN_POOLS` pools, one segment per thread
+with slots from prefix sums (v21) --,
 builds the composite int64 keys of those few (score bits, then the complement of the pool index, as the
 torch path), sorts them in registers and writes the decoded pool indices: exact, with the tie
 rule (equal scores: lower pool index wins).
@@ -187,14 +188,16 @@ def _pool_scores_kernel(
 
 SELECT_CONFIGS = [triton.Config({"CHUNK": c, "SPLIT_SORT": True, "LOOP_STAGES": st, "COMPACT": "relaxed"}, num_warps=w)
                   for c, st, w in [(512, 2, 4), (512, 3, 4), (1024, 3, 4), (2048, 3, 4), (2048, 1, 4), (4096, 1, 4),
-                                   (512, 2, 2), (512, 2, 1), (1024, 3, 2)]]
+                                   (512, 2, 2), (512, 2, 1), (1024, 3, 2), (1024, 1, 1)]]
 """Autotuned configurations of :func:`_select_kernel`. The kernel is latency-bound (a load, an
 atomic and a store per chunk, serially): small chunks keep few registers (64-80 at 1024-2048 vs
 151 at 8192: more programs per SM) and pipelined loads overlap the chain; at 65,536 pools
 CHUNK 1024 with 3 stages took 1.17 ms per 8192 rows against 1.51 for v6b's 4096 (kernels/NOTES.md, v7),
 and 0.90 ms with relaxed slot atomics (v9; a prefix sum instead of atomics took 1.67). With short rows
 (64k tokens: 65,536 rows of at most 4,096 pools, 1.18 ms, ~19 us per program) the two in-register
-sorts per row dominate; one or two warps per row do them with fewer cross-warp exchanges (v13)."""
+sorts per row dominate; one or two warps per row do them with fewer cross-warp exchanges (v13). Since v21 (the
+segment gather one segment per thread) one warp per row is also the fastest where rows are read by segments;
+with ``CHUNK`` 1024 and ``SEG`` 32 each lane holds one segment per step."""
 
 
 @triton.jit
@@ -245,6 +248,25 @@ def _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY: tl.const
     else:
         pos = tl.atomic_add(counter, 1, mask=keep)
     _put_candidates(slots, pos, vals, p_lo + offs, keep & (pos < CAPACITY), CAPACITY)
+
+
+@triton.jit
+def _compact_hits(seg_row, hits, s0, s_lo, s_hi, bound, n_hits, SEG_CHUNK: tl.constexpr):
+    """Append to ``hits`` (from ``n_hits`` on) the segments ``s`` of ``[s0, s0 + SEG_CHUNK)`` inside ``[s_lo, s_hi)``
+    whose maximum (``seg_row[s]``, float32) reaches ``bound`` and is finite. Returns ``n_hits`` plus their number.
+
+    As :func:`_take_segments` (v21): the chunk is a ``[SEG_CHUNK / 32, 32]`` tile (one row for a smaller
+    ``SEG_CHUNK``) whose rows are runs of segments, a place inside a run is a prefix sum in registers and the runs' places one prefix sum over their
+    counts (a 1-d prefix sum over the chunk took five warp shuffles per value)."""
+    RUN: tl.constexpr = SEG_CHUNK if SEG_CHUNK < 32 else 32
+    lane = tl.arange(0, RUN)[None, :] ^ (n_hits < 0).to(tl.int32)   # lane: contiguity hidden, as there
+    segs = s0 + tl.arange(0, SEG_CHUNK // RUN)[:, None] * RUN + lane
+    seg_max = tl.load(seg_row + segs, mask=(segs >= s_lo) & (segs < s_hi), other=float("-inf"))
+    ones = (seg_max >= tl.maximum(bound, -3.4028234663852886e38)).to(tl.int32)
+    per_run = tl.sum(ones, axis=1)
+    pos = n_hits + (tl.cumsum(per_run, axis=0) - per_run)[:, None] + tl.cumsum(ones, axis=1) - 1
+    tl.store(hits + pos, segs, mask=ones > 0)
+    return n_hits + tl.sum(per_run, axis=0)
 
 
 @triton.jit
@@ -353,12 +375,13 @@ def _select_kernel(
     (written by :func:`_pool_scores_kernel`): it is met by ``N_SELECT`` entries of distinct
     groups, so it bounds the row's ``N_SELECT``-th value from below; with ``N_COLUMNS >=
     4 * N_SELECT`` it is close to it (about ``N_SELECT * (1 + N_SELECT / (2 N_COLUMNS))``
-    entries pass for random scores). Passing entries take a slot (``COMPACT``) and are written
-    to a ``CAPACITY``-slot scratch row (:func:`_put_candidates`); their composite int64 keys (score bits, then
+    entries pass for random scores). Passing entries take a slot and are written to a
+    ``CAPACITY``-slot int64 scratch row (:func:`_put_candidates`); their composite int64 keys (score bits, then
     the complement of the pool index, as the torch path), sorted in registers, make the order exact and
-    deterministic (tie rule: lower pool index first). ``COUNT`` gets the number that passed (the
-    kernel's own counter; zeroed by the caller): a row above ``CAPACITY`` is selected again by
-    :func:`_select_tied` (massive ties). ``SPLIT_SORT``: rows with at most
+    deterministic (tie rule: lower pool index first). Reading whole rows, a slot is an atomic increment
+    (``COMPACT``) of the row's ``COUNT`` (zeroed by the caller); reading segments, it comes from prefix sums
+    (:func:`_take_segments`) and ``COUNT`` is not used. A row with more than ``CAPACITY`` candidates is
+    selected again by :func:`_select_tied` (massive ties). ``SPLIT_SORT``: rows with at most
     ``CAPACITY / 2`` candidates (nearly all) sort half as many keys. ``BOUND_PASS``: the column
     maxima (group ``c mod N_COLUMNS``) come from a first read of the row here instead of from
     the score kernel (``COLMAX`` unused; ``CHUNK`` must be a multiple of ``N_COLUMNS``).
@@ -369,9 +392,9 @@ def _select_kernel(
     kernel leaves other tiles unwritten.
     ``SEG > 0`` (v11, needs the score kernel's ``SEGMAX`` of the same ``SEG``): only the
     ``SEG``-pool segments whose maximum reaches the bound are read (every passing entry lies in
-    one): their indices are compacted ``SEG_CHUNK`` at a time (prefix sum) into the row's
+    one): their indices are compacted ``SEG_CHUNK`` at a time (:func:`_compact_hits`) into the row's
     ``HITS`` scratch (int32, ``cdiv(n_cols, SEG)`` entries), then gathered ``CHUNK / SEG``
-    segments per step. For random scores a little more than ``N_SELECT`` segments pass: 13% of the
+    segments per step (:func:`_take_segments`). For random scores a little more than ``N_SELECT`` segments pass: 13% of the
     row at 65,536 pools, ``SEG`` 64, ``N_SELECT`` 128 (about 7% at ``SEG`` 32, the default; 25% at 128).
     """
     row = tl.program_id(0).to(tl.int64)
@@ -404,11 +427,7 @@ def _select_kernel(
         n_hits = tl.full([], 0, tl.int32)
         s_lo, s_hi = lo // SEG, tl.cdiv(hi, SEG)
         for s0 in range(s_lo // SEG_CHUNK * SEG_CHUNK, s_hi, SEG_CHUNK):
-            segs = s0 + tl.arange(0, SEG_CHUNK)
-            seg_max = tl.load(seg_row + segs, mask=(segs >= s_lo) & (segs < s_hi), other=float("-inf"))
-            hit = ((seg_max >= bound) & (seg_max > float("-inf"))).to(tl.int32)
-            tl.store(hits + n_hits + tl.cumsum(hit, 0) - 1, segs, mask=hit > 0)
-            n_hits += tl.sum(hit, 0)
+            n_hits = _compact_hits(seg_row, hits, s0, s_lo, s_hi, bound, n_hits, SEG_CHUNK)
         # the hit list, written by every thread, is read by others below
         tl.debug_barrier()
         written = tl.full([], 0, tl.int32)
