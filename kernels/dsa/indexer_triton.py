@@ -618,18 +618,10 @@ memory that overlaps the next tile) instead of a layout conversion and per-threa
 H200, 64x128 tiles, 8192 x 65,536: 6.43 against 6.50 ms (full shape), 2.59 against 2.62 (small)."""
 
 SCORE_BUFFER_ELEMENTS = 2**29
-"""Float32 scores one query block may hold at least (2 GiB; more with :data:`SCORE_BUFFER_OUTPUT_SHARE`):
-``triton_pool_topk`` takes query blocks of the largest multiple of 8192 queries whose ``[B, rows, pools]``
-buffer fits (32,768 at 256k tokens, kpool 16; the whole sequence at 64k). Bigger blocks mean fewer launches;
-the causal triangle inside a block costs nothing, the score kernel skips the tiles no query of a tile sees (v13)."""
-
-SCORE_BUFFER_OUTPUT_SHARE = 0.5
-"""The score buffer may also be this share of the ``[B, T, n_select * kpool]`` int32 token indices the call
-produces (v22): then it never sets the call's peak memory, which the expansion to those indices does (1M
-tokens: 8 GiB of indices, a 4 GiB buffer, 16,384-query blocks instead of 8192; 256k and shorter unchanged).
-At 1M, small shape, 16,384-query blocks took 0.1965 s against 0.2014 with the peak unchanged at 11.4 GiB;
-at 256k, 65,536-query blocks (a 4 GiB buffer) were 1% slower and peaked 2.3 GiB higher
-(``indexer_versions.py --also``, kernels/NOTES.md, thirteenth session). 0 keeps the fixed budget."""
+"""Float32 scores one query block may hold (2 GiB): ``triton_pool_topk`` takes query blocks of the
+largest multiple of 8192 queries whose ``[B, rows, pools]`` buffer fits (8192 at 1M tokens, kpool 16;
+the whole sequence at 64k). Bigger blocks mean fewer launches; the causal triangle
+inside a block costs nothing, the score kernel skips the tiles no query of a tile sees (v13)."""
 
 
 def _padded(n_pools: int) -> int:
@@ -637,12 +629,10 @@ def _padded(n_pools: int) -> int:
     return -(-n_pools // 16) * 16
 
 
-def _query_block(batch: int, n_pools: int, n_q: int = 0, width: int = 0) -> int:
-    """Queries per block: the largest multiple of 8192 (at least 8192) whose score buffer for ``n_pools``
-    pools fits :data:`SCORE_BUFFER_ELEMENTS`, or :data:`SCORE_BUFFER_OUTPUT_SHARE` of the call's ``[batch, n_q,
-    width]`` int32 token indices (``width = n_select * kpool``) where that is more."""
-    budget = max(SCORE_BUFFER_ELEMENTS, int(SCORE_BUFFER_OUTPUT_SHARE * batch * n_q * width))
-    return max(8192, budget // max(batch * n_pools, 1) // 8192 * 8192)
+def _query_block(batch: int, n_pools: int) -> int:
+    """Queries per block: the largest multiple of 8192 whose score buffer fits :data:`SCORE_BUFFER_ELEMENTS`
+    for ``n_pools`` pools (at least 8192)."""
+    return max(8192, SCORE_BUFFER_ELEMENTS // max(batch * n_pools, 1) // 8192 * 8192)
 
 
 def _set_descriptor_allocator(device: torch.device) -> None:
@@ -711,7 +701,7 @@ def triton_pool_topk(
     Same contract as :func:`kernels.dsa.indexer._torch_pool_topk`; ``q``/``pool_keys`` are
     used in their dtype (bf16 on the GPU: fp32 accumulation in ``tl.dot``). Per block of
     ``query_block`` queries (default :func:`_query_block`: as many multiples of 8192 as the
-    :data:`SCORE_BUFFER_ELEMENTS` / :data:`SCORE_BUFFER_OUTPUT_SHARE` budget allows): :func:`_pool_scores_kernel` (scores + column
+    :data:`SCORE_BUFFER_ELEMENTS` budget allows): :func:`_pool_scores_kernel` (scores + column
     maxima, only the tiles some query of a tile sees), then :func:`_select_kernel` (bound,
     candidates, sort, decode; each row's visible pools only; rows whose candidates overflow their
     slots, massive ties, are redone exactly in the kernel) into the output. The block bounds come
@@ -746,7 +736,7 @@ def triton_pool_topk(
         return selected
     # visible pools of each query block: [lo of its first query, hi of its last), on the host
     if query_block is None:
-        query_block = _query_block(batch, pool_keys.shape[1], n_q, n_select * grid.kpool)
+        query_block = _query_block(batch, pool_keys.shape[1])
     blocks = []
     for t0 in range(0, n_q, query_block):
         t1 = min(t0 + query_block, n_q)

@@ -232,14 +232,13 @@ def profile_call(call, label: str, top: int = 10) -> list[dict]:
     return rows
 
 
-def block_profile(call, label: str, seq_len: int, kpool: int, topk: int, heads: int, dim: int,
-                  matmul_tflops: float, bins: int = 8) -> list[dict]:
+def block_profile(call, label: str, seq_len: int, kpool: int, heads: int, dim: int, matmul_tflops: float,
+                  bins: int = 8) -> list[dict]:
     """Per query block of one ``call`` (after a warm-up) of the indexer on one ``seq_len``-token sequence
     (no documents, ``kpool``-token pools): the CUDA milliseconds of its score and selection kernels, in
     launch order, summed over ``bins`` runs of consecutive blocks, with each run's score FLOPs as a share of
     ``matmul_tflops`` (``2 * heads * dim`` per query and visible pool; the query at position ``t`` sees
-    ``(t + 1) // kpool`` pools; blocks of :func:`kernels.dsa.indexer_triton._query_block` queries, ``topk``
-    tokens selected). A last
+    ``(t + 1) // kpool`` pools; blocks of :func:`kernels.dsa.indexer_triton._query_block` queries). A last
     row compares the score kernel's total with its total at the rate of the last run (the largest blocks):
     the difference is what smaller blocks cost beyond their FLOPs (fixed costs per program and launch)."""
     call()
@@ -251,15 +250,15 @@ def block_profile(call, label: str, seq_len: int, kpool: int, topk: int, heads: 
                       if e.device_type == torch.autograd.DeviceType.CUDA)
     score = [(end - start) / 1e3 for start, end, name in launches if "pool_scores" in name]
     select = [(end - start) / 1e3 for start, end, name in launches if "_select_kernel" in name]
-    return binned_blocks(label, score, select, seq_len, kpool, topk, heads, dim, matmul_tflops, bins)
+    return binned_blocks(label, score, select, seq_len, kpool, heads, dim, matmul_tflops, bins)
 
 
-def binned_blocks(label: str, score: list, select: list, seq_len: int, kpool: int, topk: int, heads: int,
-                  dim: int, matmul_tflops: float, bins: int) -> list[dict]:
+def binned_blocks(label: str, score: list, select: list, seq_len: int, kpool: int, heads: int, dim: int,
+                  matmul_tflops: float, bins: int) -> list[dict]:
     """:func:`block_profile`'s rows from the per-launch milliseconds ``score`` and ``select`` (launch order)."""
     import kernels.dsa.indexer_triton as it
 
-    block = it._query_block(1, seq_len // kpool, seq_len, topk)
+    block = it._query_block(1, seq_len // kpool)
     bounds = [(t0, min(t0 + block, seq_len)) for t0 in range(0, seq_len, block) if min(t0 + block, seq_len) > kpool - 1]
     if not (len(score) == len(select) == len(bounds)):
         return [dict(blocks=label, error=f"{len(score)} score and {len(select)} selection launches, "

@@ -182,8 +182,7 @@ def main() -> None:
                     current.triton_pool_topk = fn
                     label = f"{name} {seq_len // 1024}k" + ("" if version == "current" else f" {version}")
                     for row in block_profile(lambda: lightning_indexer_topk(*inputs, **kw), label, seq_len, kw["kpool"],
-                                             kw["topk"], shape["index_heads"], shape["index_dim"],
-                                             ceil["matmul_tflops"]):
+                                             shape["index_heads"], shape["index_dim"], ceil["matmul_tflops"]):
                         print(json.dumps(row), flush=True)
                         rows.append(row)
                 current.triton_pool_topk = versions["current"]
