@@ -201,15 +201,16 @@ with ``CHUNK`` 1024 and ``SEG`` 32 each lane holds one segment per step."""
 
 
 @triton.jit
-def _put_candidates(slots, pos, vals, pools, mask, CAPACITY: tl.constexpr):
-    """Store candidates in a row's slots (``[CAPACITY]`` int64): at ``pos``, the float32 bits of a score ``vals``
-    in the high half and its absolute pool index ``pools`` (int32, >= 0) in the low half, one 8-byte store (v21;
-    v16: the composite keys are built by :func:`_sorted_pools` for the few candidates, not for every entry)."""
+def _put_candidates(slots, pos, vals, pools, mask):
+    """Store candidates in a row's slots (``CAPACITY`` int64; ``mask`` keeps ``pos`` inside them): at ``pos``, the
+    float32 bits of a score ``vals`` in the high half and its absolute pool index ``pools`` (int32, >= 0) in the
+    low half, one 8-byte store (v21; v16: the composite keys are built by :func:`_sorted_pools` for the few
+    candidates, not for every entry)."""
     tl.store(slots + pos, (vals.to(tl.int32, bitcast=True).to(tl.int64) << 32) | pools.to(tl.int64), mask=mask)
 
 
 @triton.jit
-def _sorted_pools(slots, count, n_keys: tl.constexpr, CAPACITY: tl.constexpr):
+def _sorted_pools(slots, count, n_keys: tl.constexpr):
     """The pools of the first ``count`` (``<= n_keys``) candidates at ``slots`` (:func:`_put_candidates`), best
     first (``[n_keys]`` int64, -1 past ``count``)."""
     idx = tl.arange(0, n_keys)
@@ -247,26 +248,43 @@ def _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY: tl.const
         pos = tl.atomic_add(counter, 1, mask=keep, sem="relaxed")
     else:
         pos = tl.atomic_add(counter, 1, mask=keep)
-    _put_candidates(slots, pos, vals, p_lo + offs, keep & (pos < CAPACITY), CAPACITY)
+    _put_candidates(slots, pos, vals, p_lo + offs, keep & (pos < CAPACITY))
+
+
+@triton.jit
+def _opaque_lanes(n: tl.constexpr, zero):
+    """``tl.arange(0, n)[None, :]`` (``[1, n]`` int32) as ``lane ^ zero`` (``zero``: a runtime int32 0), so the
+    compiler does not see the values as contiguous (v21). A load through them takes the layout of the scattered
+    stores that follow (one thread per row of the tile, its ``n`` values in registers) instead of a vectorized
+    one, and nothing is converted through shared memory in between (on sm_90 a 2-d tile with vector loads had
+    three ``[32, 64]`` conversions per step). The loads stay coalesced: a warp reads whole rows."""
+    return tl.arange(0, n)[None, :] ^ zero
+
+
+@triton.jit
+def _places(ones, start):
+    """Where the marked entries of a ``[R, n]`` tile go in a list filled from ``start`` on, row by row:
+    ``ones`` int32 0/1; returns ``[R, n]`` int32 places (meaningful where marked) and ``start`` plus their number.
+    Prefix sums along each row (in a thread's registers when the row is) and over the rows' counts (v21; a 1-d
+    prefix sum over a whole chunk cost five warp shuffles per value)."""
+    per_row = tl.sum(ones, axis=1)
+    places = start + (tl.cumsum(per_row, axis=0) - per_row)[:, None] + tl.cumsum(ones, axis=1) - 1
+    return places, start + tl.sum(per_row, axis=0)
 
 
 @triton.jit
 def _compact_hits(seg_row, hits, s0, s_lo, s_hi, bound, n_hits, SEG_CHUNK: tl.constexpr):
     """Append to ``hits`` (from ``n_hits`` on) the segments ``s`` of ``[s0, s0 + SEG_CHUNK)`` inside ``[s_lo, s_hi)``
     whose maximum (``seg_row[s]``, float32) reaches ``bound`` and is finite. Returns ``n_hits`` plus their number.
-
-    As :func:`_take_segments` (v21): the chunk is a ``[SEG_CHUNK / 32, 32]`` tile (one row for a smaller
-    ``SEG_CHUNK``) whose rows are runs of segments, a place inside a run is a prefix sum in registers and the runs' places one prefix sum over their
-    counts (a 1-d prefix sum over the chunk took five warp shuffles per value)."""
+    The chunk is a ``[SEG_CHUNK / 32, 32]`` tile of runs of segments (one run below 32), placed by
+    :func:`_places` (v21b)."""
     RUN: tl.constexpr = SEG_CHUNK if SEG_CHUNK < 32 else 32
-    lane = tl.arange(0, RUN)[None, :] ^ (n_hits < 0).to(tl.int32)   # lane: contiguity hidden, as there
-    segs = s0 + tl.arange(0, SEG_CHUNK // RUN)[:, None] * RUN + lane
+    segs = s0 + tl.arange(0, SEG_CHUNK // RUN)[:, None] * RUN + _opaque_lanes(RUN, (n_hits < 0).to(tl.int32))
     seg_max = tl.load(seg_row + segs, mask=(segs >= s_lo) & (segs < s_hi), other=float("-inf"))
     ones = (seg_max >= tl.maximum(bound, -3.4028234663852886e38)).to(tl.int32)
-    per_run = tl.sum(ones, axis=1)
-    pos = n_hits + (tl.cumsum(per_run, axis=0) - per_run)[:, None] + tl.cumsum(ones, axis=1) - 1
+    pos, n_hits = _places(ones, n_hits)
     tl.store(hits + pos, segs, mask=ones > 0)
-    return n_hits + tl.sum(per_run, axis=0)
+    return n_hits
 
 
 @triton.jit
@@ -276,24 +294,18 @@ def _take_segments(row, hits, k0, n_hits, lo, hi, bound, slots, p_lo, written, S
     ``[lo, hi)`` at or above ``bound`` in segments ``hits[k]`` (``k < n_hits``; ``SEG`` pools each) to the
     slots from ``written`` on (:func:`_put_candidates`). Returns ``written`` plus their number.
 
-    The segments form a ``[SEGS, SEG]`` tile held one segment per thread: a candidate's place inside its
-    segment is a prefix sum in the thread's registers, the segments' places one prefix sum over their
-    counts, and no entry takes an atomic (v11-v20: one warp-aggregated ``ATOMG`` per entry, and layout
-    conversions through shared memory around them, 40% of the selection's instructions at 65,536 pools).
-    ``lane ^ (n_hits < 0)``, which is ``lane``, hides the pools' contiguity from the compiler, so that the
-    loads take the stores' layout (a warp's lanes on different segments) rather than a vectorized one that
-    would be converted through shared memory before the stores."""
+    The segments form a ``[SEGS, SEG]`` tile held one segment per thread (:func:`_opaque_lanes`): a
+    candidate's slot comes from prefix sums (:func:`_places`), and no entry takes an atomic (v11-v20: one
+    warp-aggregated ``ATOMG`` per entry, and layout conversions through shared memory around them, 40% of the
+    selection's instructions at 65,536 pools)."""
     k = k0 + tl.arange(0, SEGS)
     seg = tl.load(hits + k, mask=k < n_hits, other=0)
-    lane = tl.arange(0, SEG)[None, :] ^ (n_hits < 0).to(tl.int32)
-    offs = seg[:, None] * SEG + lane
+    offs = seg[:, None] * SEG + _opaque_lanes(SEG, (n_hits < 0).to(tl.int32))
     vals = tl.load(row + offs, mask=(k < n_hits)[:, None] & (offs >= lo) & (offs < hi), other=float("-inf"))
     keep = vals >= tl.maximum(bound, -3.4028234663852886e38)   # at or above the bound, and finite
-    ones = keep.to(tl.int32)
-    per_seg = tl.sum(ones, axis=1)
-    pos = written + (tl.cumsum(per_seg, axis=0) - per_seg)[:, None] + tl.cumsum(ones, axis=1) - 1
-    _put_candidates(slots, pos, vals, p_lo + offs, keep & (pos < CAPACITY), CAPACITY)
-    return written + tl.sum(per_seg, axis=0)
+    pos, written = _places(keep.to(tl.int32), written)
+    _put_candidates(slots, pos, vals, p_lo + offs, keep & (pos < CAPACITY))
+    return written
 
 
 @triton.jit
@@ -311,8 +323,7 @@ def _count_at_least(row, lo, hi, key, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _select_tied(row, lo, hi, bound, slots, p_lo, N_SELECT: tl.constexpr, CHUNK: tl.constexpr,
-                 CAPACITY: tl.constexpr):
+def _select_tied(row, lo, hi, bound, slots, p_lo, N_SELECT: tl.constexpr, CHUNK: tl.constexpr):
     """Exact selection of a row whose candidates overflowed their slots (massive ties): its best
     ``N_SELECT`` visible entries of ``[lo, hi)`` to the first ``N_SELECT`` slots (:func:`_put_candidates`),
     in pool order (the caller sorts them). Returns ``N_SELECT`` (int32). ``CHUNK`` entries per step
@@ -345,7 +356,7 @@ def _select_tied(row, lo, hi, bound, slots, p_lo, N_SELECT: tl.constexpr, CHUNK:
         visible = vals > float("-inf")
         tie = visible & (image == s)
         keep = (visible & (image > s)) | (tie & (ties + tl.cumsum(tie.to(tl.int32), 0) <= need))
-        _put_candidates(slots, written + tl.cumsum(keep.to(tl.int32), 0) - 1, vals, p_lo + offs, keep, CAPACITY)
+        _put_candidates(slots, written + tl.cumsum(keep.to(tl.int32), 0) - 1, vals, p_lo + offs, keep)
         written += tl.sum(keep.to(tl.int32), 0)
         ties += tl.sum(tie.to(tl.int32), 0)
     return written
@@ -394,8 +405,9 @@ def _select_kernel(
     ``SEG``-pool segments whose maximum reaches the bound are read (every passing entry lies in
     one): their indices are compacted ``SEG_CHUNK`` at a time (:func:`_compact_hits`) into the row's
     ``HITS`` scratch (int32, ``cdiv(n_cols, SEG)`` entries), then gathered ``CHUNK / SEG``
-    segments per step (:func:`_take_segments`). For random scores a little more than ``N_SELECT`` segments pass: 13% of the
-    row at 65,536 pools, ``SEG`` 64, ``N_SELECT`` 128 (about 7% at ``SEG`` 32, the default; 25% at 128).
+    segments per step (:func:`_take_segments`). For random scores a little more than ``N_SELECT`` segments
+    pass: 13% of the row at 65,536 pools, ``SEG`` 64, ``N_SELECT`` 128 (about 7% at ``SEG`` 32, the default;
+    25% at 128).
     """
     row = tl.program_id(0).to(tl.int64)
     b = row // n_rows
@@ -450,20 +462,20 @@ def _select_kernel(
     else:
         count = tl.load(count_ptr)
     if count > CAPACITY:   # massive ties: more candidates than slots; an exact pass over the row
-        count = _select_tied(base, lo, hi, bound, slots, p_lo, N_SELECT, TIE_CHUNK, CAPACITY)
+        count = _select_tied(base, lo, hi, bound, slots, p_lo, N_SELECT, TIE_CHUNK)
         tl.debug_barrier()
     out = OUT + b * stride_ob + t * stride_ot
     # (a runtime branch may not rebind a name to another shape: each branch stores its own)
     if SPLIT_SORT:
         if count <= CAPACITY // 2:   # CAPACITY // 2 >= 2 * N_SELECT (_capacity)
             half = tl.arange(0, CAPACITY // 2)
-            tl.store(out + half, _sorted_pools(slots, count, CAPACITY // 2, CAPACITY), mask=half < N_SELECT)
+            tl.store(out + half, _sorted_pools(slots, count, CAPACITY // 2), mask=half < N_SELECT)
         else:
             whole = tl.arange(0, CAPACITY)
-            tl.store(out + whole, _sorted_pools(slots, count, CAPACITY, CAPACITY), mask=whole < N_SELECT)
+            tl.store(out + whole, _sorted_pools(slots, count, CAPACITY), mask=whole < N_SELECT)
     else:
         idx = tl.arange(0, CAPACITY)
-        tl.store(out + idx, _sorted_pools(slots, count, CAPACITY, CAPACITY), mask=idx < N_SELECT)
+        tl.store(out + idx, _sorted_pools(slots, count, CAPACITY), mask=idx < N_SELECT)
 
 
 @triton.jit

@@ -123,7 +123,8 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--host", action="store_true")
     parser.add_argument("--blocks", action="store_true", help="per run of query blocks: score and selection "
-                        "kernel milliseconds and the score kernel's share of the matmul rate (current and --also versions)")
+                        "kernel milliseconds and the score kernel's share of the matmul rate (current and --also "
+                        "versions)")
     parser.add_argument("--also", nargs="+", default=[], metavar="NAME:ATTR=VALUE[,ATTR=VALUE]",
                         help="also time the current version with module constants of kernels/dsa/indexer_triton.py "
                              "set, e.g. v13cols:COLUMNS_PER_SELECTED=4,GROUP_N=32")
