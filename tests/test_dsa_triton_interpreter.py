@@ -132,18 +132,19 @@ SCRIPT = textwrap.dedent(
     # queries and pool keys loaded through tensor descriptors or pointer tensors, and score tiles
     # stored through a tensor descriptor or per element (the buffer's rows padded to 16 pools)
     # (one block of every query as well: whole rows and segments, descriptor stores on and off)
-    for one_block, bound_pass, pair, split, compact, segment, min_pools, tma, store in [
-            (True, False, False, False, "atomic", 0, 0, False, False),
-            (False, True, True, True, "relaxed", 8, 0, True, True),
-            (True, False, True, True, "relaxed", 8, 0, False, True),
-            (False, True, False, False, "atomic", 0, 0, True, False),
-            (True, False, False, True, "relaxed", 32, 0, True, True),
-            (False, False, True, True, "relaxed", 8, 16, True, False)]:
+    for one_block, bound_pass, pair, split, compact, segment, min_pools, tma, store, slack in [
+            (True, False, False, False, "atomic", 0, 0, False, False, -1),
+            (False, True, True, True, "relaxed", 8, 0, True, True, 0),
+            (True, False, True, True, "relaxed", 8, 0, False, True, 2),
+            (False, True, False, False, "atomic", 0, 0, True, False, -1),
+            (True, False, False, True, "relaxed", 32, 0, True, True, 0),
+            (False, False, True, True, "relaxed", 8, 16, True, False, 40)]:
         it.BOUND_IN_SELECTION, it.SEGMENT, it.SEGMENT_MIN_POOLS = bound_pass, segment, min_pools
+        it.BOUND_SLACK = slack
         it.TENSOR_DESCRIPTORS, it.STORE_DESCRIPTOR = tma, store
         score_cfg.update(PAIR=pair)
         select_cfg.update(SPLIT_SORT=split, LOOP_STAGES=2 if split else 1, COMPACT=compact)
-        check_indexer(one_block, bound_pass, pair, split, compact, segment, min_pools, tma, store)
+        check_indexer(one_block, bound_pass, pair, split, compact, segment, min_pools, tma, store, slack)
     print("TRITON_INTERPRETER_OK")
     """
 )

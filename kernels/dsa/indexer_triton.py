@@ -232,6 +232,24 @@ def _ordered(vals):
 
 
 @triton.jit
+def _search_bound(col_max, N_SELECT: tl.constexpr, N_COLUMNS: tl.constexpr, SLACK: tl.constexpr):
+    """A lower bound of a row's ``N_SELECT``-th value from its ``[N_COLUMNS]`` float32 column-group maxima,
+    without sorting them (v23): bisection on their :func:`_ordered` images for a key that ``N_SELECT`` to
+    ``N_SELECT + SLACK`` maxima reach (the ``N_SELECT``-th largest itself if the bisection ends first). Every
+    maximum is a distinct group's, so at least ``N_SELECT`` entries reach the returned float32."""
+    key = _ordered(col_max)
+    lo = tl.min(key, axis=0).to(tl.int64)          # count(key >= lo) = N_COLUMNS >= N_SELECT
+    hi = tl.max(key, axis=0).to(tl.int64) + 1      # count(key >= hi) = 0
+    n_lo = tl.full([], N_COLUMNS, tl.int32)
+    while (hi - lo > 1) & (n_lo > N_SELECT + SLACK):
+        mid = lo + (hi - lo) // 2
+        n = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
+        lo, n_lo, hi = tl.where(n >= N_SELECT, mid, lo), tl.where(n >= N_SELECT, n, n_lo), tl.where(n >= N_SELECT, hi, mid)
+    k = lo.to(tl.int32)
+    return tl.where(k >= 0, k, k ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _composite_key(vals, pools):
     """int64 composite keys of float32 scores ``vals`` of pools ``pools`` (absolute indices): the
     ordered score, then the complement of the pool index (equal scores: lower pool first)."""
@@ -368,7 +386,7 @@ TIE_CHUNK = tl.constexpr(256)
 
 # COUNT is zeroed before each configuration's timing runs: accumulated over them, every row would
 # overflow its slots and take the slow exact pass (_select_tied) in the tuning call
-@triton.autotune(configs=SELECT_CONFIGS, key=["N_COLUMNS", "CAPACITY", "size_class", "BOUND_PASS", "SEG"],
+@triton.autotune(configs=SELECT_CONFIGS, key=["N_COLUMNS", "CAPACITY", "size_class", "BOUND_PASS", "SEG", "BOUND_SLACK"],
                  reset_to_zero=["COUNT"])
 @triton.jit
 def _select_kernel(
@@ -377,7 +395,7 @@ def _select_kernel(
     n_rows, n_cols, p_lo, size_class,
     N_SELECT: tl.constexpr, N_COLUMNS: tl.constexpr, CAPACITY: tl.constexpr,
     CHUNK: tl.constexpr, SPLIT_SORT: tl.constexpr, LOOP_STAGES: tl.constexpr, BOUND_PASS: tl.constexpr,
-    COMPACT: tl.constexpr, SEG: tl.constexpr, SEG_CHUNK: tl.constexpr,
+    COMPACT: tl.constexpr, SEG: tl.constexpr, SEG_CHUNK: tl.constexpr, BOUND_SLACK: tl.constexpr,
 ):
     """Per score row: a lower bound on its n_select-th value, the composite keys above it,
     and the decoded pool indices of the best ``N_SELECT`` (-1 where fewer are visible).
@@ -426,8 +444,11 @@ def _select_kernel(
             col_max = tl.maximum(col_max, tl.max(tl.reshape(vals, (CHUNK // N_COLUMNS, N_COLUMNS)), axis=0))
     else:
         col_max = tl.load(COLMAX + b * stride_cb + t * stride_ct + tl.arange(0, N_COLUMNS))
-    ranked = tl.sort(col_max, descending=True)
-    bound = tl.max(tl.where(tl.arange(0, N_COLUMNS) == N_SELECT - 1, ranked, float("-inf")), axis=0)
+    if BOUND_SLACK >= 0:
+        bound = _search_bound(col_max, N_SELECT, N_COLUMNS, BOUND_SLACK)
+    else:
+        ranked = tl.sort(col_max, descending=True)
+        bound = tl.max(tl.where(tl.arange(0, N_COLUMNS) == N_SELECT - 1, ranked, float("-inf")), axis=0)
     slots = SLOTS + row * CAPACITY
     count_ptr = COUNT + b * stride_nb + t
     counter = count_ptr + tl.zeros([CHUNK], tl.int32)
@@ -583,6 +604,12 @@ rows against 64-pool segments: 2.01 vs 2.07 ms at 8192 pools, 3.49 vs 3.25 at 16
 0.6684 s without one; at 256k 0.0493 / 0.0503 / 0.0520 s (``indexer_score_variants.py``,
 kernels/NOTES.md, v11). For index dim 64 segments paid only at 65,536 pools and no end-to-end
 variant beat whole rows beyond noise (1M: 0.2840 s whole rows, 0.2859 s segmented)."""
+
+BOUND_SLACK = -1
+"""How the selection finds its bound: -1 (default), the ``n_select``-th largest column-group maximum by a sort
+of all of them (v5-v22); ``s >= 0`` (v23, :func:`_search_bound`), a key that ``n_select`` to ``n_select + s``
+maxima reach, by bisection (~70 instructions per step with one warp, against 2,320 for the sort of 512;
+offline, sm_90). v23 is checked by the interpreter test, not yet timed on a GPU: kernels/NOTES.md."""
 
 SEGMENT_CHUNK = 1024
 """Segment maxima the selection compacts at a time (one step up to 32,768 pools at ``SEGMENT`` 32, two at 65,536)."""
@@ -798,6 +825,6 @@ def triton_pool_topk(
             seg_max.stride(0), seg_max.stride(1), cnt.stride(0), out.stride(0), out.stride(1),
             n_rows, n_pools, p_lo, _size_class(n_pools),
             N_SELECT=min(n_select, n_pools), N_COLUMNS=columns, CAPACITY=capacity, BOUND_PASS=bound_pass,
-            SEG=width, SEG_CHUNK=SEGMENT_CHUNK,
+            SEG=width, SEG_CHUNK=SEGMENT_CHUNK, BOUND_SLACK=BOUND_SLACK,
         )
     return selected
