@@ -244,7 +244,8 @@ def _search_bound(col_max, N_SELECT: tl.constexpr, N_COLUMNS: tl.constexpr, SLAC
     while (hi - lo > 1) & (n_lo > N_SELECT + SLACK):
         mid = lo + (hi - lo) // 2
         n = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0)
-        lo, n_lo, hi = tl.where(n >= N_SELECT, mid, lo), tl.where(n >= N_SELECT, n, n_lo), tl.where(n >= N_SELECT, hi, mid)
+        enough = n >= N_SELECT
+        lo, n_lo, hi = tl.where(enough, mid, lo), tl.where(enough, n, n_lo), tl.where(enough, hi, mid)
     k = lo.to(tl.int32)
     return tl.where(k >= 0, k, k ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
 
@@ -386,7 +387,8 @@ TIE_CHUNK = tl.constexpr(256)
 
 # COUNT is zeroed before each configuration's timing runs: accumulated over them, every row would
 # overflow its slots and take the slow exact pass (_select_tied) in the tuning call
-@triton.autotune(configs=SELECT_CONFIGS, key=["N_COLUMNS", "CAPACITY", "size_class", "BOUND_PASS", "SEG", "BOUND_SLACK"],
+@triton.autotune(configs=SELECT_CONFIGS,
+                 key=["N_COLUMNS", "CAPACITY", "size_class", "BOUND_PASS", "SEG", "BOUND_SLACK"],
                  reset_to_zero=["COUNT"])
 @triton.jit
 def _select_kernel(
