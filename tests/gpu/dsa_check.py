@@ -1,6 +1,6 @@
 """GPU correctness check of the DSA Triton kernels (issue 4). Run on an H200:
 
-    python tests/gpu/dsa_check.py [--seq-lens 4096 16384 65536] [--score-kernel gluon] [--out results.json]
+    python tests/gpu/dsa_check.py [--seq-lens 4096 16384 65536] [--score-kernel gluon] [--bound-slack 32] [--out results.json]
 
 Per sequence length, with fresh random inputs and the caching allocator's free memory
 filled with NaN before every kernel call (so an unwritten output shows up):
@@ -190,10 +190,11 @@ def check_ties(seq_len: int = 16384) -> dict:
     return result
 
 
-def _cp_worker(rank: int, world: int, seq_len: int, port: int, queue, score_kernel: str) -> None:
+def _cp_worker(rank: int, world: int, seq_len: int, port: int, queue, score_kernel: str, bound_slack: int) -> None:
     import kernels.dsa.indexer_triton as indexer_triton
 
-    indexer_triton.SCORE_KERNEL = score_kernel   # a spawned process imports the module afresh
+    # a spawned process imports the module afresh
+    indexer_triton.SCORE_KERNEL, indexer_triton.BOUND_SLACK = score_kernel, bound_slack
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
@@ -224,7 +225,8 @@ def check_context_parallel(seq_len: int, world: int = 2) -> dict:
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_cp_worker, args=(world, seq_len, 29533 + world, queue, indexer_triton.SCORE_KERNEL),
+    mp.start_processes(_cp_worker, args=(world, seq_len, 29533 + world, queue, indexer_triton.SCORE_KERNEL,
+                                         indexer_triton.BOUND_SLACK),
                        nprocs=world, start_method="spawn")
     return dict(world=world, seq_len=seq_len, indices_equal_single_gpu=queue.get(), ok=None)
 
@@ -236,11 +238,18 @@ def main() -> None:
     parser.add_argument("--ties", action="store_true", help="only the massive-tie check")
     parser.add_argument("--score-kernel", choices=["auto", "triton", "gluon"], default=None,
                         help="the indexer's score kernel (default: kernels/dsa/indexer_triton.py's SCORE_KERNEL)")
+    parser.add_argument("--bound-slack", type=int, default=None,
+                        help="the selection's bound search (default: kernels/dsa/indexer_triton.py's BOUND_SLACK; "
+                             "-1: the sort)")
     args = parser.parse_args()
     import kernels.dsa.indexer_triton as indexer_triton
 
     if args.score_kernel:
         indexer_triton.SCORE_KERNEL = args.score_kernel
+    if args.bound_slack is not None:
+        indexer_triton.BOUND_SLACK = args.bound_slack
+    slack = indexer_triton.BOUND_SLACK
+    print(f"selection bound: {'sort' if slack < 0 else f'search, slack {slack}'}", flush=True)
     probe = torch.empty(1, 1, SHAPES["full"]["index_heads"], 1, device="cuda", dtype=torch.bfloat16)
     print(f"indexer score kernel: {indexer_triton.SCORE_KERNEL} -> "
           f"{indexer_triton.resolve_score_kernel(indexer_triton.SCORE_KERNEL, probe)}", flush=True)
