@@ -130,14 +130,16 @@ SCRIPT = textwrap.dedent(
     # segments (of 8 or 32 pools: 4 or 1 per 32-pool tile) whose maximum reaches its bound, in
     # every query block or in those that see at least 16 pools (the 40-query blocks see 10-24),
     # queries and pool keys loaded through tensor descriptors or pointer tensors, and score tiles
-    # stored through a tensor descriptor or per element (the buffer's rows padded to 16 pools)
+    # stored through a tensor descriptor or per element (the buffer's rows padded to 16 pools), and the
+    # selection's bound by a sort of the column maxima (slack -1, the default) or by bisection (slack 0 and 2
+    # stop early, 40 exceeds the 32 columns: no step), each with whole rows and with segments
     # (one block of every query as well: whole rows and segments, descriptor stores on and off)
     for one_block, bound_pass, pair, split, compact, segment, min_pools, tma, store, slack in [
             (True, False, False, False, "atomic", 0, 0, False, False, -1),
             (False, True, True, True, "relaxed", 8, 0, True, True, 0),
-            (True, False, True, True, "relaxed", 8, 0, False, True, 2),
-            (False, True, False, False, "atomic", 0, 0, True, False, -1),
-            (True, False, False, True, "relaxed", 32, 0, True, True, 0),
+            (True, False, True, True, "relaxed", 8, 0, False, True, -1),
+            (False, True, False, False, "atomic", 0, 0, True, False, 0),
+            (True, False, False, True, "relaxed", 32, 0, True, True, 2),
             (False, False, True, True, "relaxed", 8, 16, True, False, 40)]:
         it.BOUND_IN_SELECTION, it.SEGMENT, it.SEGMENT_MIN_POOLS = bound_pass, segment, min_pools
         it.BOUND_SLACK = slack

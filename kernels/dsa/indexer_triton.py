@@ -232,6 +232,13 @@ def _ordered(vals):
 
 
 @triton.jit
+def _passes(vals, bound):
+    """Which float32 ``vals`` are candidates: at or above ``bound`` (a float32 scalar, possibly ``-inf``) and
+    finite, in one compare (the bound raised to ``-FLT_MAX`` leaves out ``-inf``, the masked entries)."""
+    return vals >= tl.maximum(bound, -3.4028234663852886e38)
+
+
+@triton.jit
 def _search_bound(col_max, N_SELECT: tl.constexpr, N_COLUMNS: tl.constexpr, SLACK: tl.constexpr):
     """A lower bound of a row's ``N_SELECT``-th value from its ``[N_COLUMNS]`` float32 column-group maxima,
     without sorting them (v23): bisection on their :func:`_ordered` images for a key that ``N_SELECT`` to
@@ -262,7 +269,7 @@ def _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY: tl.const
     """Write the entries of ``vals`` (float32 scores of pools ``p_lo + offs``) at or above
     ``bound`` to the next free ``slots`` (:func:`_put_candidates`; ``counter``: the row's
     count, ``[len(vals)]`` pointers to it; slots past ``CAPACITY`` are counted, not written)."""
-    keep = vals >= tl.maximum(bound, -3.4028234663852886e38)   # at or above the bound, and finite
+    keep = _passes(vals, bound)
     if COMPACT == "relaxed":
         pos = tl.atomic_add(counter, 1, mask=keep, sem="relaxed")
     else:
@@ -300,7 +307,7 @@ def _compact_hits(seg_row, hits, s0, s_lo, s_hi, bound, n_hits, SEG_CHUNK: tl.co
     RUN: tl.constexpr = SEG_CHUNK if SEG_CHUNK < 32 else 32
     segs = s0 + tl.arange(0, SEG_CHUNK // RUN)[:, None] * RUN + _opaque_lanes(RUN, (n_hits < 0).to(tl.int32))
     seg_max = tl.load(seg_row + segs, mask=(segs >= s_lo) & (segs < s_hi), other=float("-inf"))
-    ones = (seg_max >= tl.maximum(bound, -3.4028234663852886e38)).to(tl.int32)
+    ones = _passes(seg_max, bound).to(tl.int32)
     pos, n_hits = _places(ones, n_hits)
     tl.store(hits + pos, segs, mask=ones > 0)
     return n_hits
@@ -321,7 +328,7 @@ def _take_segments(row, hits, k0, n_hits, lo, hi, bound, slots, p_lo, written, S
     seg = tl.load(hits + k, mask=k < n_hits, other=0)
     offs = seg[:, None] * SEG + _opaque_lanes(SEG, (n_hits < 0).to(tl.int32))
     vals = tl.load(row + offs, mask=(k < n_hits)[:, None] & (offs >= lo) & (offs < hi), other=float("-inf"))
-    keep = vals >= tl.maximum(bound, -3.4028234663852886e38)   # at or above the bound, and finite
+    keep = _passes(vals, bound)
     pos, written = _places(keep.to(tl.int32), written)
     _put_candidates(slots, pos, vals, p_lo + offs, keep & (pos < CAPACITY))
     return written

@@ -215,14 +215,26 @@ def crossover(shape: str, whole, segmented, report) -> int | None:
     return None
 
 
-def profile_call(call, label: str, top: int = 10) -> list[dict]:
-    """CUDA milliseconds of the ``top`` kernels of one ``call`` (after a warm-up) and the device's idle
-    time in its span (:func:`device_idle`), as rows labelled ``label``."""
+def profiled(call):
+    """The CUDA profile (``torch.profiler``) of one ``call``, after a warm-up call."""
     call()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()
+    return prof
+
+
+def cuda_launches(prof) -> list[tuple[float, float, str]]:
+    """``(start us, end us, name)`` of every device event of a profile (kernels, copies), in start order."""
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def profile_call(call, label: str, top: int = 10) -> list[dict]:
+    """CUDA milliseconds of the ``top`` kernels of one ``call`` (after a warm-up) and the device's idle
+    time in its span (:func:`device_idle`), as rows labelled ``label``."""
+    prof = profiled(call)
     rows = [dict(profile=label, kernel=e.key[:90], calls=e.count, ms=e.device_time_total / 1e3)
             for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]]
     try:
@@ -241,13 +253,7 @@ def block_profile(call, label: str, seq_len: int, kpool: int, heads: int, dim: i
     ``(t + 1) // kpool`` pools; blocks of :func:`kernels.dsa.indexer_triton._query_block` queries). A last
     row compares the score kernel's total with its total at the rate of the last run (the largest blocks):
     the difference is what smaller blocks cost beyond their FLOPs (fixed costs per program and launch)."""
-    call()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        call()
-        torch.cuda.synchronize()
-    launches = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                      if e.device_type == torch.autograd.DeviceType.CUDA)
+    launches = cuda_launches(profiled(call))
     score = [(end - start) / 1e3 for start, end, name in launches if "pool_scores" in name]
     select = [(end - start) / 1e3 for start, end, name in launches if "_select_kernel" in name]
     return binned_blocks(label, score, select, seq_len, kpool, heads, dim, matmul_tflops, bins)
@@ -270,14 +276,15 @@ def binned_blocks(label: str, score: list, select: list, seq_len: int, kpool: in
 
     flops = [2 * heads * dim * (visible(t1) - visible(t0)) for t0, t1 in bounds]
     rows, per_bin = [], -(-len(bounds) // bins)
-    for b0 in range(0, len(bounds), per_bin):
+    runs = range(0, len(bounds), per_bin)
+    for b0 in runs:
         b1 = min(b0 + per_bin, len(bounds))
         s_ms, f = sum(score[b0:b1]), sum(flops[b0:b1])
         rows.append(dict(blocks=label, first_block=b0, last_block=b1 - 1, pools_last=bounds[b1 - 1][1] // kpool,
                          score_ms=s_ms, score_pct=100 * f / (s_ms / 1e3) / 1e12 / matmul_tflops,
                          select_ms=sum(select[b0:b1]), select_ns_per_row=1e6 * sum(select[b0:b1]) /
                          (bounds[b1 - 1][1] - bounds[b0][0])))
-    last_rate = sum(flops[b0:]) / sum(score[b0:])
+    last_rate = sum(flops[runs[-1]:]) / sum(score[runs[-1]:])   # the last run: the largest blocks
     rows.append(dict(blocks=label, score_ms=sum(score), score_ms_at_last_rate=sum(flops) / last_rate,
                      select_ms=sum(select)))
     return rows
@@ -287,8 +294,7 @@ def device_idle(prof) -> dict:
     """Device busy and idle milliseconds of one profiled call: the kernels' union against the span
     from the first kernel's start to the last one's end, and the five longest idle gaps with the
     kernels on either side (host syncs and launch overhead show up here, not in kernel times)."""
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = cuda_launches(prof)
     busy, gaps, reach, before = 0.0, [], kernels[0][0], kernels[0][2]
     for start, end, name in kernels:
         if start > reach:

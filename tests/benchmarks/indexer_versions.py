@@ -38,6 +38,7 @@ from kernels.dsa import lightning_indexer_topk  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dsa_bench import SHAPES, ceilings, indexer_inputs, timed  # noqa: E402
+from indexer_score_variants import block_profile, profile_call  # noqa: E402
 
 
 def load_anchor(path: str):
@@ -161,29 +162,18 @@ def main() -> None:
                     rows.append(selection_memory(fn, inputs, kw, f"{name} {seq_len // 1024}k {version}"))
             if args.host:
                 rows.extend(host_time(lambda: lightning_indexer_topk(*inputs, **kw), f"{name} {seq_len // 1024}k"))
-            if args.profile:   # the current version and each --also version
-                from indexer_score_variants import profile_call
-
+            # per-call profiles of the current version and each --also version, labelled by version
+            shape = SHAPES[name]
+            profiles = ([profile_call] if args.profile else []) + (
+                [(lambda call, label: block_profile(call, label, seq_len, kw["kpool"], shape["index_heads"],
+                                                    shape["index_dim"], ceil["matmul_tflops"]))] if args.blocks else [])
+            for profile in profiles:
                 for version, fn in versions.items():
                     if version == "anchor":
                         continue
                     current.triton_pool_topk = fn
                     label = f"{name} {seq_len // 1024}k" + ("" if version == "current" else f" {version}")
-                    for row in profile_call(lambda: lightning_indexer_topk(*inputs, **kw), label):
-                        print(json.dumps(row), flush=True)
-                        rows.append(row)
-                current.triton_pool_topk = versions["current"]
-            if args.blocks:
-                from indexer_score_variants import block_profile
-
-                shape = SHAPES[name]
-                for version, fn in versions.items():
-                    if version == "anchor":
-                        continue
-                    current.triton_pool_topk = fn
-                    label = f"{name} {seq_len // 1024}k" + ("" if version == "current" else f" {version}")
-                    for row in block_profile(lambda: lightning_indexer_topk(*inputs, **kw), label, seq_len, kw["kpool"],
-                                             shape["index_heads"], shape["index_dim"], ceil["matmul_tflops"]):
+                    for row in profile(lambda: lightning_indexer_topk(*inputs, **kw), label):
                         print(json.dumps(row), flush=True)
                         rows.append(row)
                 current.triton_pool_topk = versions["current"]
