@@ -131,8 +131,9 @@ SCRIPT = textwrap.dedent(
     # every query block or in those that see at least 16 pools (the 40-query blocks see 10-24),
     # queries and pool keys loaded through tensor descriptors or pointer tensors, and score tiles
     # stored through a tensor descriptor or per element (the buffer's rows padded to 16 pools), and the
-    # selection's bound by a sort of the column maxima (slack -1, the default) or by bisection (slack 0 and 2
-    # stop early, 40 exceeds the 32 columns: no step), each with whole rows and with segments
+    # selection's bound by a sort of the column maxima (slack -1) or by bisection (slack 0 and 2 stop
+    # early; 40 exceeds the 32 columns: no step, as the default 32 does at these sizes), each with
+    # whole rows and with segments
     # (one block of every query as well: whole rows and segments, descriptor stores on and off)
     for one_block, bound_pass, pair, split, compact, segment, min_pools, tma, store, slack in [
             (True, False, False, False, "atomic", 0, 0, False, False, -1),
