@@ -413,11 +413,12 @@ def _select_kernel(
     (written by :func:`_pool_scores_kernel`): it is met by ``N_SELECT`` entries of distinct
     groups, so it bounds the row's ``N_SELECT``-th value from below; with ``N_COLUMNS >=
     4 * N_SELECT`` it is close to it (about ``N_SELECT * (1 + N_SELECT / (2 N_COLUMNS))``
-    entries pass for random scores). ``BOUND_SLACK >= 0`` (v23, :data:`BOUND_SLACK`, the default): a key that
-    ``N_SELECT`` to ``N_SELECT + BOUND_SLACK`` of the maxima reach, found by bisection
-    (:func:`_search_bound`) instead of a sort of all of them; -1: the sort. Passing entries take a slot and are written to a
-    ``CAPACITY``-slot int64 scratch row (:func:`_put_candidates`); their composite int64 keys (score bits, then
-    the complement of the pool index, as the torch path), sorted in registers, make the order exact and
+    entries pass for random scores). ``BOUND_SLACK >= 0`` (v23, :data:`BOUND_SLACK`, the default): a key
+    that ``N_SELECT`` to ``N_SELECT + BOUND_SLACK`` of the maxima reach, found by bisection
+    (:func:`_search_bound`) instead of a sort of all of them; -1: the sort. Passing entries take a slot
+    and are written to a ``CAPACITY``-slot int64 scratch row (:func:`_put_candidates`); their composite
+    int64 keys (score bits, then the complement of the pool index, as the torch path), sorted in
+    registers, make the order exact and
     deterministic (tie rule: lower pool index first). Reading whole rows, a slot is an atomic increment
     (``COMPACT``) of the row's ``COUNT`` (zeroed by the caller); reading segments, it comes from prefix sums
     (:func:`_take_segments`) and ``COUNT`` is not used. A row with more than ``CAPACITY`` candidates is
@@ -613,8 +614,9 @@ more than the selection saves. One 8192-query block on an H200, full shape (inde
 rows against 64-pool segments: 2.01 vs 2.07 ms at 8192 pools, 3.49 vs 3.25 at 16,384, 10.37 vs
 10.29 at 65,536; end to end at 1M tokens 0.6874 s (v9) against 0.6645 s with this threshold and
 0.6684 s without one; at 256k 0.0493 / 0.0503 / 0.0520 s (``indexer_score_variants.py``,
-kernels/NOTES.md, v11). Rechecked on v23: 8192 and 32,768 within 0.6% at 1M, 8192 2-3% slower at 256k. For index dim 64 segments paid only at 65,536 pools and no end-to-end
-variant beat whole rows beyond noise (1M: 0.2840 s whole rows, 0.2859 s segmented)."""
+kernels/NOTES.md, v11). For index dim 64 segments paid only at 65,536 pools and no end-to-end
+variant beat whole rows beyond noise (1M: 0.2840 s whole rows, 0.2859 s segmented). Rechecked on v23:
+8192 and 32,768 within 0.6% at 1M, 8192 2-3% slower at 256k (kernels/NOTES.md)."""
 
 BOUND_SLACK = 32
 """How the selection finds its bound: ``s >= 0`` (v23, :func:`_search_bound`, the default 32), a key that
