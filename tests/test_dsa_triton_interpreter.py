@@ -133,21 +133,22 @@ SCRIPT = textwrap.dedent(
     # stored through a tensor descriptor or per element (the buffer's rows padded to 16 pools), and the
     # selection's bound by a sort of the column maxima (slack -1) or by bisection (slack 0 and 2 stop
     # early; 40 exceeds the 32 columns: no step, as the default 32 does at these sizes), each with
-    # whole rows and with segments
+    # whole rows and with segments, and hit segments read one score or two (int64 pairs, v26) at a time
     # (one block of every query as well: whole rows and segments, descriptor stores on and off)
-    for one_block, bound_pass, pair, split, compact, segment, min_pools, tma, store, slack in [
-            (True, False, False, False, "atomic", 0, 0, False, False, -1),
-            (False, True, True, True, "relaxed", 8, 0, True, True, 0),
-            (True, False, True, True, "relaxed", 8, 0, False, True, -1),
-            (False, True, False, False, "atomic", 0, 0, True, False, 0),
-            (True, False, False, True, "relaxed", 32, 0, True, True, 2),
-            (False, False, True, True, "relaxed", 8, 16, True, False, 40)]:
+    for one_block, bound_pass, pair, split, compact, segment, min_pools, tma, store, slack, pairs in [
+            (True, False, False, False, "atomic", 0, 0, False, False, -1, False),
+            (False, True, True, True, "relaxed", 8, 0, True, True, 0, False),
+            (True, False, True, True, "relaxed", 8, 0, False, True, -1, False),
+            (False, True, False, False, "atomic", 0, 0, True, False, 0, False),
+            (True, False, False, True, "relaxed", 32, 0, True, True, 2, False),
+            (True, False, False, True, "relaxed", 32, 0, True, True, 2, True),
+            (False, False, True, True, "relaxed", 8, 16, True, False, 40, True)]:
         it.BOUND_IN_SELECTION, it.SEGMENT, it.SEGMENT_MIN_POOLS = bound_pass, segment, min_pools
-        it.BOUND_SLACK = slack
+        it.BOUND_SLACK, it.SEGMENT_PAIRS = slack, pairs
         it.TENSOR_DESCRIPTORS, it.STORE_DESCRIPTOR = tma, store
         score_cfg.update(PAIR=pair)
         select_cfg.update(SPLIT_SORT=split, LOOP_STAGES=2 if split else 1, COMPACT=compact)
-        check_indexer(one_block, bound_pass, pair, split, compact, segment, min_pools, tma, store, slack)
+        check_indexer(one_block, bound_pass, pair, split, compact, segment, min_pools, tma, store, slack, pairs)
     print("TRITON_INTERPRETER_OK")
     """
 )

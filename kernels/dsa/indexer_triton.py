@@ -315,7 +315,7 @@ def _compact_hits(seg_row, hits, s0, s_lo, s_hi, bound, n_hits, SEG_CHUNK: tl.co
 
 @triton.jit
 def _take_segments(row, hits, k0, n_hits, lo, hi, bound, slots, p_lo, written, SEG: tl.constexpr,
-                   SEGS: tl.constexpr, CAPACITY: tl.constexpr):
+                   SEGS: tl.constexpr, CAPACITY: tl.constexpr, PAIRS: tl.constexpr):
     """Candidates of the hit segments ``k0 .. k0 + SEGS - 1`` of a score row (v21): the entries of
     ``[lo, hi)`` at or above ``bound`` in segments ``hits[k]`` (``k < n_hits``; ``SEG`` pools each) to the
     slots from ``written`` on (:func:`_put_candidates`). Returns ``written`` plus their number.
@@ -323,14 +323,32 @@ def _take_segments(row, hits, k0, n_hits, lo, hi, bound, slots, p_lo, written, S
     The segments form a ``[SEGS, SEG]`` tile held one segment per thread (:func:`_opaque_lanes`): a
     candidate's slot comes from prefix sums (:func:`_places`), and no entry takes an atomic (v11-v20: one
     warp-aggregated ``ATOMG`` per entry, and layout conversions through shared memory around them, 40% of the
-    selection's instructions at 65,536 pools)."""
+    selection's instructions at 65,536 pools). ``PAIRS`` (:data:`SEGMENT_PAIRS`, v26): the segment is read as
+    ``SEG / 2`` int64 score pairs."""
     k = k0 + tl.arange(0, SEGS)
     seg = tl.load(hits + k, mask=k < n_hits, other=0)
-    offs = seg[:, None] * SEG + _opaque_lanes(SEG, (n_hits < 0).to(tl.int32))
-    vals = tl.load(row + offs, mask=(k < n_hits)[:, None] & (offs >= lo) & (offs < hi), other=float("-inf"))
-    keep = _passes(vals, bound)
-    pos, written = _places(keep.to(tl.int32), written)
-    _put_candidates(slots, pos, vals, p_lo + offs, keep & (pos < CAPACITY))
+    if PAIRS:
+        # v26: each thread reads its segment as SEG / 2 int64 (two scores each, the row 8-byte aligned: its
+        # stride is a multiple of 16 pools), half the loads; a pair is read if one of its pools is in [lo, hi)
+        even = 2 * (seg[:, None] * (SEG // 2) + _opaque_lanes(SEG // 2, (n_hits < 0).to(tl.int32)))
+        hit = (k < n_hits)[:, None]
+        pair = tl.load(row.to(tl.pointer_type(tl.int64)) + even // 2, mask=hit & (even < hi) & (even + 1 >= lo),
+                       other=0)
+        v0 = tl.where(hit & (even >= lo) & (even < hi),
+                      (pair & 4294967295).to(tl.int32).to(tl.float32, bitcast=True), float("-inf"))
+        v1 = tl.where(hit & (even + 1 >= lo) & (even + 1 < hi),
+                      (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True), float("-inf"))
+        keep0, keep1 = _passes(v0, bound), _passes(v1, bound)
+        pos, written = _places(keep0.to(tl.int32) + keep1.to(tl.int32), written)
+        pos0 = pos - keep1.to(tl.int32)        # both kept: the even pool one slot before the odd one
+        _put_candidates(slots, pos0, v0, p_lo + even, keep0 & (pos0 < CAPACITY))
+        _put_candidates(slots, pos, v1, p_lo + even + 1, keep1 & (pos < CAPACITY))
+    else:
+        offs = seg[:, None] * SEG + _opaque_lanes(SEG, (n_hits < 0).to(tl.int32))
+        vals = tl.load(row + offs, mask=(k < n_hits)[:, None] & (offs >= lo) & (offs < hi), other=float("-inf"))
+        keep = _passes(vals, bound)
+        pos, written = _places(keep.to(tl.int32), written)
+        _put_candidates(slots, pos, vals, p_lo + offs, keep & (pos < CAPACITY))
     return written
 
 
@@ -395,7 +413,7 @@ TIE_CHUNK = tl.constexpr(256)
 # COUNT is zeroed before each configuration's timing runs: accumulated over them, every row would
 # overflow its slots and take the slow exact pass (_select_tied) in the tuning call
 @triton.autotune(configs=SELECT_CONFIGS,
-                 key=["N_COLUMNS", "CAPACITY", "size_class", "BOUND_PASS", "SEG", "BOUND_SLACK"],
+                 key=["N_COLUMNS", "CAPACITY", "size_class", "BOUND_PASS", "SEG", "BOUND_SLACK", "PAIRS"],
                  reset_to_zero=["COUNT"])
 @triton.jit
 def _select_kernel(
@@ -405,6 +423,7 @@ def _select_kernel(
     N_SELECT: tl.constexpr, N_COLUMNS: tl.constexpr, CAPACITY: tl.constexpr,
     CHUNK: tl.constexpr, SPLIT_SORT: tl.constexpr, LOOP_STAGES: tl.constexpr, BOUND_PASS: tl.constexpr,
     COMPACT: tl.constexpr, SEG: tl.constexpr, SEG_CHUNK: tl.constexpr, BOUND_SLACK: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):
     """Per score row: a lower bound on its n_select-th value, the composite keys above it,
     and the decoded pool indices of the best ``N_SELECT`` (-1 where fewer are visible).
@@ -478,7 +497,7 @@ def _select_kernel(
         written = tl.full([], 0, tl.int32)
         for k0 in tl.range(0, n_hits, CHUNK // SEG, num_stages=LOOP_STAGES):
             written = _take_segments(base, hits, k0, n_hits, lo, hi, bound, slots, p_lo, written, SEG, CHUNK // SEG,
-                                     CAPACITY)
+                                     CAPACITY, PAIRS)
     else:
         # whole 16-byte vectors of the row ([lo, hi) widened to multiples of 4 floats: inside the row's padded
         # stride), masked to [lo, hi) after the load: vector loads instead of one per float (v16)
@@ -626,6 +645,15 @@ instructions for 512). Same indices. On an H200, small shape, 1M tokens: selecti
 end to end 0.1893 against 0.1923 s (47% against 46% of the matmul rate); 256k 0.0156 against 0.0171 s; full
 shape 1M 0.4987 against 0.5019 s, 256k 0.0342 against 0.0361 s (``indexer_versions.py --also``,
 kernels/NOTES.md, v23)."""
+
+SEGMENT_PAIRS = False
+"""Whether the selection reads a hit segment as int64 pairs of scores (v26, :func:`_take_segments`): 16
+8-byte loads per thread and segment instead of 32 4-byte ones. One segment per thread, so each warp-wide
+load touches 32 cache lines either way; pairs halve those line requests (offline sm_90: 8,576 SASS
+instructions against 8,464, 109 registers against 128). Same indices. On an H200, the selection alone on one
+block of 8192 rows (``tests/benchmarks/select_gather.py``): 0.211 against 0.291 ms at 65,536 pools, 0.150
+against 0.219 at 16,384. Off until timed end to end and checked by ``tests/gpu/dsa_check.py``
+(kernels/NOTES.md, v26)."""
 
 SEGMENT_CHUNK = 1024
 """Segment maxima the selection compacts at a time (one step up to 32,768 pools at ``SEGMENT`` 32, two at 65,536)."""
@@ -841,6 +869,6 @@ def triton_pool_topk(
             seg_max.stride(0), seg_max.stride(1), cnt.stride(0), out.stride(0), out.stride(1),
             n_rows, n_pools, p_lo, _size_class(n_pools),
             N_SELECT=min(n_select, n_pools), N_COLUMNS=columns, CAPACITY=capacity, BOUND_PASS=bound_pass,
-            SEG=width, SEG_CHUNK=SEGMENT_CHUNK, BOUND_SLACK=BOUND_SLACK,
+            SEG=width, SEG_CHUNK=SEGMENT_CHUNK, BOUND_SLACK=BOUND_SLACK, PAIRS=SEGMENT_PAIRS,
         )
     return selected
