@@ -1,6 +1,7 @@
 """GPU correctness check of the DSA Triton kernels (issue 4). Run on an H200:
 
-    python tests/gpu/dsa_check.py [--seq-lens 4096 16384 65536] [--score-kernel gluon] [--bound-slack 32] [--out results.json]
+    python tests/gpu/dsa_check.py [--seq-lens 4096 16384 65536] [--score-kernel gluon] [--bound-slack 32]
+        [--segment-pairs] [--out results.json]
 
 Per sequence length, with fresh random inputs and the caching allocator's free memory
 filled with NaN before every kernel call (so an unwritten output shows up):
@@ -190,11 +191,16 @@ def check_ties(seq_len: int = 16384) -> dict:
     return result
 
 
-def _cp_worker(rank: int, world: int, seq_len: int, port: int, queue, score_kernel: str, bound_slack: int) -> None:
+SETTINGS = ("SCORE_KERNEL", "BOUND_SLACK", "SEGMENT_PAIRS")
+"""The module constants of kernels/dsa/indexer_triton.py that the options set, passed on to the CP workers."""
+
+
+def _cp_worker(rank: int, world: int, seq_len: int, port: int, queue, settings: dict) -> None:
     import kernels.dsa.indexer_triton as indexer_triton
 
     # a spawned process imports the module afresh
-    indexer_triton.SCORE_KERNEL, indexer_triton.BOUND_SLACK = score_kernel, bound_slack
+    for name, value in settings.items():
+        setattr(indexer_triton, name, value)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
@@ -225,8 +231,8 @@ def check_context_parallel(seq_len: int, world: int = 2) -> dict:
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_cp_worker, args=(world, seq_len, 29533 + world, queue, indexer_triton.SCORE_KERNEL,
-                                         indexer_triton.BOUND_SLACK),
+    settings = {name: getattr(indexer_triton, name) for name in SETTINGS}
+    mp.start_processes(_cp_worker, args=(world, seq_len, 29533 + world, queue, settings),
                        nprocs=world, start_method="spawn")
     return dict(world=world, seq_len=seq_len, indices_equal_single_gpu=queue.get(), ok=None)
 
@@ -241,6 +247,8 @@ def main() -> None:
     parser.add_argument("--bound-slack", type=int, default=None,
                         help="the selection's bound search (default: kernels/dsa/indexer_triton.py's BOUND_SLACK; "
                              "-1: the sort)")
+    parser.add_argument("--segment-pairs", action="store_true",
+                        help="hit segments read as int64 score pairs (SEGMENT_PAIRS, v26)")
     args = parser.parse_args()
     import kernels.dsa.indexer_triton as indexer_triton
 
@@ -248,8 +256,11 @@ def main() -> None:
         indexer_triton.SCORE_KERNEL = args.score_kernel
     if args.bound_slack is not None:
         indexer_triton.BOUND_SLACK = args.bound_slack
+    if args.segment_pairs:
+        indexer_triton.SEGMENT_PAIRS = True
     slack = indexer_triton.BOUND_SLACK
-    print(f"selection bound: {'sort' if slack < 0 else f'search, slack {slack}'}", flush=True)
+    print(f"selection bound: {'sort' if slack < 0 else f'search, slack {slack}'}; "
+          f"segments read {'by pairs' if indexer_triton.SEGMENT_PAIRS else 'by score'}", flush=True)
     probe = torch.empty(1, 1, SHAPES["full"]["index_heads"], 1, device="cuda", dtype=torch.bfloat16)
     print(f"indexer score kernel: {indexer_triton.SCORE_KERNEL} -> "
           f"{indexer_triton.resolve_score_kernel(indexer_triton.SCORE_KERNEL, probe)}", flush=True)
