@@ -299,18 +299,49 @@ def _places(ones, start):
 
 
 @triton.jit
-def _compact_hits(seg_row, hits, s0, s_lo, s_hi, bound, n_hits, SEG_CHUNK: tl.constexpr):
+def _compact_hits(seg_row, hits, s0, s_lo, s_hi, bound, n_hits, SEG_CHUNK: tl.constexpr, PAIRS: tl.constexpr):
     """Append to ``hits`` (from ``n_hits`` on) the segments ``s`` of ``[s0, s0 + SEG_CHUNK)`` inside ``[s_lo, s_hi)``
     whose maximum (``seg_row[s]``, float32) reaches ``bound`` and is finite. Returns ``n_hits`` plus their number.
     The chunk is a ``[SEG_CHUNK / 32, 32]`` tile of runs of segments (one run below 32), placed by
-    :func:`_places` (v21b)."""
+    :func:`_places` (v21b); with ``PAIRS`` (:data:`SEGMENT_PAIRS`) each run is read as int64 pairs of maxima
+    (``seg_row`` 8-byte aligned: the maxima's row stride is even; ``s0`` a multiple of ``SEG_CHUNK``)."""
     RUN: tl.constexpr = SEG_CHUNK if SEG_CHUNK < 32 else 32
-    segs = s0 + tl.arange(0, SEG_CHUNK // RUN)[:, None] * RUN + _opaque_lanes(RUN, (n_hits < 0).to(tl.int32))
-    seg_max = tl.load(seg_row + segs, mask=(segs >= s_lo) & (segs < s_hi), other=float("-inf"))
-    ones = _passes(seg_max, bound).to(tl.int32)
-    pos, n_hits = _places(ones, n_hits)
-    tl.store(hits + pos, segs, mask=ones > 0)
+    runs = s0 + tl.arange(0, SEG_CHUNK // RUN)[:, None] * RUN
+    if PAIRS:
+        even = runs + 2 * _opaque_lanes(RUN // 2, (n_hits < 0).to(tl.int32))
+        pair = _load_pairs(seg_row, even, (even < s_hi) & (even + 1 >= s_lo))
+        max0 = tl.where((even >= s_lo) & (even < s_hi), _low_float(pair), float("-inf"))
+        max1 = tl.where((even + 1 >= s_lo) & (even + 1 < s_hi), _high_float(pair), float("-inf"))
+        ones0, ones1 = _passes(max0, bound).to(tl.int32), _passes(max1, bound).to(tl.int32)
+        pos, n_hits = _places(ones0 + ones1, n_hits)
+        tl.store(hits + pos - ones1, even, mask=ones0 > 0)    # both pass: the even one a place before
+        tl.store(hits + pos, even + 1, mask=ones1 > 0)
+    else:
+        segs = runs + _opaque_lanes(RUN, (n_hits < 0).to(tl.int32))
+        seg_max = tl.load(seg_row + segs, mask=(segs >= s_lo) & (segs < s_hi), other=float("-inf"))
+        ones = _passes(seg_max, bound).to(tl.int32)
+        pos, n_hits = _places(ones, n_hits)
+        tl.store(hits + pos, segs, mask=ones > 0)
     return n_hits
+
+
+@triton.jit
+def _load_pairs(base, even, mask):
+    """The int64 at ``base + even`` (float32 pointer, 8-byte aligned; ``even`` int32 even offsets): the float32
+    pair ``base[even], base[even + 1]`` in one 8-byte load (v26); 0 where ``mask`` is off."""
+    return tl.load(base.to(tl.pointer_type(tl.int64)) + even // 2, mask=mask, other=0)
+
+
+@triton.jit
+def _low_float(pair):
+    """The first float32 of an int64 pair (:func:`_load_pairs`; little-endian: its low half)."""
+    return (pair & 4294967295).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _high_float(pair):
+    """The second float32 of an int64 pair (:func:`_load_pairs`: its high half)."""
+    return (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -332,12 +363,9 @@ def _take_segments(row, hits, k0, n_hits, lo, hi, bound, slots, p_lo, written, S
         # stride is a multiple of 16 pools), half the loads; a pair is read if one of its pools is in [lo, hi)
         even = 2 * (seg[:, None] * (SEG // 2) + _opaque_lanes(SEG // 2, (n_hits < 0).to(tl.int32)))
         hit = (k < n_hits)[:, None]
-        pair = tl.load(row.to(tl.pointer_type(tl.int64)) + even // 2, mask=hit & (even < hi) & (even + 1 >= lo),
-                       other=0)
-        v0 = tl.where(hit & (even >= lo) & (even < hi),
-                      (pair & 4294967295).to(tl.int32).to(tl.float32, bitcast=True), float("-inf"))
-        v1 = tl.where(hit & (even + 1 >= lo) & (even + 1 < hi),
-                      (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True), float("-inf"))
+        pair = _load_pairs(row, even, hit & (even < hi) & (even + 1 >= lo))
+        v0 = tl.where(hit & (even >= lo) & (even < hi), _low_float(pair), float("-inf"))
+        v1 = tl.where(hit & (even + 1 >= lo) & (even + 1 < hi), _high_float(pair), float("-inf"))
         keep0, keep1 = _passes(v0, bound), _passes(v1, bound)
         pos, written = _places(keep0.to(tl.int32) + keep1.to(tl.int32), written)
         pos0 = pos - keep1.to(tl.int32)        # both kept: the even pool one slot before the odd one
@@ -491,7 +519,7 @@ def _select_kernel(
         n_hits = tl.full([], 0, tl.int32)
         s_lo, s_hi = lo // SEG, tl.cdiv(hi, SEG)
         for s0 in range(s_lo // SEG_CHUNK * SEG_CHUNK, s_hi, SEG_CHUNK):
-            n_hits = _compact_hits(seg_row, hits, s0, s_lo, s_hi, bound, n_hits, SEG_CHUNK)
+            n_hits = _compact_hits(seg_row, hits, s0, s_lo, s_hi, bound, n_hits, SEG_CHUNK, PAIRS)
         # the hit list, written by every thread, is read by others below
         tl.debug_barrier()
         written = tl.full([], 0, tl.int32)
@@ -648,7 +676,8 @@ kernels/NOTES.md, v23)."""
 
 SEGMENT_PAIRS = False
 """Whether the selection reads a hit segment as int64 pairs of scores (v26, :func:`_take_segments`): 16
-8-byte loads per thread and segment instead of 32 4-byte ones. One segment per thread, so each warp-wide
+8-byte loads per thread and segment instead of 32 4-byte ones; likewise the segment maxima it compacts
+(:func:`_compact_hits`, added after the timing below). One segment per thread, so each warp-wide
 load touches 32 cache lines either way; pairs halve those line requests (offline sm_90: 8,576 SASS
 instructions against 8,464, 109 registers against 128). Same indices. On an H200, the selection alone on one
 block of 8192 rows (``tests/benchmarks/select_gather.py``): 0.211 against 0.291 ms at 65,536 pools, 0.150
@@ -710,6 +739,11 @@ inside a block costs nothing, the score kernel skips the tiles no query of a til
 def _padded(n_pools: int) -> int:
     """Row stride of the score buffer: ``n_pools`` rounded up to a multiple of 16."""
     return -(-n_pools // 16) * 16
+
+
+def _even(n: int) -> int:
+    """``n`` rounded up to an even number."""
+    return n + (n & 1)
 
 
 def _query_block(batch: int, n_pools: int) -> int:
@@ -844,7 +878,8 @@ def triton_pool_topk(
     score_buf = torch.empty(batch * rows_max * _padded(pools_max), dtype=torch.float32, device=q.device)
     col_max = torch.empty(batch, 1 if bound_pass else rows_max, columns, dtype=torch.float32, device=q.device)
     # segment maxima and the selection's list of the segments it reads (v11; the widest block's)
-    segs_max = triton.cdiv(pools_max, block_seg(pools_max)) if block_seg(pools_max) else 1
+    # segment maxima rows of an even stride: 8-byte aligned for the selection's pair loads (v26)
+    segs_max = _even(triton.cdiv(pools_max, block_seg(pools_max)) if block_seg(pools_max) else 1)
     seg_buf = torch.empty(batch * rows_max * segs_max, dtype=torch.float32, device=q.device)
     hits = torch.empty(batch * rows_max * segs_max, dtype=torch.int32, device=q.device)
     # per row: the candidates' score bits and pool indices (int64 each; _put_candidates)
@@ -857,7 +892,7 @@ def triton_pool_topk(
         row = _padded(n_pools)
         scores = score_buf[: batch * n_rows * row].view(batch, n_rows, row)[:, :, :n_pools]
         n_segs = triton.cdiv(n_pools, width) if width else 1
-        seg_max = seg_buf[: batch * n_rows * n_segs].view(batch, n_rows, n_segs)
+        seg_max = seg_buf[: batch * n_rows * _even(n_segs)].view(batch, n_rows, _even(n_segs))[:, :, :n_segs]
         q_blk, w_blk = q[:, t0:t1], weights[:, t0:t1]
 
         launch_pool_scores(score_kernel, q_blk, pool_keys, w_blk, scores, col_max, seg_max, q_lo[t0:t1],
