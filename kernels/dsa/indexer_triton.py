@@ -309,13 +309,9 @@ def _compact_hits(seg_row, hits, s0, s_lo, s_hi, bound, n_hits, SEG_CHUNK: tl.co
     runs = s0 + tl.arange(0, SEG_CHUNK // RUN)[:, None] * RUN
     if PAIRS:
         even = runs + 2 * _opaque_lanes(RUN // 2, (n_hits < 0).to(tl.int32))
-        pair = _load_pairs(seg_row, even, (even < s_hi) & (even + 1 >= s_lo))
-        max0 = tl.where((even >= s_lo) & (even < s_hi), _low_float(pair), float("-inf"))
-        max1 = tl.where((even + 1 >= s_lo) & (even + 1 < s_hi), _high_float(pair), float("-inf"))
-        ones0, ones1 = _passes(max0, bound).to(tl.int32), _passes(max1, bound).to(tl.int32)
-        pos, n_hits = _places(ones0 + ones1, n_hits)
-        tl.store(hits + pos - ones1, even, mask=ones0 > 0)    # both pass: the even one a place before
-        tl.store(hits + pos, even + 1, mask=ones1 > 0)
+        _, _, keep0, keep1, pos0, pos1, n_hits = _passing_pairs(seg_row, even, True, s_lo, s_hi, bound, n_hits)
+        tl.store(hits + pos0, even, mask=keep0)
+        tl.store(hits + pos1, even + 1, mask=keep1)
     else:
         segs = runs + _opaque_lanes(RUN, (n_hits < 0).to(tl.int32))
         seg_max = tl.load(seg_row + segs, mask=(segs >= s_lo) & (segs < s_hi), other=float("-inf"))
@@ -326,22 +322,22 @@ def _compact_hits(seg_row, hits, s0, s_lo, s_hi, bound, n_hits, SEG_CHUNK: tl.co
 
 
 @triton.jit
-def _load_pairs(base, even, mask):
-    """The int64 at ``base + even`` (float32 pointer, 8-byte aligned; ``even`` int32 even offsets): the float32
-    pair ``base[even], base[even + 1]`` in one 8-byte load (v26); 0 where ``mask`` is off."""
-    return tl.load(base.to(tl.pointer_type(tl.int64)) + even // 2, mask=mask, other=0)
-
-
-@triton.jit
-def _low_float(pair):
-    """The first float32 of an int64 pair (:func:`_load_pairs`; little-endian: its low half)."""
-    return (pair & 4294967295).to(tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _high_float(pair):
-    """The second float32 of an int64 pair (:func:`_load_pairs`: its high half)."""
-    return (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+def _passing_pairs(base, even, valid, lo, hi, bound, start):
+    """The float32 pairs ``base[even], base[even + 1]`` (``base`` 8-byte aligned, ``even`` an int32 tile of even
+    offsets), each read as one int64 (little-endian: the first float in the low half; v26) where ``valid`` and
+    one of the two offsets is in ``[lo, hi)``, and which of them pass ``bound`` (:func:`_passes`) with their
+    places in a list filled from ``start`` on (:func:`_places`; both pass: the first a place before the second).
+    Returns ``v0, v1`` (float32, ``-inf`` outside ``[lo, hi)``), ``keep0, keep1``, ``pos0, pos1`` and ``start``
+    plus the number passing."""
+    pair = tl.load(base.to(tl.pointer_type(tl.int64)) + even // 2, mask=valid & (even < hi) & (even + 1 >= lo),
+                   other=0)
+    v0 = tl.where(valid & (even >= lo) & (even < hi),
+                  (pair & 4294967295).to(tl.int32).to(tl.float32, bitcast=True), float("-inf"))
+    v1 = tl.where(valid & (even + 1 >= lo) & (even + 1 < hi),
+                  (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True), float("-inf"))
+    keep0, keep1 = _passes(v0, bound), _passes(v1, bound)
+    pos1, start = _places(keep0.to(tl.int32) + keep1.to(tl.int32), start)
+    return v0, v1, keep0, keep1, pos1 - keep1.to(tl.int32), pos1, start
 
 
 @triton.jit
@@ -360,17 +356,12 @@ def _take_segments(row, hits, k0, n_hits, lo, hi, bound, slots, p_lo, written, S
     seg = tl.load(hits + k, mask=k < n_hits, other=0)
     if PAIRS:
         # v26: each thread reads its segment as SEG / 2 int64 (two scores each, the row 8-byte aligned: its
-        # stride is a multiple of 16 pools), half the loads; a pair is read if one of its pools is in [lo, hi)
+        # stride is a multiple of 16 pools), half the loads
         even = 2 * (seg[:, None] * (SEG // 2) + _opaque_lanes(SEG // 2, (n_hits < 0).to(tl.int32)))
-        hit = (k < n_hits)[:, None]
-        pair = _load_pairs(row, even, hit & (even < hi) & (even + 1 >= lo))
-        v0 = tl.where(hit & (even >= lo) & (even < hi), _low_float(pair), float("-inf"))
-        v1 = tl.where(hit & (even + 1 >= lo) & (even + 1 < hi), _high_float(pair), float("-inf"))
-        keep0, keep1 = _passes(v0, bound), _passes(v1, bound)
-        pos, written = _places(keep0.to(tl.int32) + keep1.to(tl.int32), written)
-        pos0 = pos - keep1.to(tl.int32)        # both kept: the even pool one slot before the odd one
+        v0, v1, keep0, keep1, pos0, pos1, written = _passing_pairs(row, even, (k < n_hits)[:, None], lo, hi, bound,
+                                                                   written)
         _put_candidates(slots, pos0, v0, p_lo + even, keep0 & (pos0 < CAPACITY))
-        _put_candidates(slots, pos, v1, p_lo + even + 1, keep1 & (pos < CAPACITY))
+        _put_candidates(slots, pos1, v1, p_lo + even + 1, keep1 & (pos1 < CAPACITY))
     else:
         offs = seg[:, None] * SEG + _opaque_lanes(SEG, (n_hits < 0).to(tl.int32))
         vals = tl.load(row + offs, mask=(k < n_hits)[:, None] & (offs >= lo) & (offs < hi), other=float("-inf"))
@@ -678,8 +669,8 @@ SEGMENT_PAIRS = False
 """Whether the selection reads a hit segment as int64 pairs of scores (v26, :func:`_take_segments`): 16
 8-byte loads per thread and segment instead of 32 4-byte ones; likewise the segment maxima it compacts
 (:func:`_compact_hits`, added after the timing below). One segment per thread, so each warp-wide
-load touches 32 cache lines either way; pairs halve those line requests (offline sm_90: 8,576 SASS
-instructions against 8,464, 109 registers against 128). Same indices. On an H200, the selection alone on one
+load touches 32 cache lines either way; pairs halve those line requests (offline sm_90, one warp: 8,560
+SASS instructions against 8,464, 118 registers against 128). Same indices. On an H200, the selection alone on one
 block of 8192 rows (``tests/benchmarks/select_gather.py``): 0.211 against 0.291 ms at 65,536 pools, 0.150
 against 0.219 at 16,384. Off until timed end to end and checked by ``tests/gpu/dsa_check.py``
 (kernels/NOTES.md, v26)."""
