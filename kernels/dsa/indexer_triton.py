@@ -456,8 +456,7 @@ def _select_kernel(
     (:func:`_search_bound`) instead of a sort of all of them; -1: the sort. Passing entries take a slot
     and are written to a ``CAPACITY``-slot int64 scratch row (:func:`_put_candidates`); their composite
     int64 keys (score bits, then the complement of the pool index, as the torch path), sorted in
-    registers, make the order exact and
-    deterministic (tie rule: lower pool index first). Reading whole rows, a slot is an atomic increment
+    registers, make the order exact and deterministic (tie rule: lower pool index first). Reading whole rows, a slot is an atomic increment
     (``COMPACT``) of the row's ``COUNT`` (zeroed by the caller); reading segments, it comes from prefix sums
     (:func:`_take_segments`) and ``COUNT`` is not used. A row with more than ``CAPACITY`` candidates is
     selected again by :func:`_select_tied` (massive ties). ``SPLIT_SORT``: rows with at most
@@ -732,6 +731,13 @@ def _padded(n_pools: int) -> int:
     return -(-n_pools // 16) * 16
 
 
+def select_constants() -> dict:
+    """The :func:`_select_kernel` constexprs that this module's settings give (``SEG_CHUNK``: :data:`SEGMENT_CHUNK`,
+    ``BOUND_SLACK``: :data:`BOUND_SLACK`, ``PAIRS``: :data:`SEGMENT_PAIRS`), read at call time: for every launch of
+    the kernel, here and in the benchmarks that call it directly."""
+    return dict(SEG_CHUNK=SEGMENT_CHUNK, BOUND_SLACK=BOUND_SLACK, PAIRS=SEGMENT_PAIRS)
+
+
 def _even(n: int) -> int:
     """``n`` rounded up to an even number."""
     return n + (n & 1)
@@ -883,7 +889,8 @@ def triton_pool_topk(
         row = _padded(n_pools)
         scores = score_buf[: batch * n_rows * row].view(batch, n_rows, row)[:, :, :n_pools]
         n_segs = triton.cdiv(n_pools, width) if width else 1
-        seg_max = seg_buf[: batch * n_rows * _even(n_segs)].view(batch, n_rows, _even(n_segs))[:, :, :n_segs]
+        seg_stride = _even(n_segs)
+        seg_max = seg_buf[: batch * n_rows * seg_stride].view(batch, n_rows, seg_stride)[:, :, :n_segs]
         q_blk, w_blk = q[:, t0:t1], weights[:, t0:t1]
 
         launch_pool_scores(score_kernel, q_blk, pool_keys, w_blk, scores, col_max, seg_max, q_lo[t0:t1],
@@ -895,6 +902,6 @@ def triton_pool_topk(
             seg_max.stride(0), seg_max.stride(1), cnt.stride(0), out.stride(0), out.stride(1),
             n_rows, n_pools, p_lo, _size_class(n_pools),
             N_SELECT=min(n_select, n_pools), N_COLUMNS=columns, CAPACITY=capacity, BOUND_PASS=bound_pass,
-            SEG=width, SEG_CHUNK=SEGMENT_CHUNK, BOUND_SLACK=BOUND_SLACK, PAIRS=SEGMENT_PAIRS,
+            SEG=width, **select_constants(),
         )
     return selected

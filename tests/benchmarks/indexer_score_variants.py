@@ -474,8 +474,7 @@ def main() -> None:
                             counts.stride(0), selected.stride(0), selected.stride(1), ROWS, POOLS, 0, size_class,
                             N_SELECT=N_SELECT, N_COLUMNS=columns, CAPACITY=capacity, CHUNK=chunk,
                             SPLIT_SORT=split, LOOP_STAGES=loop_stages, BOUND_PASS=bound_pass, COMPACT=compact,
-                            SEG=seg, SEG_CHUNK=it.SEGMENT_CHUNK, BOUND_SLACK=it.BOUND_SLACK,
-                            PAIRS=it.SEGMENT_PAIRS, num_warps=warps)
+                            SEG=seg, **it.select_constants(), num_warps=warps)
                     try:
                         selected.fill_(-7)
                         run_sel()

@@ -63,7 +63,7 @@ def main() -> None:
                     seg_max.stride(0), seg_max.stride(1), counts.stride(0), selected.stride(0), selected.stride(1),
                     rows, pools, 0, it._size_class(pools), N_SELECT=N_SELECT, N_COLUMNS=columns, CAPACITY=capacity,
                     CHUNK=1024, SPLIT_SORT=True, LOOP_STAGES=1, BOUND_PASS=False, COMPACT="relaxed", SEG=seg,
-                    SEG_CHUNK=it.SEGMENT_CHUNK, BOUND_SLACK=it.BOUND_SLACK, PAIRS=pairs, num_warps=1)
+                    **dict(it.select_constants(), PAIRS=pairs), num_warps=1)
             selected.fill_(-7)
             run()
             torch.cuda.synchronize()

@@ -146,8 +146,7 @@ def main() -> None:
     for config in it.SELECT_CONFIGS:
         for bound_pass, seg in [(False, it.SEGMENT), (False, 0), (True, 0)]:
             kw = dict(config.kwargs, N_SELECT=n_select, N_COLUMNS=columns, CAPACITY=capacity, BOUND_PASS=bound_pass,
-                      SEG=seg, SEG_CHUNK=it.SEGMENT_CHUNK, BOUND_SLACK=it.BOUND_SLACK,
-                      PAIRS=it.SEGMENT_PAIRS)
+                      SEG=seg, **it.select_constants())
             name = f"select CHUNK={config.kwargs['CHUNK']} LOOP_STAGES={config.kwargs['LOOP_STAGES']} " \
                    f"BOUND_PASS={int(bound_pass)} SEG={seg} w{config.num_warps}"
             rows.append((name, compile_sm90(it._select_kernel, select_sig, kw, config.num_warps), config.num_warps))
