@@ -106,6 +106,12 @@ SCRIPT = textwrap.dedent(
         got = it.triton_pool_topk(ones[:, :8], keys, w_pos[:, :8], grid, n_select, 0.25, 504, query_block=query_block)
         assert torch.equal(got, _torch_pool_topk(ones[:, :8], keys, w_pos[:, :8], grid, n_select, 0.25, 504, 32))
         assert got[0, -1].tolist() == top.flip(0)[:3].tolist(), got[0, -1]
+        # 10 keys: the block sees 2 pools, fewer than n_select, and its first 3 queries none: the
+        # selection writes 2 entries per row, the rest must be -1 (removing the fill fails here)
+        grid, ape4 = kpool_grid(10, 4), torch.randn(4, 16, generator=gen)
+        keys = _compress_on_grid(k[:, :10], g[:, :10], ape4, grid)
+        got = it.triton_pool_topk(q[:, :10], keys, w[:, :10], grid, n_select, 0.25, 0, query_block=query_block)
+        assert torch.equal(got, _torch_pool_topk(q[:, :10], keys, w[:, :10], grid, n_select, 0.25, 0, 32)), got
         # context-parallel call: the last 46 queries against all 96 keys, packed documents
         kpool, ape = 4, torch.randn(4, 16, generator=gen)
         grid = kpool_grid(n, kpool, torch.tensor([0, 30, 96]))
@@ -122,6 +128,17 @@ SCRIPT = textwrap.dedent(
         pools = torch.randint(-1, n_pools, (1, 96 - q_off, 5), generator=gen)
         got = it.triton_expand_selection(pools, grid, 96 - q_off, q_off, 5 * kpool, tail, block_t=4)
         assert torch.equal(got, _expand_selection(pools, grid, 96 - q_off, q_off, 5 * kpool, tail)), (kpool, tail)
+
+    # k-pool compression, one kernel against the torch path (float64 reference): packed documents
+    # whose last pools are incomplete, a kpool and an index dim that are not powers of two, batch 2
+    for batch, n, kpool, dim, cu in [(1, 96, 4, 16, torch.tensor([0, 30, 31, 96])), (2, 50, 3, 12, None)]:
+        k, g = torch.randn(batch, n, dim, generator=gen), 3 * torch.randn(batch, n, dim, generator=gen)
+        ape = torch.randn(kpool, dim, generator=gen)
+        grid = kpool_grid(n, kpool, cu)
+        got = it.triton_kpool_compress(k, g, ape, grid)
+        ref = _compress_on_grid(k.double(), g.double(), ape.double(), grid)
+        assert got.dtype == torch.float32 and got.shape == ref.shape, (got.dtype, got.shape)
+        assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-6), (got.double() - ref).abs().max()
 
     score_cfg, select_cfg = it._pool_scores_kernel.configs[0].kwargs, it._select_kernel.configs[0].kwargs
     # every source of the selection bound (the score kernel's column maxima or the selection's

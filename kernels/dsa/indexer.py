@@ -265,7 +265,8 @@ def lightning_indexer_topk(
         q_offset: global position of the first query (context parallelism).
         cu_seqlens: ``[n_docs + 1]`` int document bounds over the ``S`` keys (``B == 1``).
         block_size: queries per block of the torch path (the Triton path on CUDA scores
-            8192 queries per launch).
+            8192 queries per launch; there the k-pool compression, selection and expansion are
+            Triton kernels, :mod:`kernels.dsa.indexer_triton`).
 
     Returns:
         ``[B, T, W]`` int32 token indices into the ``S`` keys, ``-1`` = none,
@@ -283,12 +284,15 @@ def lightning_indexer_topk(
     if not softmax_scale > 0:
         raise DSAInputError(f"softmax_scale must be positive (ReLU commutes with it), got {softmax_scale}")
     grid = kpool_grid(k.shape[1], kpool, cu_seqlens, q.device)
-    pool_keys = _compress_on_grid(k, gate_scores, ape, grid)
     if q.is_cuda:
         from kernels.dsa import indexer_triton   # its functions looked up per call (benchmarks swap them)
 
+        # float64 keys (a reference precision) are compressed by the torch path
+        compress = _compress_on_grid if k.dtype == torch.float64 else indexer_triton.triton_kpool_compress
+        pool_keys = compress(k, gate_scores, ape, grid)
         pools = indexer_triton.triton_pool_topk(q, pool_keys, weights, grid, topk // kpool, softmax_scale, q_offset)
         return indexer_triton.triton_expand_selection(pools, grid, q.shape[1], q_offset, topk, select_tail)
+    pool_keys = _compress_on_grid(k, gate_scores, ape, grid)
     pools = _torch_pool_topk(q, pool_keys, weights, grid, topk // kpool, softmax_scale, q_offset, block_size)
     return _expand_selection(pools, grid, q.shape[1], q_offset, topk, select_tail)
 

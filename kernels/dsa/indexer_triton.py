@@ -20,7 +20,8 @@ device: block bounds come from the grid's host copy of the document bounds (v14)
 ``O(T * n_select + Tq * P)``. With ``bound_pass`` the
 selection computes the column maxima itself from a first read of the row and the score kernel
 keeps none (:data:`BOUND_IN_SELECTION`). :func:`triton_expand_selection` turns the pool indices
-into the ``[B, T, W]`` int32 token indices in one kernel.
+into the ``[B, T, W]`` int32 token indices in one kernel, and :func:`triton_kpool_compress` makes the
+pooled keys the scores use in one kernel (keys and gates read once).
 
 Each query sees one contiguous range of pools ``[lo, hi)`` (its document's complete pools up to
 it): the score kernel masks with two compares, skips the pool tiles no query of its tile sees
@@ -585,11 +586,13 @@ def _expand_kernel(
 
 
 def triton_expand_selection(pools: torch.Tensor, grid: KPoolGrid, n_q: int, q_offset: int, topk: int,
-                            select_tail: bool, block_t: int = 2) -> torch.Tensor:
+                            select_tail: bool, block_t: int = 8) -> torch.Tensor:
     """:func:`kernels.dsa.indexer._expand_selection` in one kernel: pool indices ``[B, T,
     topk // kpool]`` (int64, -1 = none) -> token indices ``[B, T, W]`` int32, each output byte
     written once (the torch path fills, gathers, masks and copies: ~24 ms of the indexer's 0.78 s
-    at 1M tokens, full shape, on an H200)."""
+    at 1M tokens, full shape, on an H200). ``block_t`` queries per program: at 1M tokens (8.6 GB
+    written) 2.78 / 2.95 / 3.21 / 3.60 ms for 8 / 1 / 4 / 2 on an H200, ``fill_`` of the output
+    1.86 ms (``tests/benchmarks/expand_compress.py``; 16 spills registers, offline sm_90)."""
     batch, kpool = pools.shape[0], grid.kpool
     n_select = pools.shape[-1]
     width = topk + (kpool - 1 if select_tail else 0)
@@ -604,6 +607,93 @@ def triton_expand_selection(pools: torch.Tensor, grid: KPoolGrid, n_q: int, q_of
         pools.stride(0), pools.stride(1), out.stride(0), out.stride(1), n_q, n_select,
         KPOOL=kpool, KPOOL_P2=triton.next_power_of_2(kpool), SELECT_P2=triton.next_power_of_2(max(n_select, 1)),
         TAIL=select_tail, BLOCK_T=block_t,
+    )
+    return out
+
+
+@triton.jit
+def _compress_kernel(
+    K, G, APE, START, DOC, DOC_BOUNDS, OUT,
+    stride_kb, stride_ks, stride_gb, stride_gs, stride_ob, stride_op,
+    n_pools,
+    D: tl.constexpr, D_P2: tl.constexpr, KPOOL: tl.constexpr, KPOOL_P2: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """Pooled keys of ``BLOCK_P`` pools of batch row ``b``: per channel ``d``, the softmax over the
+    pool's tokens (those inside its document) of ``G[t, d] + APE[i, d]`` weighting ``K[t, d]``, in
+    float32 (:func:`kernels.dsa.indexer._compress_on_grid`); keys and gates read once."""
+    b = tl.program_id(1).to(tl.int64)
+    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_i = tl.arange(0, KPOOL_P2)
+    offs_d = tl.arange(0, D_P2)
+    mask_p = offs_p < n_pools
+    start = tl.load(START + offs_p, mask=mask_p, other=0)
+    end = tl.load(DOC_BOUNDS + tl.load(DOC + offs_p, mask=mask_p, other=0) + 1, mask=mask_p, other=0)
+    tokens = start[:, None] + offs_i[None, :]                                               # [P, I]
+    present = (mask_p[:, None] & (offs_i[None, :] < KPOOL) & (tokens < end[:, None]))[:, :, None] \
+        & (offs_d[None, None, :] < D)                                                        # [P, I, D]
+    gates = tl.load(G + b * stride_gb + tokens[:, :, None] * stride_gs + offs_d[None, None, :], mask=present,
+                    other=float("-inf")).to(tl.float32)
+    ape = tl.load(APE + offs_i[:, None] * D + offs_d[None, :], mask=(offs_i[:, None] < KPOOL) & (offs_d[None, :] < D),
+                  other=0.0).to(tl.float32)
+    logits = gates + ape[None, :, :]
+    weights = tl.exp(logits - tl.max(logits, axis=1)[:, None, :])
+    weights = weights / tl.sum(weights, axis=1)[:, None, :]
+    keys = tl.load(K + b * stride_kb + tokens[:, :, None] * stride_ks + offs_d[None, None, :], mask=present,
+                   other=0.0).to(tl.float32)
+    pooled = tl.sum(weights * keys, axis=1)                                                  # [P, D]
+    tl.store(OUT + b * stride_ob + offs_p[:, None] * stride_op + offs_d[None, :], pooled.to(OUT.dtype.element_ty),
+             mask=mask_p[:, None] & (offs_d[None, :] < D))
+
+
+COMPRESS_ELEMENTS = 16384
+"""Gate (and key) elements one :func:`_compress_kernel` program holds: ``BLOCK_P * kpool * D``, e.g. 16
+pools of 16 tokens at index dim 64 (195 registers, no spill, offline sm_90). At 1M tokens on an H200
+(``tests/benchmarks/expand_compress.py``): 0.122 / 0.166 / 0.458 ms at 16,384 / 8192 / 4096 for index
+dim 64, 0.216 / 0.315 / 0.912 for 128; 8 warps slower; the torch path 2.78 and 4.20 ms (v27,
+kernels/NOTES.md)."""
+
+COMPRESS_WARPS = 4
+"""Warps per :func:`_compress_kernel` program."""
+
+
+def triton_kpool_compress(keys: torch.Tensor, gate_scores: torch.Tensor, ape: torch.Tensor,
+                          grid: KPoolGrid) -> torch.Tensor:
+    """:func:`kernels.dsa.indexer._compress_on_grid` in one kernel, forward only (the indexer's
+    selection; the KL loss, which trains the compression, keeps the differentiable torch path).
+    Per channel, ``pool_key[p, d] = sum_i softmax_i(gate[start_p + i, d] + ape[i, d]) * keys[start_p + i, d]``
+    over the pool's tokens inside its document (``Glm5NextTextIndexer.get_pooled_states``).
+
+    Args:
+        keys, gate_scores: ``[B, S, D]`` bf16, fp16 or fp32 (last dim contiguous).
+        ape: ``[kpool, D]`` positional bias.
+        grid: the pools (:func:`kernels.dsa.indexer.kpool_grid` over the ``S`` keys).
+
+    Returns:
+        ``[B, P, D]`` pooled keys in ``keys.dtype``, computed in float32: the torch path's values up to
+        float32 rounding (another summation order and ``exp``), so a bf16 result can differ from it by
+        one bf16 ulp (``tests/gpu/dsa_check.py`` checks that, and the same error against float64).
+        Bytes: the keys and gates read once, ``[B, P, D]`` written (at 1M tokens, index dim 64, bf16:
+        0.27 GB, 0.12 ms on an H200; the torch path materializes float32 ``[B, P, kpool, D]``
+        intermediates: 2.78 ms).
+
+    Raises:
+        DSAInputError: float64 inputs (the float64 reference stays on the torch path).
+    """
+    if keys.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise DSAInputError(f"the Triton k-pool compression takes bf16, fp16 or fp32 keys, got {keys.dtype}")
+    batch, _, dim = keys.shape
+    n_pools, kpool = grid.start.numel(), grid.kpool
+    keys, gate_scores = (x if x.stride(-1) == 1 else x.contiguous() for x in (keys, gate_scores))
+    ape = ape.contiguous()
+    out = torch.empty(batch, n_pools, dim, dtype=keys.dtype, device=keys.device)
+    if n_pools == 0 or batch == 0:
+        return out
+    d_p2, kpool_p2 = triton.next_power_of_2(dim), triton.next_power_of_2(kpool)
+    block_p = max(1, COMPRESS_ELEMENTS // (d_p2 * kpool_p2))
+    _compress_kernel[(triton.cdiv(n_pools, block_p), batch)](
+        keys, gate_scores, ape, grid.start, grid.doc, grid.doc_bounds, out,
+        keys.stride(0), keys.stride(1), gate_scores.stride(0), gate_scores.stride(1), out.stride(0), out.stride(1),
+        n_pools, D=dim, D_P2=d_p2, KPOOL=kpool, KPOOL_P2=kpool_p2, BLOCK_P=block_p, num_warps=COMPRESS_WARPS,
     )
     return out
 
@@ -664,15 +754,15 @@ end to end 0.1893 against 0.1923 s (47% against 46% of the matmul rate); 256k 0.
 shape 1M 0.4987 against 0.5019 s, 256k 0.0342 against 0.0361 s (``indexer_versions.py --also``,
 kernels/NOTES.md, v23)."""
 
-SEGMENT_PAIRS = False
+SEGMENT_PAIRS = True
 """Whether the selection reads a hit segment as int64 pairs of scores (v26, :func:`_take_segments`): 16
 8-byte loads per thread and segment instead of 32 4-byte ones; likewise the segment maxima it compacts
-(:func:`_compact_hits`, added after the timing below). One segment per thread, so each warp-wide
-load touches 32 cache lines either way; pairs halve those line requests (offline sm_90, one warp: 8,560
-SASS instructions against 8,464, 118 registers against 128). Same indices. On an H200, the selection alone on one
-block of 8192 rows (``tests/benchmarks/select_gather.py``): 0.211 against 0.291 ms at 65,536 pools, 0.150
-against 0.219 at 16,384. Off until timed end to end and checked by ``tests/gpu/dsa_check.py``
-(kernels/NOTES.md, v26)."""
+(:func:`_compact_hits`). One segment per thread, so each warp-wide load touches 32 cache lines either
+way; pairs halve those line requests (offline sm_90, one warp: 8,560 SASS instructions against 8,464,
+118 registers against 128). Same indices. On an H200, the selection alone on one block of 8192 rows
+(``tests/benchmarks/select_gather.py``): 0.211 against 0.291 ms at 65,536 pools, 0.150 against 0.219 at
+16,384; end to end, small shape, 1M tokens: selection 31.7 -> 23.0 ms, 0.1893 -> 0.1833 s
+(``indexer_versions.py --also``, kernels/NOTES.md, v26). False: v21's one 4-byte load per score."""
 
 SEGMENT_CHUNK = 1024
 """Segment maxima the selection compacts at a time (one step up to 32,768 pools at ``SEGMENT`` 32, two at 65,536)."""
@@ -845,7 +935,7 @@ def triton_pool_topk(
     # each query's visible pools [lo, hi) as int32 pool indices: two registers per query in the
     # score kernel instead of per-tile loads of pool ends and documents (v13)
     q_lo, q_hi = (r.int().contiguous() for r in grid.visible_ranges(*_query_docs(grid, n_q, q_offset, q.device)))
-    selected = torch.full((batch, n_q, n_select), -1, dtype=torch.long, device=q.device)
+    selected = torch.empty((batch, n_q, n_select), dtype=torch.long, device=q.device)
     if n_q == 0:
         return selected
     # visible pools of each query block: [lo of its first query, hi of its last), on the host
@@ -857,6 +947,8 @@ def triton_pool_topk(
         p_lo, p_hi = grid.visible_range(q_offset + t0)[0], grid.visible_range(q_offset + t1 - 1)[1]
         if p_hi > p_lo:
             blocks.append((t0, t1, p_lo, p_hi))
+        if p_hi - p_lo < n_select:   # the selection writes min(n_select, visible pools) entries per row
+            selected[:, t0:t1].fill_(-1)
     if not blocks:
         return selected
     columns, capacity = _n_columns(n_select), _capacity(n_select)

@@ -5,8 +5,8 @@
 
 ``--anchor`` is an earlier copy of ``kernels/dsa/indexer_triton.py`` (e.g. ``git show
 <rev>:kernels/dsa/indexer_triton.py``). For the ``small`` and ``full`` DSA shapes it times
-:func:`kernels.dsa.lightning_indexer_topk` end to end with each version's ``triton_pool_topk``
-on the same bf16 inputs, checks that both select identical indices (both are exact with the
+:func:`kernels.dsa.lightning_indexer_topk` end to end with each version's k-pool compression,
+``triton_pool_topk`` and expansion (:data:`STAGES`) on the same bf16 inputs, checks that both select identical indices (both are exact with the
 same tie rule), and reports the achieved score TFLOP/s against a bf16 matmul measured in the
 same run. ``--profile`` adds, per shape and length, the CUDA time per kernel of one call of the
 current version (and of each ``--also`` version) and the device's idle time inside it (host syncs, launches); ``--memory``, per
@@ -46,6 +46,27 @@ def load_anchor(path: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+STAGES = ("triton_kpool_compress", "triton_pool_topk", "triton_expand_selection")
+"""The CUDA stages of :func:`kernels.dsa.lightning_indexer_topk`, looked up in :mod:`kernels.dsa.indexer_triton`
+per call: a version is one function per stage."""
+
+
+def stages_of(module) -> dict:
+    """A version's stages from an ``indexer_triton.py`` module; one before v27 has no
+    ``triton_kpool_compress``: its calls compressed with the torch path."""
+    from kernels.dsa.indexer import _compress_on_grid
+
+    fns = {stage: getattr(module, stage, None) for stage in STAGES}
+    fns["triton_kpool_compress"] = fns["triton_kpool_compress"] or _compress_on_grid
+    return fns
+
+
+def use(fns: dict) -> None:
+    """Make ``fns`` (:func:`stages_of`) the stages :func:`kernels.dsa.lightning_indexer_topk` calls."""
+    for stage, fn in fns.items():
+        setattr(current, stage, fn)
 
 
 def with_constants(fn, constants: dict):
@@ -131,12 +152,12 @@ def main() -> None:
                              "set, e.g. v13cols:COLUMNS_PER_SELECTED=4,GROUP_N=32")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    versions = {"anchor": load_anchor(args.anchor).triton_pool_topk} if args.anchor else {}
-    versions["current"] = current.triton_pool_topk
+    versions = {"anchor": stages_of(load_anchor(args.anchor))} if args.anchor else {}
+    versions["current"] = stages_of(current)
     for spec in args.also:
         name, settings = spec.split(":", 1)
-        versions[name] = with_constants(current.triton_pool_topk, {
-            attr: ast.literal_eval(value) for attr, value in (item.split("=", 1) for item in settings.split(","))})
+        constants = {attr: ast.literal_eval(value) for attr, value in (item.split("=", 1) for item in settings.split(","))}
+        versions[name] = {stage: with_constants(fn, constants) for stage, fn in versions["current"].items()}
     ceil = ceilings()
     print(json.dumps(dict(ceilings=ceil)), flush=True)
     rows = []
@@ -145,7 +166,7 @@ def main() -> None:
             inputs, kw, flops = indexer_inputs(seq_len, SHAPES[name], seed=seq_len)
             selected = {}
             for version, fn in versions.items():
-                current.triton_pool_topk = fn   # lightning_indexer_topk imports it at call time
+                use(fn)   # lightning_indexer_topk looks the stages up at call time
                 try:
                     # kept on the host: the other version's peak must not include it
                     selected[version] = lightning_indexer_topk(*inputs, **kw).cpu()
@@ -156,10 +177,10 @@ def main() -> None:
                     row = dict(shape=name, seq_len=seq_len, version=version, error=repr(err)[:300])
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-            current.triton_pool_topk = versions["current"]
+            use(versions["current"])
             if args.memory:
                 for version, fn in versions.items():
-                    rows.append(selection_memory(fn, inputs, kw, f"{name} {seq_len // 1024}k {version}"))
+                    rows.append(selection_memory(fn["triton_pool_topk"], inputs, kw, f"{name} {seq_len // 1024}k {version}"))
             if args.host:
                 rows.extend(host_time(lambda: lightning_indexer_topk(*inputs, **kw), f"{name} {seq_len // 1024}k"))
             # per-call profiles of the current version and each --also version, labelled by version
@@ -171,12 +192,12 @@ def main() -> None:
                 for version, fn in versions.items():
                     if version == "anchor":
                         continue
-                    current.triton_pool_topk = fn
+                    use(fn)
                     label = f"{name} {seq_len // 1024}k" + ("" if version == "current" else f" {version}")
                     for row in profile(lambda: lightning_indexer_topk(*inputs, **kw), label):
                         print(json.dumps(row), flush=True)
                         rows.append(row)
-                current.triton_pool_topk = versions["current"]
+                use(versions["current"])
             reference = "anchor" if args.anchor else "current"
             for version in [v for v in selected if v != reference] if reference in selected else []:
                 same = torch.equal(selected[reference], selected[version])

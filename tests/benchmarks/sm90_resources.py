@@ -2,7 +2,7 @@
 
     python tests/benchmarks/sm90_resources.py [--shape full]
 
-Compiles :mod:`kernels.dsa.indexer_triton`'s score, selection and expansion kernels and the Gluon score kernel
+Compiles :mod:`kernels.dsa.indexer_triton`'s score, selection, expansion and k-pool compression kernels and the Gluon score kernel
 (:mod:`kernels.dsa.indexer_gluon`) for
 ``GPUTarget("cuda", 90, 32)`` (Triton's front end and ptxas run on the CPU) for every
 autotuned configuration and prints a table: registers per thread and shared memory per CTA
@@ -156,6 +156,16 @@ def main() -> None:
     kw = dict(KPOOL=KPOOL, KPOOL_P2=triton.next_power_of_2(KPOOL), SELECT_P2=triton.next_power_of_2(n_select),
               TAIL=True, BLOCK_T=2)
     rows.append(("expand BLOCK_T=2 w4", compile_sm90(it._expand_kernel, expand_sig, kw, 4), 4))
+    compress_sig = dict(zip(["K", "G", "APE", "START", "DOC", "DOC_BOUNDS", "OUT"],
+                            ["*bf16", "*bf16", "*bf16", "*i64", "*i64", "*i64", "*bf16"]))
+    compress_sig.update({n: "i64" for n in ["stride_kb", "stride_ks", "stride_gb", "stride_gs", "stride_ob",
+                                             "stride_op"]})
+    compress_sig.update(n_pools="i32")
+    block_p = max(1, it.COMPRESS_ELEMENTS // (triton.next_power_of_2(d) * triton.next_power_of_2(KPOOL)))
+    kw = dict(D=d, D_P2=triton.next_power_of_2(d), KPOOL=KPOOL, KPOOL_P2=triton.next_power_of_2(KPOOL), BLOCK_P=block_p)
+    rows.append((f"compress BLOCK_P={block_p} w{it.COMPRESS_WARPS}",
+                 compile_sm90(it._compress_kernel, compress_sig, kw, it.COMPRESS_WARPS, unaligned=("n_pools",)),
+                 it.COMPRESS_WARPS))
     for config in ig.GLUON_CONFIGS:
         if h % config.kwargs["HEAD_GROUP"] == 0:
             name = "gluon scores " + " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in config.kwargs.items())

@@ -6,8 +6,10 @@
 Per sequence length, with fresh random inputs and the caching allocator's free memory
 filled with NaN before every kernel call (so an unwritten output shows up):
 
-* indexer: Triton path vs the blockwise torch path on the same bf16 inputs (index sets
-  equal per query, modulo near-ties), and score-mass capture against float64 scores:
+* indexer: the one-kernel k-pool compression within one bf16 ulp of the torch compression (of
+  the larger value, at least the keys' rms) and no farther from float64; the Triton selection vs the blockwise torch path on the same bf16
+  pooled keys (index sets equal per query, modulo near-ties); the one-kernel expansion equal
+  to the torch expansion; and score-mass capture against float64 scores:
   ``sum softmax(I64)[selected] / sum softmax(I64)[true top pools] >= 0.99`` on sampled rows;
 * sparse MLA attention forward on the selected indices: relative Frobenius error of the
   bf16 output vs float64 (sampled rows) <= 1e-2; backward (dq, dkv) vs float64 at the
@@ -36,6 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from kernels.dsa import lightning_indexer_topk, sparse_mla_attention  # noqa: E402
 from kernels.dsa.indexer import _compress_on_grid, _torch_pool_topk, kpool_grid  # noqa: E402
+from kernels.dsa.indexer_triton import triton_kpool_compress  # noqa: E402
 from kernels.dsa.sparse_attention import torch_sparse_mla_bwd, torch_sparse_mla_fwd  # noqa: E402
 
 SHAPES = {  # model/config.py presets: MLA heads, kv_lora_rank, qk head dim, indexer heads x dim
@@ -64,6 +67,15 @@ def indexer_inputs(seq_len: int, shape: dict, gen: torch.Generator) -> dict:
     )
 
 
+def bf16_ulps_apart(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest ``|got - ref|`` in bf16 ulps of the larger of the two values, or of ``ref``'s rms where that is
+    larger (a weighted sum that cancels to ~0 carries float32 noise of many ulps of its tiny result)."""
+    got, ref = got.float(), ref.float()
+    magnitude = torch.maximum(got.abs(), ref.abs()).clamp_min(ref.pow(2).mean().sqrt())
+    ulp = torch.ldexp(torch.ones_like(magnitude), torch.frexp(magnitude).exponent - 8)
+    return float(((got - ref).abs() / ulp).max())
+
+
 def check_indexer(seq_len: int, shape: dict, gen: torch.Generator, n_rows: int = 1024) -> tuple[dict, torch.Tensor]:
     inp = indexer_inputs(seq_len, shape, gen)
     scale = shape["index_dim"] ** -0.5
@@ -71,7 +83,16 @@ def check_indexer(seq_len: int, shape: dict, gen: torch.Generator, n_rows: int =
     indices = lightning_indexer_topk(**inp, kpool=KPOOL, topk=TOPK, select_tail=True, softmax_scale=scale)
     torch.cuda.synchronize()
     grid = kpool_grid(seq_len, KPOOL, None, inp["q"].device)
-    pool_keys = _compress_on_grid(inp["k"], inp["gate_scores"], inp["ape"], grid)
+    # the pooled keys the Triton path selects on (triton_kpool_compress) are the same-precision
+    # reference's too; they are checked against the torch compression and against float64
+    poison()
+    pool_keys = triton_kpool_compress(inp["k"], inp["gate_scores"], inp["ape"], grid)
+    torch_keys = _compress_on_grid(inp["k"], inp["gate_scores"], inp["ape"], grid)
+    keys64 = _compress_on_grid(inp["k"].double(), inp["gate_scores"].double(), inp["ape"].double(), grid)
+    compression = dict(
+        max_ulps_from_torch=bf16_ulps_apart(pool_keys, torch_keys),
+        rel_err_float64=rel_err(pool_keys, keys64), torch_rel_err_float64=rel_err(torch_keys, keys64))
+    del torch_keys
     n_sel = TOPK // KPOOL
     ref_pools = _torch_pool_topk(inp["q"], pool_keys, inp["weights"], grid, n_sel, scale, 0, 512)
     got_pools = torch.where(indices[..., :TOPK:KPOOL] >= 0, indices[..., :TOPK:KPOOL].long() // KPOOL, -1)
@@ -81,7 +102,6 @@ def check_indexer(seq_len: int, shape: dict, gen: torch.Generator, n_rows: int =
     rows = torch.randperm(seq_len, generator=torch.Generator().manual_seed(seq_len))[:n_rows].cuda()
     rows = torch.unique(torch.cat([rows, differing.nonzero().flatten()]))
     q64 = inp["q"][0, rows].double()
-    keys64 = _compress_on_grid(inp["k"].double(), inp["gate_scores"].double(), inp["ape"].double(), grid)
     visible = (grid.end[None, :] <= rows[:, None]) & grid.complete[None, :]
 
     def scores64(keys: torch.Tensor) -> torch.Tensor:
@@ -111,14 +131,19 @@ def check_indexer(seq_len: int, shape: dict, gen: torch.Generator, n_rows: int =
     pools = triton_pool_topk(inp["q"], pool_keys, inp["weights"], grid, n_sel, scale, 0)
     expansion_equal = bool(torch.equal(indices, _expand_selection(pools, grid, seq_len, 0, TOPK, True)))
     result = dict(
+        compression=compression,
         expansion_equal=expansion_equal,
         nan_or_poison=bool((indices < -1).any() or (indices >= seq_len).any()),
         rows_differing_from_torch_same_precision=int(differing.sum()),
         max_float64_gap_of_differing_pools=max_tie_gap,
         mass_capture_min=float(capture.min()), mass_capture_mean=float(capture.mean()),
     )
+    # the fused compression: within one bf16 ulp of the torch path, no farther from float64
+    compression_ok = compression["max_ulps_from_torch"] <= 1 and (
+        compression["rel_err_float64"] <= 1.05 * compression["torch_rel_err_float64"])
     result["ok"] = (
-        expansion_equal and not result["nan_or_poison"] and max_tie_gap <= 1e-3 and result["mass_capture_min"] >= 0.99
+        compression_ok and expansion_equal and not result["nan_or_poison"] and max_tie_gap <= 1e-3
+        and result["mass_capture_min"] >= 0.99
     )
     return result, indices
 

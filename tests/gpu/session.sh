@@ -12,7 +12,8 @@
 # pair/quad), indexer (tests/benchmarks/indexer_versions.py, against $INDEXER_ANCHOR when set: a carried
 # earlier kernels/dsa/indexer_triton.py such as .bench/indexer_v14.py; $INDEXER_ARGS, e.g. --profile),
 # variants (tests/benchmarks/indexer_score_variants.py), gluonvar (tests/benchmarks/indexer_gluon_variants.py),
-# bench (dsa_bench.py alone, with $BENCH_ARGS), dsa (dsa_check.py + dsa_bench.py), ncu (tests/gpu/ncu_indexer.sh:
+# expcomp (tests/benchmarks/expand_compress.py: the indexer's expansion and k-pool compression kernels,
+# $EXPCOMP_ARGS; its default anchor .bench/indexer_v26.py must be carried), bench (dsa_bench.py alone, with $BENCH_ARGS), dsa (dsa_check.py + dsa_bench.py), ncu (tests/gpu/ncu_indexer.sh:
 # Nsight Compute on single indexer kernel launches, $NCU_CASES).
 set -u
 OUT=${OUT:-/tmp/out}
@@ -65,6 +66,7 @@ part variants "${T_VARIANTS:-240}" python3 tests/benchmarks/indexer_score_varian
 part gluonvar "${T_GLUONVAR:-240}" python3 tests/benchmarks/indexer_gluon_variants.py ${GLUONVAR_ARGS:-} \
   --out "$OUT/indexer_gluon_variants.json"
 part ncu "${T_NCU:-300}" bash tests/gpu/ncu_indexer.sh
+part expcomp "${T_EXPCOMP:-120}" python3 tests/benchmarks/expand_compress.py ${EXPCOMP_ARGS:-} --out "$OUT/expand_compress.json"
 part bench "${T_BENCH:-420}" python3 tests/benchmarks/dsa_bench.py ${BENCH_ARGS:-} --out "$OUT/dsa_bench.json"
 part dsa "${T_DSA:-300}" bash -c "python3 tests/gpu/dsa_check.py --out $OUT/dsa_check.json && \
   python3 tests/benchmarks/dsa_bench.py --out $OUT/dsa_bench.json"
