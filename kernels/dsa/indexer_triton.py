@@ -585,14 +585,26 @@ def _expand_kernel(
                  tail.to(tl.int32), mask=mask_t[:, None] & (offs_j[None, :] < KPOOL - 1))
 
 
+EXPAND_ROWS = 8
+"""Queries per :func:`_expand_kernel` program: at 1M tokens (8.6 GB written) 2.78 / 2.95 / 3.21 / 3.60 ms for
+8 / 1 / 4 / 2 on an H200, ``fill_`` of the output 1.86 ms (``tests/benchmarks/expand_compress.py``); 16 spills
+registers (offline sm_90)."""
+
+
+def expand_constants(kpool: int, n_select: int, select_tail: bool, block_t: int) -> dict:
+    """The :func:`_expand_kernel` constexprs for ``kpool``-token pools, ``n_select`` pools per query, with or
+    without tails, ``block_t`` queries per program (here and in ``tests/benchmarks/sm90_resources.py``)."""
+    return dict(KPOOL=kpool, KPOOL_P2=triton.next_power_of_2(kpool), SELECT_P2=triton.next_power_of_2(max(n_select, 1)),
+                TAIL=select_tail, BLOCK_T=block_t)
+
+
 def triton_expand_selection(pools: torch.Tensor, grid: KPoolGrid, n_q: int, q_offset: int, topk: int,
-                            select_tail: bool, block_t: int = 8) -> torch.Tensor:
+                            select_tail: bool, block_t: int | None = None) -> torch.Tensor:
     """:func:`kernels.dsa.indexer._expand_selection` in one kernel: pool indices ``[B, T,
     topk // kpool]`` (int64, -1 = none) -> token indices ``[B, T, W]`` int32, each output byte
     written once (the torch path fills, gathers, masks and copies: ~24 ms of the indexer's 0.78 s
-    at 1M tokens, full shape, on an H200). ``block_t`` queries per program: at 1M tokens (8.6 GB
-    written) 2.78 / 2.95 / 3.21 / 3.60 ms for 8 / 1 / 4 / 2 on an H200, ``fill_`` of the output
-    1.86 ms (``tests/benchmarks/expand_compress.py``; 16 spills registers, offline sm_90)."""
+    at 1M tokens, full shape, on an H200). ``block_t``: queries per program (default
+    :data:`EXPAND_ROWS`)."""
     batch, kpool = pools.shape[0], grid.kpool
     n_select = pools.shape[-1]
     width = topk + (kpool - 1 if select_tail else 0)
@@ -602,11 +614,11 @@ def triton_expand_selection(pools: torch.Tensor, grid: KPoolGrid, n_q: int, q_of
     pools = pools.contiguous()
     q_pos, q_doc = _query_docs(grid, n_q, q_offset, pools.device)
     doc_start = grid.doc_bounds[q_doc].contiguous()
+    block_t = EXPAND_ROWS if block_t is None else block_t
     _expand_kernel[(triton.cdiv(n_q, block_t), batch)](
         pools, grid.start.contiguous(), q_pos, doc_start, out,
         pools.stride(0), pools.stride(1), out.stride(0), out.stride(1), n_q, n_select,
-        KPOOL=kpool, KPOOL_P2=triton.next_power_of_2(kpool), SELECT_P2=triton.next_power_of_2(max(n_select, 1)),
-        TAIL=select_tail, BLOCK_T=block_t,
+        **expand_constants(kpool, n_select, select_tail, block_t),
     )
     return out
 
@@ -688,14 +700,21 @@ def triton_kpool_compress(keys: torch.Tensor, gate_scores: torch.Tensor, ape: to
     out = torch.empty(batch, n_pools, dim, dtype=keys.dtype, device=keys.device)
     if n_pools == 0 or batch == 0:
         return out
-    d_p2, kpool_p2 = triton.next_power_of_2(dim), triton.next_power_of_2(kpool)
-    block_p = max(1, COMPRESS_ELEMENTS // (d_p2 * kpool_p2))
-    _compress_kernel[(triton.cdiv(n_pools, block_p), batch)](
+    constants = compress_constants(dim, kpool)
+    _compress_kernel[(triton.cdiv(n_pools, constants["BLOCK_P"]), batch)](
         keys, gate_scores, ape, grid.start, grid.doc, grid.doc_bounds, out,
         keys.stride(0), keys.stride(1), gate_scores.stride(0), gate_scores.stride(1), out.stride(0), out.stride(1),
-        n_pools, D=dim, D_P2=d_p2, KPOOL=kpool, KPOOL_P2=kpool_p2, BLOCK_P=block_p, num_warps=COMPRESS_WARPS,
+        n_pools, **constants, num_warps=COMPRESS_WARPS,
     )
     return out
+
+
+def compress_constants(dim: int, kpool: int) -> dict:
+    """The :func:`_compress_kernel` constexprs for index dim ``dim`` and ``kpool``-token pools: ``BLOCK_P`` pools
+    per program from :data:`COMPRESS_ELEMENTS` (here and in ``tests/benchmarks/sm90_resources.py``)."""
+    d_p2, kpool_p2 = triton.next_power_of_2(dim), triton.next_power_of_2(kpool)
+    block_p = max(1, COMPRESS_ELEMENTS // (d_p2 * kpool_p2))
+    return dict(D=dim, D_P2=d_p2, KPOOL=kpool, KPOOL_P2=kpool_p2, BLOCK_P=block_p)
 
 
 def _size_class(n_pools: int) -> int:

@@ -30,14 +30,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "gpu"))
 
 import kernels.dsa.indexer_triton as it  # noqa: E402
 from dsa_bench import KPOOL, TOPK  # noqa: E402
-from dsa_check import bf16_ulps_apart  # noqa: E402
+from dsa_check import bf16_ulps_apart, rel_err  # noqa: E402
 from indexer_score_variants import cuda_ms  # noqa: E402
 from kernels.dsa.indexer import _compress_on_grid, _expand_selection, kpool_grid  # noqa: E402
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative Frobenius error of ``got`` against ``ref`` (float64 arithmetic)."""
-    return float((got.double() - ref.double()).norm() / ref.double().norm())
 
 
 def main() -> None:

@@ -153,17 +153,15 @@ def main() -> None:
     expand_sig = dict(zip(["POOLS", "START", "Q_POS", "Q_DOC_START", "OUT"], ["*i64", "*i64", "*i64", "*i64", "*i32"]))
     expand_sig.update({n: "i64" for n in ["stride_pb", "stride_pt", "stride_ob", "stride_ot"]})
     expand_sig.update(n_q="i32", n_select="i32")
-    kw = dict(KPOOL=KPOOL, KPOOL_P2=triton.next_power_of_2(KPOOL), SELECT_P2=triton.next_power_of_2(n_select),
-              TAIL=True, BLOCK_T=2)
-    rows.append(("expand BLOCK_T=2 w4", compile_sm90(it._expand_kernel, expand_sig, kw, 4), 4))
+    kw = it.expand_constants(KPOOL, n_select, True, it.EXPAND_ROWS)
+    rows.append((f"expand BLOCK_T={it.EXPAND_ROWS} w4", compile_sm90(it._expand_kernel, expand_sig, kw, 4), 4))
     compress_sig = dict(zip(["K", "G", "APE", "START", "DOC", "DOC_BOUNDS", "OUT"],
                             ["*bf16", "*bf16", "*bf16", "*i64", "*i64", "*i64", "*bf16"]))
     compress_sig.update({n: "i64" for n in ["stride_kb", "stride_ks", "stride_gb", "stride_gs", "stride_ob",
                                              "stride_op"]})
     compress_sig.update(n_pools="i32")
-    block_p = max(1, it.COMPRESS_ELEMENTS // (triton.next_power_of_2(d) * triton.next_power_of_2(KPOOL)))
-    kw = dict(D=d, D_P2=triton.next_power_of_2(d), KPOOL=KPOOL, KPOOL_P2=triton.next_power_of_2(KPOOL), BLOCK_P=block_p)
-    rows.append((f"compress BLOCK_P={block_p} w{it.COMPRESS_WARPS}",
+    kw = it.compress_constants(d, KPOOL)
+    rows.append((f"compress BLOCK_P={kw['BLOCK_P']} w{it.COMPRESS_WARPS}",
                  compile_sm90(it._compress_kernel, compress_sig, kw, it.COMPRESS_WARPS, unaligned=("n_pools",)),
                  it.COMPRESS_WARPS))
     for config in ig.GLUON_CONFIGS:

@@ -1,7 +1,7 @@
 """GPU correctness check of the DSA Triton kernels (issue 4). Run on an H200:
 
     python tests/gpu/dsa_check.py [--seq-lens 4096 16384 65536] [--score-kernel gluon] [--bound-slack 32]
-        [--segment-pairs] [--out results.json]
+        [--[no-]segment-pairs] [--out results.json]
 
 Per sequence length, with fresh random inputs and the caching allocator's free memory
 filled with NaN before every kernel call (so an unwritten output shows up):
@@ -272,8 +272,9 @@ def main() -> None:
     parser.add_argument("--bound-slack", type=int, default=None,
                         help="the selection's bound search (default: kernels/dsa/indexer_triton.py's BOUND_SLACK; "
                              "-1: the sort)")
-    parser.add_argument("--segment-pairs", action="store_true",
-                        help="hit segments read as int64 score pairs (SEGMENT_PAIRS, v26)")
+    parser.add_argument("--segment-pairs", action=argparse.BooleanOptionalAction, default=None,
+                        help="hit segments read as int64 score pairs or one score at a time (default: "
+                             "kernels/dsa/indexer_triton.py's SEGMENT_PAIRS, v26)")
     args = parser.parse_args()
     import kernels.dsa.indexer_triton as indexer_triton
 
@@ -281,8 +282,8 @@ def main() -> None:
         indexer_triton.SCORE_KERNEL = args.score_kernel
     if args.bound_slack is not None:
         indexer_triton.BOUND_SLACK = args.bound_slack
-    if args.segment_pairs:
-        indexer_triton.SEGMENT_PAIRS = True
+    if args.segment_pairs is not None:
+        indexer_triton.SEGMENT_PAIRS = args.segment_pairs
     slack = indexer_triton.BOUND_SLACK
     print(f"selection bound: {'sort' if slack < 0 else f'search, slack {slack}'}; "
           f"segments read {'by pairs' if indexer_triton.SEGMENT_PAIRS else 'by score'}", flush=True)

@@ -13,8 +13,8 @@
 # earlier kernels/dsa/indexer_triton.py such as .bench/indexer_v14.py; $INDEXER_ARGS, e.g. --profile),
 # variants (tests/benchmarks/indexer_score_variants.py), gluonvar (tests/benchmarks/indexer_gluon_variants.py),
 # expcomp (tests/benchmarks/expand_compress.py: the indexer's expansion and k-pool compression kernels,
-# $EXPCOMP_ARGS; its default anchor .bench/indexer_v26.py must be carried), bench (dsa_bench.py alone, with $BENCH_ARGS), dsa (dsa_check.py + dsa_bench.py), ncu (tests/gpu/ncu_indexer.sh:
-# Nsight Compute on single indexer kernel launches, $NCU_CASES).
+# $EXPCOMP_ARGS), bench (dsa_bench.py alone, with $BENCH_ARGS), dsa (dsa_check.py + dsa_bench.py),
+# ncu (tests/gpu/ncu_indexer.sh: Nsight Compute on single indexer kernel launches, $NCU_CASES).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
