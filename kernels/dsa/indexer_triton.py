@@ -829,10 +829,19 @@ memory that overlaps the next tile) instead of a layout conversion and per-threa
 H200, 64x128 tiles, 8192 x 65,536: 6.43 against 6.50 ms (full shape), 2.59 against 2.62 (small)."""
 
 SCORE_BUFFER_ELEMENTS = 2**29
-"""Float32 scores one query block may hold (2 GiB): ``triton_pool_topk`` takes query blocks of the
-largest multiple of 8192 queries whose ``[B, rows, pools]`` buffer fits (8192 at 1M tokens, kpool 16;
-the whole sequence at 64k). Bigger blocks mean fewer launches; the causal triangle
-inside a block costs nothing, the score kernel skips the tiles no query of a tile sees (v13)."""
+"""Float32 scores one query block should hold (2 GiB): ``triton_pool_topk`` takes query blocks of the
+multiple of the block unit (:func:`_block_unit`) nearest to the rows whose ``[B, rows, pools]`` buffer fits, at
+least one unit (one unit at 1M tokens, kpool 16; four at 256k; the whole sequence at 64k). Bigger blocks mean fewer launches;
+the causal triangle inside a block costs nothing, the score kernel skips the tiles no query of a tile sees
+(v13)."""
+
+QUERY_BLOCK_UNIT = 0
+"""Query blocks are multiples of this many queries; 0 (default, v28): :func:`_block_unit`'s whole waves
+(8448 on an H200). 8192 is the unit before v28."""
+
+SCORE_BLOCK_M = 64
+"""Queries per score program (the Gluon kernel's ``BLOCK_M``; the Triton kernel's tilings use 64 or 128,
+both dividing a multiple of 64 * 132)."""
 
 
 def _padded(n_pools: int) -> int:
@@ -852,10 +861,27 @@ def _even(n: int) -> int:
     return n + (n & 1)
 
 
-def _query_block(batch: int, n_pools: int) -> int:
-    """Queries per block: the largest multiple of 8192 whose score buffer fits :data:`SCORE_BUFFER_ELEMENTS`
-    for ``n_pools`` pools (at least 8192)."""
-    return max(8192, SCORE_BUFFER_ELEMENTS // max(batch * n_pools, 1) // 8192 * 8192)
+def _block_unit(device: torch.device) -> int:
+    """Queries per block unit on ``device``: :data:`QUERY_BLOCK_UNIT` when set; else, on CUDA, the smallest
+    multiple of ``SCORE_BLOCK_M * SMs`` (64 x 132 = 8448 on an H200, 9472 on a B200) of at least 8192
+    queries; 8192 elsewhere (the interpreter). A block of ``n_q`` such queries launches ``n_prog * n_q / 64``
+    score programs (``n_prog`` = 16 at ``index_topk`` 2048, kpool 16), a multiple of ``16 * SMs``: whole waves
+    at 1, 2, 4, 8 or 16 programs per SM, where 8192-query blocks gave 2048 programs, 7.76 waves of two
+    per SM (the last one a quarter empty) on an H200 (kernels/NOTES.md, v28)."""
+    if QUERY_BLOCK_UNIT:
+        return QUERY_BLOCK_UNIT
+    if device.type != "cuda":
+        return 8192
+    wave = SCORE_BLOCK_M * torch.cuda.get_device_properties(device).multi_processor_count
+    return -(-8192 // wave) * wave
+
+
+def _query_block(batch: int, n_pools: int, unit: int = 8192) -> int:
+    """Queries per block: the multiple of ``unit`` (:func:`_block_unit`) nearest to the rows whose score
+    buffer fits :data:`SCORE_BUFFER_ELEMENTS` for ``n_pools`` pools, at least ``unit`` (so the buffer may
+    pass the budget by half a unit's rows: 2.2 GB at 256k tokens and 1M with 8448-query units)."""
+    rows = SCORE_BUFFER_ELEMENTS / max(batch * n_pools, 1)
+    return max(1, round(rows / unit)) * unit
 
 
 def _set_descriptor_allocator(device: torch.device) -> None:
@@ -923,8 +949,8 @@ def triton_pool_topk(
 
     Same contract as :func:`kernels.dsa.indexer._torch_pool_topk`; ``q``/``pool_keys`` are
     used in their dtype (bf16 on the GPU: fp32 accumulation in ``tl.dot``). Per block of
-    ``query_block`` queries (default :func:`_query_block`: as many multiples of 8192 as the
-    :data:`SCORE_BUFFER_ELEMENTS` budget allows): :func:`_pool_scores_kernel` (scores + column
+    ``query_block`` queries (default :func:`_query_block`: as many block units, :func:`_block_unit`, as
+    the :data:`SCORE_BUFFER_ELEMENTS` budget allows): :func:`_pool_scores_kernel` (scores + column
     maxima, only the tiles some query of a tile sees), then :func:`_select_kernel` (bound,
     candidates, sort, decode; each row's visible pools only; rows whose candidates overflow their
     slots, massive ties, are redone exactly in the kernel) into the output. The block bounds come
@@ -959,7 +985,7 @@ def triton_pool_topk(
         return selected
     # visible pools of each query block: [lo of its first query, hi of its last), on the host
     if query_block is None:
-        query_block = _query_block(batch, pool_keys.shape[1])
+        query_block = _query_block(batch, pool_keys.shape[1], _block_unit(q.device))
     blocks = []
     for t0 in range(0, n_q, query_block):
         t1 = min(t0 + query_block, n_q)

@@ -17,6 +17,7 @@ report 4x that time, marked ``x4 of 256k chunk``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -40,16 +41,26 @@ WIDTH = TOPK + KPOOL - 1
 
 
 def timed(fn, reps: int) -> tuple[float, float]:
-    """Mean seconds over ``reps`` after one warm-up, and peak GiB allocated during the runs."""
+    """Mean seconds over ``reps`` after one warm-up, and peak GiB allocated during the runs. Python's
+    garbage collector is off while they run (as ``timeit`` does): a full collection pauses the host for tens of
+    milliseconds (44 ms in a fresh process that imported torch, on the device's host), and where the device
+    waits on the host (the indexer's first query blocks, whose kernels are shorter than their launches) the
+    pause is device time too: with it on, every other timing of the 1M-token indexer was 13 ms (7%) slower
+    (kernels/NOTES.md, v28)."""
     fn()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
+    gc.collect()
+    gc.disable()
+    try:
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+    finally:
+        gc.enable()
     return start.elapsed_time(end) / 1e3 / reps, torch.cuda.max_memory_allocated() / 2**30
 
 

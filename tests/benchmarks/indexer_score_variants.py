@@ -215,12 +215,14 @@ def crossover(shape: str, whole, segmented, report) -> int | None:
     return None
 
 
-def profiled(call):
-    """The CUDA profile (``torch.profiler``) of one ``call``, after a warm-up call."""
+def profiled(call, calls: int = 1):
+    """The CUDA profile (``torch.profiler``) of ``calls`` calls of ``call`` issued back to back, after a
+    warm-up call."""
     call()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        call()
+        for _ in range(calls):
+            call()
         torch.cuda.synchronize()
     return prof
 
@@ -231,10 +233,10 @@ def cuda_launches(prof) -> list[tuple[float, float, str]]:
                   if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def profile_call(call, label: str, top: int = 10) -> list[dict]:
-    """CUDA milliseconds of the ``top`` kernels of one ``call`` (after a warm-up) and the device's idle
-    time in its span (:func:`device_idle`), as rows labelled ``label``."""
-    prof = profiled(call)
+def profile_call(call, label: str, top: int = 10, calls: int = 1) -> list[dict]:
+    """CUDA milliseconds of the ``top`` kernels of ``calls`` back-to-back calls of ``call`` (after a
+    warm-up) and the device's idle time in their span (:func:`device_idle`), as rows labelled ``label``."""
+    prof = profiled(call, calls)
     rows = [dict(profile=label, kernel=e.key[:90], calls=e.count, ms=e.device_time_total / 1e3)
             for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]]
     try:
@@ -264,7 +266,7 @@ def binned_blocks(label: str, score: list, select: list, seq_len: int, kpool: in
     """:func:`block_profile`'s rows from the per-launch milliseconds ``score`` and ``select`` (launch order)."""
     import kernels.dsa.indexer_triton as it
 
-    block = it._query_block(1, seq_len // kpool)
+    block = it._query_block(1, seq_len // kpool, it._block_unit(torch.device("cuda")))
     bounds = [(t0, min(t0 + block, seq_len)) for t0 in range(0, seq_len, block) if min(t0 + block, seq_len) > kpool - 1]
     if not (len(score) == len(select) == len(bounds)):
         return [dict(blocks=label, error=f"{len(score)} score and {len(select)} selection launches, "
@@ -290,21 +292,30 @@ def binned_blocks(label: str, score: list, select: list, seq_len: int, kpool: in
     return rows
 
 
-def device_idle(prof) -> dict:
-    """Device busy and idle milliseconds of one profiled call: the kernels' union against the span
-    from the first kernel's start to the last one's end, and the five longest idle gaps with the
-    kernels on either side (host syncs and launch overhead show up here, not in kernel times)."""
+def device_idle(prof, bins: int = 10) -> dict:
+    """Device busy and idle milliseconds of one profile: the kernels' union against the span from the
+    first kernel's start to the last one's end, the five longest idle gaps with the kernels on either
+    side (host syncs and launch overhead show up here, not in kernel times) and the idle milliseconds
+    in each of ``bins`` equal parts of the span (where in the call the device waits)."""
     kernels = cuda_launches(prof)
-    busy, gaps, reach, before = 0.0, [], kernels[0][0], kernels[0][2]
+    first = kernels[0][0]
+    busy, gaps, reach, before = 0.0, [], first, kernels[0][2]
     for start, end, name in kernels:
         if start > reach:
-            gaps.append((start - reach, before, name))
+            gaps.append((start - reach, before, name, reach))
         busy += max(0.0, end - max(start, reach))
         if end > reach:
             reach, before = end, name
+    width = max(reach - first, 1e-9) / bins
+    by_bin = [0.0] * bins
+    for length, _, _, at in gaps:   # split each gap over the parts it covers
+        lo, hi = at - first, at - first + length
+        for i in range(int(lo // width), min(bins - 1, int(hi // width)) + 1):
+            by_bin[i] += max(0.0, min(hi, (i + 1) * width) - max(lo, i * width)) / 1e3
     gaps.sort(reverse=True)
-    return dict(span_ms=(reach - kernels[0][0]) / 1e3, busy_ms=busy / 1e3, idle_ms=sum(g[0] for g in gaps) / 1e3,
-                idle_gaps=len(gaps), longest_gaps=[(round(g / 1e3, 3), a[:40], b[:40]) for g, a, b in gaps[:5]])
+    return dict(span_ms=(reach - first) / 1e3, busy_ms=busy / 1e3, idle_ms=sum(g[0] for g in gaps) / 1e3,
+                idle_gaps=len(gaps), idle_ms_by_part=[round(x, 3) for x in by_bin],
+                longest_gaps=[(round(g / 1e3, 3), a[:40], b[:40]) for g, a, b, _ in gaps[:5]])
 
 
 def use_variant(variant: tuple, one_kernel, min_pools: int | None = None) -> None:

@@ -14,7 +14,8 @@ version, the peak memory of ``triton_pool_topk`` alone (pooled keys made beforeh
 adds the current version with some of its module constants set (e.g. ``v13cols:COLUMNS_PER_SELECTED=4,GROUP_N=32``);
 ``--host``, per shape and length, the host time of one call of the current version and where it
 goes (``cProfile``); ``--blocks``, per run of consecutive query blocks, the score and selection kernels'
-milliseconds and the score kernel's share of the matmul rate. One JSON line per row and a table.
+milliseconds and the score kernel's share of the matmul rate; ``--rounds N`` times every version N times,
+the versions taking turns, and reports the median. One JSON line per row and a table.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import importlib.util
 import json
 import os
 import pstats
+import statistics
 import sys
 import time
 
@@ -142,6 +144,8 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[65536, 262144, 1048576])
     parser.add_argument("--shapes", nargs="+", default=["full", "small"], choices=list(SHAPES))
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-calls", type=int, default=1, help="calls per --profile, issued back to back "
+                        "(as the timing issues them)")
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--host", action="store_true")
     parser.add_argument("--blocks", action="store_true", help="per run of query blocks: score and selection "
@@ -150,6 +154,10 @@ def main() -> None:
     parser.add_argument("--also", nargs="+", default=[], metavar="NAME:ATTR=VALUE[,ATTR=VALUE]",
                         help="also time the current version with module constants of kernels/dsa/indexer_triton.py "
                              "set, e.g. v13cols:COLUMNS_PER_SELECTED=4,GROUP_N=32")
+    parser.add_argument("--reps", type=int, default=None, help="timed calls per version after a warm-up "
+                        "(default: 2 above 256k tokens, else 5)")
+    parser.add_argument("--rounds", type=int, default=1, help="timings of each version, the versions taking "
+                        "turns; the table gives the median")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     versions = {"anchor": stages_of(load_anchor(args.anchor))} if args.anchor else {}
@@ -164,17 +172,31 @@ def main() -> None:
     for name in args.shapes:
         for seq_len in args.seq_lens:
             inputs, kw, flops = indexer_inputs(seq_len, SHAPES[name], seed=seq_len)
-            selected = {}
-            for version, fn in versions.items():
-                use(fn)   # lightning_indexer_topk looks the stages up at call time
-                try:
-                    # kept on the host: the other version's peak must not include it
-                    selected[version] = lightning_indexer_topk(*inputs, **kw).cpu()
-                    t, peak = timed(lambda: lightning_indexer_topk(*inputs, **kw), 2 if seq_len > 262144 else 5)
-                    row = dict(shape=name, seq_len=seq_len, version=version, seconds=t, peak_gib=peak,
-                               tflops=flops / t / 1e12, pct_of_matmul=100 * flops / t / 1e12 / ceil["matmul_tflops"])
-                except Exception as err:  # report and go on
-                    row = dict(shape=name, seq_len=seq_len, version=version, error=repr(err)[:300])
+            selected, times, peaks, failed = {}, {v: [] for v in versions}, {}, {}
+            # the versions take turns, round after round: a drift of the clocks over the run (power, heat)
+            # falls on all of them alike
+            for _ in range(args.rounds):
+                for version, fn in versions.items():
+                    if version in failed:
+                        continue
+                    use(fn)   # lightning_indexer_topk looks the stages up at call time
+                    try:
+                        if version not in selected:   # kept on the host: the other version's peak must not include it
+                            selected[version] = lightning_indexer_topk(*inputs, **kw).cpu()
+                        t, peak = timed(lambda: lightning_indexer_topk(*inputs, **kw),
+                                        args.reps or (2 if seq_len > 262144 else 5))
+                        times[version].append(t)
+                        peaks[version] = max(peak, peaks.get(version, 0.0))
+                    except Exception as err:  # report and go on
+                        failed[version] = repr(err)[:300]
+            for version in versions:
+                if version in failed:
+                    row = dict(shape=name, seq_len=seq_len, version=version, error=failed[version])
+                else:
+                    t = statistics.median(times[version])
+                    row = dict(shape=name, seq_len=seq_len, version=version, seconds=t, seconds_per_round=times[version],
+                               peak_gib=peaks[version], tflops=flops / t / 1e12,
+                               pct_of_matmul=100 * flops / t / 1e12 / ceil["matmul_tflops"])
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             use(versions["current"])
@@ -185,7 +207,7 @@ def main() -> None:
                 rows.extend(host_time(lambda: lightning_indexer_topk(*inputs, **kw), f"{name} {seq_len // 1024}k"))
             # per-call profiles of the current version and each --also version, labelled by version
             shape = SHAPES[name]
-            profiles = ([profile_call] if args.profile else []) + (
+            profiles = ([lambda call, label: profile_call(call, label, calls=args.profile_calls)] if args.profile else []) + (
                 [(lambda call, label: block_profile(call, label, seq_len, kw["kpool"], shape["index_heads"],
                                                     shape["index_dim"], ceil["matmul_tflops"]))] if args.blocks else [])
             for profile in profiles:
