@@ -45,7 +45,7 @@ def timed(fn, reps: int) -> tuple[float, float]:
     garbage collector is off while they run (as ``timeit`` does): a full collection pauses the host for tens of
     milliseconds (44 ms in a fresh process that imported torch, on the device's host), and where the device
     waits on the host (the indexer's first query blocks, whose kernels are shorter than their launches) the
-    pause is device time too: with it on, every other timing of the 1M-token indexer was 13 ms (7%) slower
+    pause is device time too: with it on, every other timing of the 1M-token indexer was 9-14 ms (5-8%) slower
     (kernels/NOTES.md, v28)."""
     fn()
     torch.cuda.synchronize()
