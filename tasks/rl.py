@@ -84,6 +84,8 @@ class RLConfig:
             engine may take (``gpu_memory_utilization``); the trainer keeps the rest.
         engine_tensor_parallel: vLLM tensor parallelism of the rollout engine on a GPU node (a
             model larger than one device: the node's GPUs, shared with the trainer ranks).
+        gc_interval: Python's garbage collector is off in the step loop and collects every N steps
+            on every rank (``tasks.sft.ManualGC``); 0 leaves it on.
     """
 
     steps: int = 4
@@ -107,6 +109,7 @@ class RLConfig:
     keep_checkpoints: int = 2
     engine_gpu_memory_fraction: float = 0.3
     engine_tensor_parallel: int = 1
+    gc_interval: int = 50
 
 
 @dataclass(frozen=True)
@@ -265,7 +268,8 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
     from model.glm5_next import build_model
     from tasks.engines import SamplingConfig, make_engine
     from tasks.sft import (
-        Checkpointer, _megatron_optimizer_on_cpu, build_trainer, init_parallel, restore_training_state, training_state,
+        Checkpointer, ManualGC, _megatron_optimizer_on_cpu, build_trainer, init_parallel, restore_training_state,
+        training_state,
     )
 
     layout = init_parallel(cfg)
@@ -276,6 +280,8 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
     if (cfg.prompt_len + cfg.gen_len) % cfg.context_parallel or n_rollouts % layout.dp_size:
         raise RLError(f"prompt_len + gen_len = {cfg.prompt_len + cfg.gen_len} must divide over CP={cfg.context_parallel} "
                       f"and prompts_per_step x group_size = {n_rollouts} over DP={layout.dp_size}")
+    if cfg.gc_interval < 0:
+        raise RLError(f"gc_interval={cfg.gc_interval} must be >= 0 (0: the collector stays on)")
     sampler = PromptSampler(shards_dir, cfg.prompt_len, cfg.gen_len, cfg.seed)
     model_cfg, text_state, vision_state = load_hf_checkpoint(
         sft_export, tensor_model_parallel_size=cfg.tensor_parallel, context_parallel_size=cfg.context_parallel,
@@ -335,85 +341,87 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
         if is_main:
             from tqdm.auto import tqdm
             bar = tqdm(total=cfg.steps, initial=step, desc="rl", unit="step", disable=None)
-        while step < cfg.steps:
-            t0 = time.perf_counter()
-            prompts, truth, origins = sampler.sample(cfg.prompts_per_step)
-            repeated = np.repeat(prompts, cfg.group_size, axis=0)
-            generated = rollout_logp = None
-            if engine is not None:
-                sampling = SamplingConfig(max_new_tokens=cfg.gen_len, temperature=cfg.temperature,
-                                          seed=cfg.seed * 1_000_003 + step * 10_007)
-                rollouts = engine.generate(list(repeated), sampling)
-                generated = np.stack([r.tokens for r in rollouts]).astype(np.int64)
-                rollout_logp = np.stack([r.logprobs for r in rollouts]).astype(np.float32)
-            generated = _broadcast(generated, (n_rollouts, cfg.gen_len), torch.int64, device)
-            rollout_logp = _broadcast(rollout_logp, (n_rollouts, cfg.gen_len), torch.float32, device)
-            rewards = torch.tensor([
-                continuation_reward(g, t, cfg.reward) for g, t in zip(generated, np.repeat(truth, cfg.group_size, 0))
-            ], dtype=torch.float32).view(cfg.prompts_per_step, cfg.group_size)
-            advantages = group_advantages(rewards, cfg.grpo).flatten()
+        with ManualGC(cfg.gc_interval) as collector:
+            while step < cfg.steps:
+                t0 = time.perf_counter()
+                prompts, truth, origins = sampler.sample(cfg.prompts_per_step)
+                repeated = np.repeat(prompts, cfg.group_size, axis=0)
+                generated = rollout_logp = None
+                if engine is not None:
+                    sampling = SamplingConfig(max_new_tokens=cfg.gen_len, temperature=cfg.temperature,
+                                              seed=cfg.seed * 1_000_003 + step * 10_007)
+                    rollouts = engine.generate(list(repeated), sampling)
+                    generated = np.stack([r.tokens for r in rollouts]).astype(np.int64)
+                    rollout_logp = np.stack([r.logprobs for r in rollouts]).astype(np.float32)
+                generated = _broadcast(generated, (n_rollouts, cfg.gen_len), torch.int64, device)
+                rollout_logp = _broadcast(rollout_logp, (n_rollouts, cfg.gen_len), torch.float32, device)
+                rewards = torch.tensor([
+                    continuation_reward(g, t, cfg.reward) for g, t in zip(generated, np.repeat(truth, cfg.group_size, 0))
+                ], dtype=torch.float32).view(cfg.prompts_per_step, cfg.group_size)
+                advantages = group_advantages(rewards, cfg.grpo).flatten()
 
-            batch = LocalTokens.split(np.concatenate([repeated, generated], axis=1), cfg.gen_len, layout.dp_rank,
-                                      layout.dp_size, ps.get_context_parallel_rank(), cfg.context_parallel)
-            model.zero_grad_buffer()
-            optimizer.zero_grad()
-            policy.train()
-            logp, anchor = _sequence_logprobs(policy, batch, device)
-            with torch.no_grad():
-                logp_ref, _ = _sequence_logprobs(reference, batch, device)
-            terms = grpo_token_terms(logp, logp.detach(), logp_ref,
-                                     torch.from_numpy(rollout_logp[batch.rows, batch.tokens]).to(device),
-                                     advantages[batch.rows].to(device), cfg.grpo)
-            # Sums over this rank's tokens; finalize_model_grads divides the gradients by the
-            # token count of the whole DP x CP group (calculate_per_token_loss).
-            (terms["objective"].sum() + anchor).backward()
-            local_tokens = torch.tensor(float(terms["objective"].numel()), device=device)
-            sums = torch.stack([terms["objective"].detach().sum().double()] +
-                               [terms[k].sum().double() for k in ("kl", "clipped", "tis_weight", "gap")] +
-                               [local_tokens.double()])
-            gap_max = terms["gap"].max() if terms["gap"].numel() else torch.zeros((), device=device)
-            torch.distributed.all_reduce(sums, group=dp_cp_group)
-            torch.distributed.all_reduce(gap_max, op=torch.distributed.ReduceOp.MAX, group=dp_cp_group)
-            loss = float(sums[0] / sums[5])
-            if not np.isfinite(loss):
-                raise RLError(f"non-finite GRPO loss {loss} at step {step + 1}; last good checkpoint: "
-                              f"{(ckpt.pointer('latest') if ckpt else None) or 'none'}")
-            finalize_model_grads([model], num_tokens=local_tokens.clone())
-            scheduler.step(1)
-            with _megatron_optimizer_on_cpu():
-                _, grad_norm, _ = optimizer.step()
-            hf = hf_state_dict(policy)                           # collective over TP/EP
-            if engine is not None:
-                engine.update_weights({**hf, **vision_state})
-            del hf
-            step += 1
-            seconds = time.perf_counter() - t0
-            count = float(sums[5])
-            row = {
-                "step": step, "loss": loss, "reward_mean": rewards.mean().item(),
-                "reward_std": rewards.std(unbiased=False).item(), "grad_norm": float(grad_norm),
-                "kl": float(sums[1]) / count, "clip_fraction": float(sums[2]) / count,
-                "tis_weight_mean": float(sums[3]) / count,
-                "rollout_train_logprobs_abs_diff_mean": float(sums[4]) / count,
-                "rollout_train_logprobs_abs_diff_max": float(gap_max),
-                "tokens_per_s": n_rollouts * (cfg.prompt_len + cfg.gen_len) / seconds, "step_time_s": seconds,
-                "engine": engine.description if engine is not None else "",
-            }
-            if is_main:
-                metrics.append(row)
-                with (history / "metrics.jsonl").open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-                with (history / "rollouts.jsonl").open("a") as f:
-                    for k, (tokens, reward) in enumerate(zip(generated, rewards.flatten().tolist())):
-                        shard, offset = origins[k // cfg.group_size]
-                        f.write(json.dumps({"step": step, "shard": shard, "offset": offset, "prompt_len": cfg.prompt_len,
-                                            "generated": tokens.tolist(), "reward": reward}) + "\n")
-                log.info("rl step %d/%d: reward %.3f kl %.2e gap %.2e", step, cfg.steps, row["reward_mean"], row["kl"],
-                         row["rollout_train_logprobs_abs_diff_mean"])
-                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", gap=f"{row['rollout_train_logprobs_abs_diff_mean']:.1e}")
-                bar.update()
-            if ckpt and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps):
-                ckpt.save(checkpoint_state(False, step), step, False, cfg.keep_checkpoints)
+                batch = LocalTokens.split(np.concatenate([repeated, generated], axis=1), cfg.gen_len, layout.dp_rank,
+                                          layout.dp_size, ps.get_context_parallel_rank(), cfg.context_parallel)
+                model.zero_grad_buffer()
+                optimizer.zero_grad()
+                policy.train()
+                logp, anchor = _sequence_logprobs(policy, batch, device)
+                with torch.no_grad():
+                    logp_ref, _ = _sequence_logprobs(reference, batch, device)
+                terms = grpo_token_terms(logp, logp.detach(), logp_ref,
+                                         torch.from_numpy(rollout_logp[batch.rows, batch.tokens]).to(device),
+                                         advantages[batch.rows].to(device), cfg.grpo)
+                # Sums over this rank's tokens; finalize_model_grads divides the gradients by the
+                # token count of the whole DP x CP group (calculate_per_token_loss).
+                (terms["objective"].sum() + anchor).backward()
+                local_tokens = torch.tensor(float(terms["objective"].numel()), device=device)
+                sums = torch.stack([terms["objective"].detach().sum().double()] +
+                                   [terms[k].sum().double() for k in ("kl", "clipped", "tis_weight", "gap")] +
+                                   [local_tokens.double()])
+                gap_max = terms["gap"].max() if terms["gap"].numel() else torch.zeros((), device=device)
+                torch.distributed.all_reduce(sums, group=dp_cp_group)
+                torch.distributed.all_reduce(gap_max, op=torch.distributed.ReduceOp.MAX, group=dp_cp_group)
+                loss = float(sums[0] / sums[5])
+                if not np.isfinite(loss):
+                    raise RLError(f"non-finite GRPO loss {loss} at step {step + 1}; last good checkpoint: "
+                                  f"{(ckpt.pointer('latest') if ckpt else None) or 'none'}")
+                finalize_model_grads([model], num_tokens=local_tokens.clone())
+                scheduler.step(1)
+                with _megatron_optimizer_on_cpu():
+                    _, grad_norm, _ = optimizer.step()
+                hf = hf_state_dict(policy)                           # collective over TP/EP
+                if engine is not None:
+                    engine.update_weights({**hf, **vision_state})
+                del hf
+                step += 1
+                seconds = time.perf_counter() - t0
+                count = float(sums[5])
+                row = {
+                    "step": step, "loss": loss, "reward_mean": rewards.mean().item(),
+                    "reward_std": rewards.std(unbiased=False).item(), "grad_norm": float(grad_norm),
+                    "kl": float(sums[1]) / count, "clip_fraction": float(sums[2]) / count,
+                    "tis_weight_mean": float(sums[3]) / count,
+                    "rollout_train_logprobs_abs_diff_mean": float(sums[4]) / count,
+                    "rollout_train_logprobs_abs_diff_max": float(gap_max),
+                    "tokens_per_s": n_rollouts * (cfg.prompt_len + cfg.gen_len) / seconds, "step_time_s": seconds,
+                    "engine": engine.description if engine is not None else "",
+                }
+                if is_main:
+                    metrics.append(row)
+                    with (history / "metrics.jsonl").open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    with (history / "rollouts.jsonl").open("a") as f:
+                        for k, (tokens, reward) in enumerate(zip(generated, rewards.flatten().tolist())):
+                            shard, offset = origins[k // cfg.group_size]
+                            f.write(json.dumps({"step": step, "shard": shard, "offset": offset, "prompt_len": cfg.prompt_len,
+                                                "generated": tokens.tolist(), "reward": reward}) + "\n")
+                    log.info("rl step %d/%d: reward %.3f kl %.2e gap %.2e", step, cfg.steps, row["reward_mean"], row["kl"],
+                             row["rollout_train_logprobs_abs_diff_mean"])
+                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", gap=f"{row['rollout_train_logprobs_abs_diff_mean']:.1e}")
+                    bar.update()
+                if ckpt and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps):
+                    ckpt.save(checkpoint_state(False, step), step, False, cfg.keep_checkpoints)
+                collector.step(step)
         if bar is not None:
             bar.close()
         hf = hf_state_dict(policy)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -102,6 +103,8 @@ class SFTConfig:
         eval_every: validation every N steps (and at the end); 0: only at the end.
         eval_windows, eval_seq_len: held-out windows per validation and their length.
         peak_tflops_per_device: dense bf16 peak for MFU; 0: from the device name (None on CPU).
+        gc_interval: Python's garbage collector is off in the step loop and collects every N steps,
+            at the same step on every rank (:class:`ManualGC`); 0 leaves it on.
         inject_nan_at_step, inject_crash_at_step: fault injection for tests (-1: off; steps count
             from 1): the NaN multiplies step k's loss; the crash is ``os._exit(1)`` after step k
             (and its checkpoint), as a killed worker.
@@ -139,6 +142,7 @@ class SFTConfig:
     eval_windows: int = 2
     eval_seq_len: int = 4096
     peak_tflops_per_device: float = 0.0
+    gc_interval: int = 50
     inject_nan_at_step: int = -1
     inject_crash_at_step: int = -1
 
@@ -148,6 +152,8 @@ class SFTConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise SFTConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.gc_interval < 0:
+            raise SFTConfigError(f"gc_interval={self.gc_interval} must be >= 0 (0: the collector stays on)")
         if self.dtype not in DTYPES:
             raise SFTConfigError(f"dtype={self.dtype!r}; valid: {DTYPES}")
         if self.recompute not in RECOMPUTE:
@@ -1096,6 +1102,47 @@ def evaluate(module, sampler: WindowSampler, windows: list[tuple[int, int]], lay
     return float(totals[0] / totals[1].clamp_min(1))
 
 
+class ManualGC:
+    """Python's garbage collector off inside a training loop, with a full collection every ``interval``
+    steps, at the same step on every rank (Megatron-LM's ``--manual-gc``).
+
+    An automatic collection pauses one rank's host at a moment its own allocations choose, for tens of
+    milliseconds (a full collection: 44 ms in a process that imported torch, on an H200 host). Where the
+    device waits on the host's launches (the lightning indexer's first query blocks) the pause is device
+    time too: it made every other timing of the 1M-token indexer 5-8% slower (kernels/NOTES.md, v28). And
+    the other ranks wait for that rank at the next collective.
+
+    A context manager around the loop: on entry one full collection, then the collector off (``interval``
+    > 0); :meth:`step` after each optimizer step; on exit the collector back as it was. ``interval`` 0
+    changes nothing.
+
+    Raises:
+        ValueError: ``interval < 0``.
+    """
+
+    def __init__(self, interval: int):
+        if interval < 0:
+            raise ValueError(f"gc interval must be >= 0, got {interval}")
+        self.interval = interval
+        self._was_enabled = True
+
+    def __enter__(self) -> "ManualGC":
+        self._was_enabled = gc.isenabled()
+        if self.interval:
+            gc.collect()
+            gc.disable()
+        return self
+
+    def step(self, step: int) -> None:
+        """Collect after optimizer step ``step`` (counted from 1) when it is a multiple of ``interval``."""
+        if self.interval and step % self.interval == 0:
+            gc.collect()
+
+    def __exit__(self, *exc) -> None:
+        if self.interval and self._was_enabled:
+            gc.enable()
+
+
 def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLike) -> SFTResult:
     """Train ``cfg.model`` on the train shards of ``pack_dir``; run on every rank of the job.
 
@@ -1192,68 +1239,70 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
     if is_main:
         from tqdm.auto import tqdm
         bar = tqdm(total=cfg.steps, initial=step, desc="sft", unit="step", disable=None)
-    while step < cfg.steps:
-        start = time.perf_counter()
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        sums = torch.zeros(3, dtype=torch.float64, device=device)   # NLL sum, target tokens, indexer KL
-        for micro in range(cfg.windows_per_step):
-            ids, labels, target = _batch(train_data, consumed + micro * layout.dp_size + layout.dp_rank, layout,
-                                         cfg.context_parallel, device)
-            nll = model(ids, labels)                                         # [1, s / cp] float32 nats
-            masked = (nll * target).sum()
-            if step + 1 == cfg.inject_nan_at_step:
-                masked = masked * float("nan")
-            indexer_kl = kl.pop()
-            n_targets = target.sum()
-            (masked + cfg.indexer_kl_coeff * indexer_kl * n_targets).backward()
-            sums += torch.stack([masked.detach().double(), n_targets.double(),
-                                 torch.as_tensor(indexer_kl, dtype=torch.float64, device=device).detach()])
-        local_targets = sums[1].to(torch.float32).clone()
-        torch.distributed.all_reduce(sums, group=dp_cp_group)
-        loss = float(sums[0] / sums[1].clamp_min(1))
-        if not math.isfinite(loss):
-            last = ckpt.pointer("latest") if ckpt else None
-            emit({"event": "diverged", "step": step + 1, "loss": str(loss)})
-            raise TrainingDivergedError(f"non-finite training loss {loss} at step {step + 1}; stopped before the "
-                                        f"optimizer update; last good checkpoint: {last or 'none'}")
-        overload, expert_imbalance = _moe_overload(module, cfg.expert_parallel)
-        # Grads are of the summed NLL: finalize divides them by the global number of target tokens.
-        finalize_model_grads([model], num_tokens=local_targets)
-        scheduler.step(1)   # the LR of step k is the schedule at k + 1: warm-up starts above 0
-        with _megatron_optimizer_on_cpu():
-            _, grad_norm, _ = optimizer.step()
-        if grad_norm is not None and not math.isfinite(grad_norm):
-            raise TrainingDivergedError(f"non-finite gradient norm {grad_norm} at step {step + 1}; the update was "
-                                        f"applied: resume from {ckpt.pointer('latest') if ckpt else 'none'}")
-        consumed += cfg.windows_per_step * layout.dp_size
-        step += 1
-        elapsed = time.perf_counter() - start
-        tokens_per_s = tokens_per_step / elapsed
-        record = {
-            "step": step, "loss": loss, "bits_per_base": loss / math.log(2), "lr": optimizer.param_groups[0]["lr"],
-            "grad_norm": grad_norm, "indexer_kl": float(sums[2]) / (layout.dp_size * cfg.context_parallel * cfg.windows_per_step),
-            "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / layout.world_size,
-            "step_time_s": elapsed, "peak_memory_gib": _peak_memory_gib(), "peak_pinned_host_gib": _peak_pinned_gib(),
-            "moe_max_overload": overload, "moe_expert_max_over_mean": expert_imbalance,
-            "mfu": (flops_per_token * tokens_per_s / (peak_tflops * 1e12 * layout.world_size)) if peak_tflops else None,
-        }
-        emit(record)
-        if bar is not None:
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}")
-            bar.update()
-        last_step = step == cfg.steps
-        improved = False
-        if (cfg.eval_every and step % cfg.eval_every == 0) or last_step:
-            eval_loss = evaluate(module, eval_data, eval_windows, layout, cfg.context_parallel, device)
-            improved = best_eval is None or eval_loss < best_eval
-            best_eval = min(eval_loss, best_eval) if best_eval is not None else eval_loss
-            emit({"event": "eval", "step": step, "eval_loss": eval_loss, "eval_bits_per_base": eval_loss / math.log(2),
-                  "best": improved})
-        if ckpt and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or last_step or improved):
-            save(step, improved)
-        if step == cfg.inject_crash_at_step:
-            os._exit(1)
+    with ManualGC(cfg.gc_interval) as collector:
+        while step < cfg.steps:
+            start = time.perf_counter()
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            sums = torch.zeros(3, dtype=torch.float64, device=device)   # NLL sum, target tokens, indexer KL
+            for micro in range(cfg.windows_per_step):
+                ids, labels, target = _batch(train_data, consumed + micro * layout.dp_size + layout.dp_rank, layout,
+                                             cfg.context_parallel, device)
+                nll = model(ids, labels)                                         # [1, s / cp] float32 nats
+                masked = (nll * target).sum()
+                if step + 1 == cfg.inject_nan_at_step:
+                    masked = masked * float("nan")
+                indexer_kl = kl.pop()
+                n_targets = target.sum()
+                (masked + cfg.indexer_kl_coeff * indexer_kl * n_targets).backward()
+                sums += torch.stack([masked.detach().double(), n_targets.double(),
+                                     torch.as_tensor(indexer_kl, dtype=torch.float64, device=device).detach()])
+            local_targets = sums[1].to(torch.float32).clone()
+            torch.distributed.all_reduce(sums, group=dp_cp_group)
+            loss = float(sums[0] / sums[1].clamp_min(1))
+            if not math.isfinite(loss):
+                last = ckpt.pointer("latest") if ckpt else None
+                emit({"event": "diverged", "step": step + 1, "loss": str(loss)})
+                raise TrainingDivergedError(f"non-finite training loss {loss} at step {step + 1}; stopped before the "
+                                            f"optimizer update; last good checkpoint: {last or 'none'}")
+            overload, expert_imbalance = _moe_overload(module, cfg.expert_parallel)
+            # Grads are of the summed NLL: finalize divides them by the global number of target tokens.
+            finalize_model_grads([model], num_tokens=local_targets)
+            scheduler.step(1)   # the LR of step k is the schedule at k + 1: warm-up starts above 0
+            with _megatron_optimizer_on_cpu():
+                _, grad_norm, _ = optimizer.step()
+            if grad_norm is not None and not math.isfinite(grad_norm):
+                raise TrainingDivergedError(f"non-finite gradient norm {grad_norm} at step {step + 1}; the update was "
+                                            f"applied: resume from {ckpt.pointer('latest') if ckpt else 'none'}")
+            consumed += cfg.windows_per_step * layout.dp_size
+            step += 1
+            elapsed = time.perf_counter() - start
+            tokens_per_s = tokens_per_step / elapsed
+            record = {
+                "step": step, "loss": loss, "bits_per_base": loss / math.log(2), "lr": optimizer.param_groups[0]["lr"],
+                "grad_norm": grad_norm, "indexer_kl": float(sums[2]) / (layout.dp_size * cfg.context_parallel * cfg.windows_per_step),
+                "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / layout.world_size,
+                "step_time_s": elapsed, "peak_memory_gib": _peak_memory_gib(), "peak_pinned_host_gib": _peak_pinned_gib(),
+                "moe_max_overload": overload, "moe_expert_max_over_mean": expert_imbalance,
+                "mfu": (flops_per_token * tokens_per_s / (peak_tflops * 1e12 * layout.world_size)) if peak_tflops else None,
+            }
+            emit(record)
+            collector.step(step)
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}")
+                bar.update()
+            last_step = step == cfg.steps
+            improved = False
+            if (cfg.eval_every and step % cfg.eval_every == 0) or last_step:
+                eval_loss = evaluate(module, eval_data, eval_windows, layout, cfg.context_parallel, device)
+                improved = best_eval is None or eval_loss < best_eval
+                best_eval = min(eval_loss, best_eval) if best_eval is not None else eval_loss
+                emit({"event": "eval", "step": step, "eval_loss": eval_loss, "eval_bits_per_base": eval_loss / math.log(2),
+                      "best": improved})
+            if ckpt and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or last_step or improved):
+                save(step, improved)
+            if step == cfg.inject_crash_at_step:
+                os._exit(1)
     if bar is not None:
         bar.close()
 

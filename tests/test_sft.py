@@ -8,6 +8,7 @@ for the resumed one, the Parquet bytes (read with pyarrow here) for the windows.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -23,8 +24,8 @@ import pytest
 from tasks.corpora import CORPORA
 from tasks.ingest import IngestConfig, ingest
 from tasks.pack import PackConfig, pack
-from tasks.sft import (OFFLOAD_PINNED_FACTOR, MemoryPlanError, SFTConfig, WindowSampler, activation_bytes_per_token,
-                       host_memory_limit_bytes, memory_plan, step_log_line)
+from tasks.sft import (OFFLOAD_PINNED_FACTOR, ManualGC, MemoryPlanError, SFTConfig, SFTConfigError, WindowSampler,
+                       activation_bytes_per_token, host_memory_limit_bytes, memory_plan, step_log_line)
 
 BASE = dict(model="tiny", seq_len=1024, eval_seq_len=1024, eval_windows=1, steps=6, warmup_steps=2, lr=3e-3,
             checkpoint_every=3)
@@ -287,6 +288,42 @@ def test_host_memory_limit_is_the_smaller_of_cgroup_and_memtotal():
     if cgroup.exists() and cgroup.read_text().strip().isdigit():
         expected = min(expected, int(cgroup.read_text()))
     assert host_memory_limit_bytes() == expected
+
+
+def test_manual_gc_collects_at_its_interval_only_and_restores_the_collector():
+    full = []
+
+    def on_collection(phase, info):   # gc.callbacks: every collection, automatic or gc.collect()
+        if phase == "start" and info["generation"] == 2:
+            full.append(phase)
+
+    assert gc.isenabled()
+    gc.callbacks.append(on_collection)
+    try:
+        with ManualGC(3) as collector:
+            assert not gc.isenabled()
+            at_entry = len(full)
+            for step in range(1, 8):
+                garbage = []
+                garbage.append(garbage)                   # cycles only a collection frees
+                _ = [[i] for i in range(5000)]            # allocations that trigger automatic collections when on
+                collector.step(step)
+            in_loop = len(full) - at_entry
+        assert gc.isenabled()
+        with ManualGC(0):
+            assert gc.isenabled()
+        gc.disable()
+        with ManualGC(2):
+            pass
+        assert not gc.isenabled()                         # left as it was found
+    finally:
+        gc.enable()
+        gc.callbacks.remove(on_collection)
+    assert (at_entry, in_loop) == (1, 2)                  # one at entry, after steps 3 and 6
+    with pytest.raises(ValueError, match="must be >= 0"):
+        ManualGC(-1)
+    with pytest.raises(SFTConfigError, match="gc_interval=-1"):
+        SFTConfig(gc_interval=-1)
 
 
 def _shard_bytes(shards: Path, shard_path: str) -> tuple[np.ndarray, np.ndarray]:
