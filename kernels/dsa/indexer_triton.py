@@ -830,18 +830,18 @@ H200, 64x128 tiles, 8192 x 65,536: 6.43 against 6.50 ms (full shape), 2.59 again
 
 SCORE_BUFFER_ELEMENTS = 2**29
 """Float32 scores one query block should hold (2 GiB): ``triton_pool_topk`` takes query blocks of the
-multiple of the block unit (:func:`_block_unit`) nearest to the rows whose ``[B, rows, pools]`` buffer fits, at
-least one unit (one unit at 1M tokens, kpool 16; four at 256k; the whole sequence at 64k). Bigger blocks mean fewer launches;
-the causal triangle inside a block costs nothing, the score kernel skips the tiles no query of a tile sees
-(v13)."""
+multiple of the block unit (:func:`_block_unit`) nearest to the rows whose ``[B, rows, pools]`` buffer
+fits, at least one unit (one unit at 1M tokens, kpool 16; four at 256k; the whole sequence at 64k).
+Bigger blocks mean fewer launches; the causal triangle inside a block costs nothing, the score kernel
+skips the tiles no query of a tile sees (v13)."""
 
 QUERY_BLOCK_UNIT = 0
 """Query blocks are multiples of this many queries; 0 (default, v28): :func:`_block_unit`'s whole waves
 (8448 on an H200). 8192 is the unit before v28."""
 
 SCORE_BLOCK_M = 64
-"""Queries per score program (the Gluon kernel's ``BLOCK_M``; the Triton kernel's tilings use 64 or 128,
-both dividing a multiple of 64 * 132)."""
+"""Queries per score program: the Gluon kernel's ``BLOCK_M``. (The Triton kernel's 128-query tilings make
+half as many programs of a unit: whole waves still, at up to 8 programs per SM.)"""
 
 
 def _padded(n_pools: int) -> int:
