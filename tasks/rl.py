@@ -356,7 +356,8 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
                 generated = _broadcast(generated, (n_rollouts, cfg.gen_len), torch.int64, device)
                 rollout_logp = _broadcast(rollout_logp, (n_rollouts, cfg.gen_len), torch.float32, device)
                 rewards = torch.tensor([
-                    continuation_reward(g, t, cfg.reward) for g, t in zip(generated, np.repeat(truth, cfg.group_size, 0))
+                    continuation_reward(g, t, cfg.reward)
+                    for g, t in zip(generated, np.repeat(truth, cfg.group_size, 0))
                 ], dtype=torch.float32).view(cfg.prompts_per_step, cfg.group_size)
                 advantages = group_advantages(rewards, cfg.grpo).flatten()
 
@@ -413,11 +414,13 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
                     with (history / "rollouts.jsonl").open("a") as f:
                         for k, (tokens, reward) in enumerate(zip(generated, rewards.flatten().tolist())):
                             shard, offset = origins[k // cfg.group_size]
-                            f.write(json.dumps({"step": step, "shard": shard, "offset": offset, "prompt_len": cfg.prompt_len,
-                                                "generated": tokens.tolist(), "reward": reward}) + "\n")
-                    log.info("rl step %d/%d: reward %.3f kl %.2e gap %.2e", step, cfg.steps, row["reward_mean"], row["kl"],
-                             row["rollout_train_logprobs_abs_diff_mean"])
-                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", gap=f"{row['rollout_train_logprobs_abs_diff_mean']:.1e}")
+                            f.write(json.dumps({"step": step, "shard": shard, "offset": offset,
+                                                "prompt_len": cfg.prompt_len, "generated": tokens.tolist(),
+                                                "reward": reward}) + "\n")
+                    gap = row["rollout_train_logprobs_abs_diff_mean"]
+                    log.info("rl step %d/%d: reward %.3f kl %.2e gap %.2e", step, cfg.steps, row["reward_mean"],
+                             row["kl"], gap)
+                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", gap=f"{gap:.1e}")
                     bar.update()
                 if ckpt and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps):
                     ckpt.save(checkpoint_state(False, step), step, False, cfg.keep_checkpoints)

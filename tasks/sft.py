@@ -1280,11 +1280,14 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
             tokens_per_s = tokens_per_step / elapsed
             record = {
                 "step": step, "loss": loss, "bits_per_base": loss / math.log(2), "lr": optimizer.param_groups[0]["lr"],
-                "grad_norm": grad_norm, "indexer_kl": float(sums[2]) / (layout.dp_size * cfg.context_parallel * cfg.windows_per_step),
+                "grad_norm": grad_norm,
+                "indexer_kl": float(sums[2]) / (layout.dp_size * cfg.context_parallel * cfg.windows_per_step),
                 "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / layout.world_size,
-                "step_time_s": elapsed, "peak_memory_gib": _peak_memory_gib(), "peak_pinned_host_gib": _peak_pinned_gib(),
+                "step_time_s": elapsed, "peak_memory_gib": _peak_memory_gib(),
+                "peak_pinned_host_gib": _peak_pinned_gib(),
                 "moe_max_overload": overload, "moe_expert_max_over_mean": expert_imbalance,
-                "mfu": (flops_per_token * tokens_per_s / (peak_tflops * 1e12 * layout.world_size)) if peak_tflops else None,
+                "mfu": ((flops_per_token * tokens_per_s / (peak_tflops * 1e12 * layout.world_size))
+                        if peak_tflops else None),
             }
             emit(record)
             collector.step(step)
@@ -1297,8 +1300,8 @@ def train(pack_dir: str | os.PathLike, cfg: SFTConfig, out_dir: str | os.PathLik
                 eval_loss = evaluate(module, eval_data, eval_windows, layout, cfg.context_parallel, device)
                 improved = best_eval is None or eval_loss < best_eval
                 best_eval = min(eval_loss, best_eval) if best_eval is not None else eval_loss
-                emit({"event": "eval", "step": step, "eval_loss": eval_loss, "eval_bits_per_base": eval_loss / math.log(2),
-                      "best": improved})
+                emit({"event": "eval", "step": step, "eval_loss": eval_loss,
+                      "eval_bits_per_base": eval_loss / math.log(2), "best": improved})
             if ckpt and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or last_step or improved):
                 save(step, improved)
             if step == cfg.inject_crash_at_step:

@@ -837,7 +837,10 @@ skips the tiles no query of a tile sees (v13)."""
 
 QUERY_BLOCK_UNIT = 0
 """Query blocks are multiples of this many queries; 0 (default, v28): :func:`_block_unit`'s whole waves
-(8448 on an H200). 8192 is the unit before v28."""
+(8448 on an H200). :data:`QUERY_BLOCK_MIN` is the unit before v28."""
+
+QUERY_BLOCK_MIN = 8192
+"""The fewest queries of a block unit (:func:`_block_unit`): fewer would mean more launches."""
 
 SCORE_BLOCK_M = 64
 """Queries per score program: the Gluon kernel's ``BLOCK_M``. (The Triton kernel's 128-query tilings make
@@ -863,20 +866,20 @@ def _even(n: int) -> int:
 
 def _block_unit(device: torch.device) -> int:
     """Queries per block unit on ``device``: :data:`QUERY_BLOCK_UNIT` when set; else, on CUDA, the smallest
-    multiple of ``SCORE_BLOCK_M * SMs`` (64 x 132 = 8448 on an H200, 9472 on a B200) of at least 8192
-    queries; 8192 elsewhere (the interpreter). A block of ``n_q`` such queries launches ``n_prog * n_q / 64``
-    score programs (``n_prog`` = 16 at ``index_topk`` 2048, kpool 16), a multiple of ``16 * SMs``: whole waves
+    multiple of ``SCORE_BLOCK_M * SMs`` (64 x 132 = 8448 on an H200, 9472 on a B200) of at least
+    :data:`QUERY_BLOCK_MIN` queries; :data:`QUERY_BLOCK_MIN` elsewhere (the interpreter). A block of ``n_q``
+    such queries launches ``n_prog * n_q / 64`` score programs (``n_prog`` = 16 at ``index_topk`` 2048, kpool 16), a multiple of ``16 * SMs``: whole waves
     at 1, 2, 4, 8 or 16 programs per SM, where 8192-query blocks gave 2048 programs, 7.76 waves of two
     per SM (the last one a quarter empty) on an H200 (kernels/NOTES.md, v28)."""
     if QUERY_BLOCK_UNIT:
         return QUERY_BLOCK_UNIT
     if device.type != "cuda":
-        return 8192
+        return QUERY_BLOCK_MIN
     wave = SCORE_BLOCK_M * torch.cuda.get_device_properties(device).multi_processor_count
-    return -(-8192 // wave) * wave
+    return -(-QUERY_BLOCK_MIN // wave) * wave
 
 
-def _query_block(batch: int, n_pools: int, unit: int = 8192) -> int:
+def _query_block(batch: int, n_pools: int, unit: int) -> int:
     """Queries per block: the multiple of ``unit`` (:func:`_block_unit`) nearest to the rows whose score
     buffer fits :data:`SCORE_BUFFER_ELEMENTS` for ``n_pools`` pools, at least ``unit`` (so the buffer may
     pass the budget by half a unit's rows: 2.2 GB at 256k tokens and 1M with 8448-query units)."""

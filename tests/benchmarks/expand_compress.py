@@ -32,6 +32,7 @@ import kernels.dsa.indexer_triton as it  # noqa: E402
 from dsa_bench import KPOOL, TOPK  # noqa: E402
 from dsa_check import bf16_ulps_apart, rel_err  # noqa: E402
 from indexer_score_variants import cuda_ms  # noqa: E402
+from indexer_versions import with_constants  # noqa: E402
 from kernels.dsa.indexer import _compress_on_grid, _expand_selection, kpool_grid  # noqa: E402
 
 
@@ -71,7 +72,6 @@ def main() -> None:
     torch.cuda.empty_cache()
 
     # compression
-    saved = it.COMPRESS_ELEMENTS, it.COMPRESS_WARPS
     for dim in (64, 128):
         k = torch.nn.functional.layer_norm(torch.randn(1, n, dim, device="cuda", generator=gen), (dim,)).bfloat16()
         g = torch.randn(1, n, dim, device="cuda", generator=gen).bfloat16()
@@ -81,13 +81,10 @@ def main() -> None:
         moved = 2 * k.numel() * 2 + n_pools * dim * 2
         cases = [("torch _compress_on_grid", lambda: _compress_on_grid(k, g, ape, grid))]
         for elements, warps in [(4096, 4), (8192, 4), (16384, 4), (16384, 8), (32768, 8)]:
-            def run(elements=elements, warps=warps):
-                it.COMPRESS_ELEMENTS, it.COMPRESS_WARPS = elements, warps
-                try:
-                    return it.triton_kpool_compress(k, g, ape, grid)
-                finally:
-                    it.COMPRESS_ELEMENTS, it.COMPRESS_WARPS = saved
-            cases.append((f"v27 {elements} elements, {warps} warps", run))
+            compress = with_constants(it.triton_kpool_compress,
+                                      dict(COMPRESS_ELEMENTS=elements, COMPRESS_WARPS=warps))
+            cases.append((f"v27 {elements} elements, {warps} warps",
+                          lambda compress=compress: compress(k, g, ape, grid)))
         for name, fn in cases:
             got = fn()
             row = dict(kernel=f"compress d{dim}", version=name, rel_err_float64=rel_err(got, ref64),

@@ -6,8 +6,8 @@
 ``--anchor`` is an earlier copy of ``kernels/dsa/indexer_triton.py`` (e.g. ``git show
 <rev>:kernels/dsa/indexer_triton.py``). For the ``small`` and ``full`` DSA shapes it times
 :func:`kernels.dsa.lightning_indexer_topk` end to end with each version's k-pool compression,
-``triton_pool_topk`` and expansion (:data:`STAGES`) on the same bf16 inputs, checks that both select identical indices (both are exact with the
-same tie rule), and reports the achieved score TFLOP/s against a bf16 matmul measured in the
+``triton_pool_topk`` and expansion (:data:`STAGES`) on the same bf16 inputs, checks that both select
+identical indices (both are exact with the same tie rule), and reports the achieved score TFLOP/s against a bf16 matmul measured in the
 same run. ``--profile`` adds, per shape and length, the CUDA time per kernel of one call of the
 current version (and of each ``--also`` version) and the device's idle time inside it (host syncs, launches); ``--memory``, per
 version, the peak memory of ``triton_pool_topk`` alone (pooled keys made beforehand); ``--also``
@@ -164,7 +164,8 @@ def main() -> None:
     versions["current"] = stages_of(current)
     for spec in args.also:
         name, settings = spec.split(":", 1)
-        constants = {attr: ast.literal_eval(value) for attr, value in (item.split("=", 1) for item in settings.split(","))}
+        constants = {attr: ast.literal_eval(value)
+                     for attr, value in (item.split("=", 1) for item in settings.split(","))}
         versions[name] = {stage: with_constants(fn, constants) for stage, fn in versions["current"].items()}
     ceil = ceilings()
     print(json.dumps(dict(ceilings=ceil)), flush=True)
@@ -194,20 +195,22 @@ def main() -> None:
                     row = dict(shape=name, seq_len=seq_len, version=version, error=failed[version])
                 else:
                     t = statistics.median(times[version])
-                    row = dict(shape=name, seq_len=seq_len, version=version, seconds=t, seconds_per_round=times[version],
-                               peak_gib=peaks[version], tflops=flops / t / 1e12,
+                    row = dict(shape=name, seq_len=seq_len, version=version, seconds=t,
+                               seconds_per_round=times[version], peak_gib=peaks[version], tflops=flops / t / 1e12,
                                pct_of_matmul=100 * flops / t / 1e12 / ceil["matmul_tflops"])
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             use(versions["current"])
             if args.memory:
                 for version, fn in versions.items():
-                    rows.append(selection_memory(fn["triton_pool_topk"], inputs, kw, f"{name} {seq_len // 1024}k {version}"))
+                    rows.append(selection_memory(fn["triton_pool_topk"], inputs, kw,
+                                                 f"{name} {seq_len // 1024}k {version}"))
             if args.host:
                 rows.extend(host_time(lambda: lightning_indexer_topk(*inputs, **kw), f"{name} {seq_len // 1024}k"))
             # per-call profiles of the current version and each --also version, labelled by version
             shape = SHAPES[name]
-            profiles = ([lambda call, label: profile_call(call, label, calls=args.profile_calls)] if args.profile else []) + (
+            profiles = ([lambda call, label: profile_call(call, label, calls=args.profile_calls)]
+                        if args.profile else []) + (
                 [(lambda call, label: block_profile(call, label, seq_len, kw["kpool"], shape["index_heads"],
                                                     shape["index_dim"], ceil["matmul_tflops"]))] if args.blocks else [])
             for profile in profiles:

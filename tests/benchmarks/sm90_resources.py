@@ -2,8 +2,8 @@
 
     python tests/benchmarks/sm90_resources.py [--shape full]
 
-Compiles :mod:`kernels.dsa.indexer_triton`'s score, selection, expansion and k-pool compression kernels and the Gluon score kernel
-(:mod:`kernels.dsa.indexer_gluon`) for
+Compiles :mod:`kernels.dsa.indexer_triton`'s score, selection, expansion and k-pool compression kernels
+and the Gluon score kernel (:mod:`kernels.dsa.indexer_gluon`) for
 ``GPUTarget("cuda", 90, 32)`` (Triton's front end and ptxas run on the CPU) for every
 autotuned configuration and prints a table: registers per thread and shared memory per CTA
 (``cuobjdump --dump-resource-usage`` of the cubin), the stack frame ptxas spills registers to, and the CTAs one H100/H200

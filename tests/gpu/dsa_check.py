@@ -7,8 +7,9 @@ Per sequence length, with fresh random inputs and the caching allocator's free m
 filled with NaN before every kernel call (so an unwritten output shows up):
 
 * indexer: the one-kernel k-pool compression within one bf16 ulp of the torch compression (of
-  the larger value, at least the keys' rms) and no farther from float64; the Triton selection vs the blockwise torch path on the same bf16
-  pooled keys (index sets equal per query, modulo near-ties); the one-kernel expansion equal
+  the larger value, at least the keys' rms) and no farther from float64; the Triton selection vs
+  the blockwise torch path on the same bf16 pooled keys (index sets equal per query, modulo
+  near-ties); the one-kernel expansion equal
   to the torch expansion; and score-mass capture against float64 scores:
   ``sum softmax(I64)[selected] / sum softmax(I64)[true top pools] >= 0.99`` on sampled rows;
 * sparse MLA attention forward on the selected indices: relative Frobenius error of the
