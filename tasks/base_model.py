@@ -53,10 +53,10 @@ def base_model(model_preset: str, seed: int, out_dir: str | os.PathLike, init_hf
 
 from flytekit import Cache, task  # noqa: E402
 
-from workflows.caching import HashedDir, as_output, code_version, requests_for, stage_output_dir  # noqa: E402
+from workflows.caching import HashedDir, as_output, stage_version, requests_for, stage_output_dir  # noqa: E402
 from workflows.presets import active_preset  # noqa: E402
 
-BASE_VERSION = code_version("tasks/base_model.py", "model")
+BASE_VERSION = stage_version("base_model", active_preset())
 
 
 @task(cache=Cache(version=BASE_VERSION), requests=requests_for(active_preset().data_resources))

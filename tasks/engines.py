@@ -313,6 +313,12 @@ class VLLMEngine(InferenceEngine):
         enforce_eager: no CUDA graphs / torch.compile (default: True without a GPU, where
             compilation costs more than it saves on test-sized prompts).
         seed: vLLM's global seed.
+        chunked_prefill: let vLLM split a prompt's prefill over several engine steps (vLLM's
+            default). False: every prompt is prefilled in one step, and the step budget is raised
+            to ``max_model_len``. On CPU, seeded sampling of more prompt tokens than one step
+            holds needs False (:class:`EngineError` otherwise; see ``_generate``).
+        max_num_batched_tokens: tokens per engine step (the prefill chunk when chunked prefill
+            is on); None: vLLM's default.
         in_process: run the engine core in this process (see below); None: decide by the
             ``torch.distributed`` world size.
         llm_kwargs: further ``vllm.LLM`` arguments (``gpu_memory_utilization``,
@@ -345,8 +351,14 @@ class VLLMEngine(InferenceEngine):
 
     def __init__(self, checkpoint_dir: str | os.PathLike, dtype: str = "float32", max_model_len: int = 8192,
                  *, enforce_eager: bool | None = None, seed: int = 0, in_process: bool | None = None,
+                 chunked_prefill: bool = True, max_num_batched_tokens: int | None = None,
                  llm_kwargs: Mapping | None = None):
         super().__init__(checkpoint_dir, dtype, max_model_len)
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise EngineError(f"max_num_batched_tokens={max_num_batched_tokens}: must be >= 1")
+        if not chunked_prefill and max_num_batched_tokens is not None and max_num_batched_tokens <= max_model_len:
+            raise EngineError(f"max_num_batched_tokens={max_num_batched_tokens} without chunked prefill must exceed "
+                              f"max_model_len={max_model_len}: a whole prompt is prefilled in one step")
         try:
             from vllm import LLM
         except ImportError as err:
@@ -370,6 +382,9 @@ class VLLMEngine(InferenceEngine):
             # Hybrid (KDA state) models: vLLM 0.32 only admits their state-cache block size with
             # prefix caching on; scoring and rollouts here gain nothing from it.
             llm_kwargs.setdefault("enable_prefix_caching", False)
+        llm_kwargs.setdefault("enable_chunked_prefill", chunked_prefill)
+        if max_num_batched_tokens is not None:
+            llm_kwargs.setdefault("max_num_batched_tokens", max_num_batched_tokens)
         try:
             self.llm = LLM(
                 model=str(self.checkpoint_dir),
@@ -385,6 +400,16 @@ class VLLMEngine(InferenceEngine):
                 os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
             else:
                 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
+        scheduler = self.llm.llm_engine.vllm_config.scheduler_config
+        self.chunked_prefill = bool(scheduler.enable_chunked_prefill)
+        self.max_num_batched_tokens = int(scheduler.max_num_batched_tokens)
+        self.max_num_seqs = int(scheduler.max_num_seqs)
+
+    @property
+    def description(self) -> str:
+        prefill = (f"chunked prefill, {self.max_num_batched_tokens} tokens per step" if self.chunked_prefill
+                   else "whole-prompt prefill")
+        return f"{super().description} ({prefill})"
 
     def _run(self, prompts: list[np.ndarray], params) -> list:
         requests = [{"prompt_token_ids": p.tolist()} for p in prompts]
@@ -411,6 +436,19 @@ class VLLMEngine(InferenceEngine):
     def _generate(self, prompts: list[np.ndarray], sampling: SamplingConfig) -> list[Generation]:
         from vllm import SamplingParams
 
+        if sampling.seed is not None and self.chunked_prefill and not torch.cuda.is_available():
+            # A request seeded with its own generator whose prompt is split over two engine steps
+            # has its sample of the first step discarded, and vLLM then rewinds that generator's
+            # Philox offset (gpu_model_runner._bookkeeping_sync); CPU generators have no offset
+            # and the engine core dies ("CPU Generator does not use offset"). No prompt is split
+            # when every prompt of the call is prefilled in the first step.
+            total = sum(len(p) for p in prompts)
+            if total > self.max_num_batched_tokens or len(prompts) > self.max_num_seqs:
+                raise EngineError(
+                    f"seeded sampling of {len(prompts)} prompts ({total} tokens) on CPU exceeds one engine step "
+                    f"({self.max_num_batched_tokens} tokens, {self.max_num_seqs} sequences): vLLM would split a "
+                    "prefill and rewind its generator, which CPU generators cannot do; build the engine with "
+                    "chunked_prefill=False")
         params = SamplingParams(
             max_tokens=sampling.max_new_tokens,
             temperature=sampling.temperature,

@@ -548,13 +548,12 @@ def evaluate_checkpoints(checkpoints: Mapping[str, str | os.PathLike], shards_di
 from flytekit import Cache, Deck, task  # noqa: E402
 
 from workflows.caching import (  # noqa: E402
-    HashedDir, as_output, code_version, hf_export, manifest_sha256, resource_kwargs, stage_output_dir,
+    HashedDir, as_output, stage_version, hf_export, manifest_sha256, resource_kwargs, stage_output_dir,
 )
 from workflows.presets import active_preset  # noqa: E402
 
 
-EVALUATE_VERSION = code_version("tasks/evaluate.py", "tasks/engines.py", "model", "kernels",
-                                salt=active_preset().name)
+EVALUATE_VERSION = stage_version("evaluate", active_preset())
 
 
 @task(cache=Cache(version=EVALUATE_VERSION), enable_deck=True, **resource_kwargs(active_preset().infer_resources))

@@ -17,24 +17,53 @@ from pathlib import Path
 from tasks.atomic import atomic_output_dir
 
 
+POINTERS = ("latest", "best")
+"""The pointer files a training run keeps in its checkpoint directory (``tasks.sft.Checkpointer``)."""
+
+
 class ExportError(FileNotFoundError):
     """The checkpoint directory has no such pointer, checkpoint or model config."""
 
 
-def resolve_pointer(checkpoint_root: str | os.PathLike, pointer: str = "latest") -> Path:
-    """The checkpoint directory ``<root>/<pointer>`` names.
+def resolve_pointer(checkpoint_root: str | os.PathLike, pointer: str = "latest") -> tuple[Path, Path]:
+    """The training run and the checkpoint ``pointer`` names under ``checkpoint_root``.
+
+    ``checkpoint_root`` is one run's checkpoint directory (it holds the pointer), or the base
+    directory the runs share (``$MEGABASE_HOME/checkpoints``, a preset's ``checkpoint_uri``),
+    which holds one directory per run key: then, of the runs that hold the pointer and a
+    ``model_config.json`` (SFT runs), the one whose pointer was written last is taken, so a
+    schedule with fixed inputs follows the newest training run.
+
+    Returns:
+        ``(run_dir, checkpoint_dir)``: the run's directory (``model_config.json``) and the
+        ``step-NNNNNNN`` checkpoint inside it.
 
     Raises:
-        ExportError: the pointer or the checkpoint it names is missing.
+        ExportError: an unknown pointer name, no run holding the pointer, or a pointer naming a
+            checkpoint that is missing or outside its run.
     """
+    from tasks.atomic import OutputIntegrityError, resolve_inside
+
+    if pointer not in POINTERS:
+        raise ExportError(f"pointer {pointer!r}: choose one of {', '.join(POINTERS)}")
     root = Path(checkpoint_root)
-    if not (root / pointer).exists():
-        present = sorted(p.name for p in root.iterdir()) if root.is_dir() else "no such directory"
-        raise ExportError(f"{root}: no {pointer!r} pointer (present: {present})")
-    target = root / (root / pointer).read_text().strip()
+    if not root.is_dir():
+        raise ExportError(f"{root}: no such checkpoint directory")
+    run = root
+    if not (root / pointer).is_file():
+        runs = [d for d in root.iterdir() if (d / pointer).is_file() and (d / "model_config.json").is_file()]
+        if not runs:
+            present = sorted(p.name for p in root.iterdir())
+            raise ExportError(f"{root}: no {pointer!r} pointer, here or in a run directory below it "
+                              f"(present: {present})")
+        run = max(runs, key=lambda d: ((d / pointer).stat().st_mtime_ns, d.name))
+    try:
+        target = resolve_inside(run, (run / pointer).read_text().strip())
+    except OutputIntegrityError as err:
+        raise ExportError(str(err)) from None
     if not target.is_dir():
-        raise ExportError(f"{root / pointer} names {target.name}, which does not exist")
-    return target
+        raise ExportError(f"{run / pointer} names {target.name}, which does not exist")
+    return run, target
 
 
 def export_checkpoint(checkpoint_root: str | os.PathLike, out_dir: str | os.PathLike, pointer: str = "latest",
@@ -51,8 +80,7 @@ def export_checkpoint(checkpoint_root: str | os.PathLike, out_dir: str | os.Path
     from model.glm5_next import build_model
     from tasks.sft import _model_sharded_state_dict
 
-    root = Path(checkpoint_root)
-    checkpoint = resolve_pointer(root, pointer)
+    root, checkpoint = resolve_pointer(checkpoint_root, pointer)
     config_path = root / "model_config.json"
     if not config_path.exists():
         raise ExportError(f"{root}: no model_config.json (written by tasks.sft at the first checkpoint)")
@@ -72,15 +100,17 @@ def export_checkpoint(checkpoint_root: str | os.PathLike, out_dir: str | os.Path
 
 from flytekit import task  # noqa: E402
 
-from workflows.caching import HashedDir, as_output, resource_kwargs, stage_output_dir  # noqa: E402
+from workflows.caching import HashedDir, as_output, resource_kwargs, stage_output_dir, stage_version  # noqa: E402
 from workflows.presets import active_preset  # noqa: E402
+
+EXPORT_VERSION = stage_version("export", active_preset())
 
 
 @task(**resource_kwargs(active_preset().infer_resources))
 def export_checkpoint_task(checkpoint_root: str, pointer: str = "latest") -> HashedDir:
     """Flyte wrapper of :func:`export_checkpoint`. Never cached: the pointer moves; the
     evaluation downstream is cached on the export's content instead."""
-    target = resolve_pointer(checkpoint_root, pointer)
-    out = stage_output_dir("export", "v1", checkpoint=str(target))
+    _, target = resolve_pointer(checkpoint_root, pointer)
+    out = stage_output_dir("export", EXPORT_VERSION, checkpoint=str(target))
     export_checkpoint(checkpoint_root, out, pointer, active_preset().name)
     return as_output(out)

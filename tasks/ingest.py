@@ -532,10 +532,10 @@ def fingerprint_sources(sources: Sequence[str]) -> str:
 
 from flytekit import Cache, task  # noqa: E402
 
-from workflows.caching import HashedDir, as_output, code_version, requests_for, stage_output_dir  # noqa: E402
+from workflows.caching import HashedDir, as_output, stage_version, requests_for, stage_output_dir  # noqa: E402
 from workflows.presets import active_preset  # noqa: E402
 
-INGEST_VERSION = code_version("tasks/ingest.py", "tasks/atomic.py", "tasks/vocab.py")
+INGEST_VERSION = stage_version("ingest", active_preset())
 
 
 @task(

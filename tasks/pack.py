@@ -445,10 +445,10 @@ def shard_token_stream(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]
 
 from flytekit import Cache, task  # noqa: E402
 
-from workflows.caching import HashedDir, as_output, code_version, requests_for, stage_output_dir  # noqa: E402
+from workflows.caching import HashedDir, as_output, stage_version, requests_for, stage_output_dir  # noqa: E402
 from workflows.presets import active_preset  # noqa: E402
 
-PACK_VERSION = code_version("tasks/pack.py", "tasks/ingest.py", "tasks/atomic.py", "tasks/vocab.py")
+PACK_VERSION = stage_version("pack", active_preset())
 
 
 @task(cache=Cache(version=PACK_VERSION), requests=requests_for(active_preset().data_resources))

@@ -240,6 +240,23 @@ def _broadcast(array: np.ndarray | None, shape: tuple[int, ...], dtype, device) 
     return t.cpu().numpy()
 
 
+def rollout_engine_options(cfg: RLConfig) -> dict:
+    """Keyword arguments of the rollout engine (:func:`tasks.engines.make_engine`) for ``cfg``.
+
+    On a GPU: vLLM's share of rank 0's device and its tensor parallelism. On CPU: whole-prompt
+    prefill. Every rollout is seeded, so a rerun or a resume samples the same rollouts, and vLLM
+    on CPU cannot go on sampling a seeded request whose prefill was split over engine steps
+    (:meth:`tasks.engines.VLLMEngine.generate`); a batch of rollout prompts longer than one
+    step's budget would be split.
+    """
+    if cfg.engine != "vllm":
+        return {}
+    if torch.cuda.is_available():
+        return {"llm_kwargs": {"gpu_memory_utilization": cfg.engine_gpu_memory_fraction,
+                               "tensor_parallel_size": cfg.engine_tensor_parallel}}
+    return {"chunked_prefill": False}
+
+
 def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConfig,
        out_dir: str | os.PathLike, preset: str = "local-cpu") -> RLResult:
     """Run GRPO from an SFT export on every rank of the job; write the export and per-step metrics.
@@ -322,12 +339,8 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
     metrics: list[dict] = []
     with contextlib.ExitStack() as stack:
         work = stack.enter_context(atomic_output_dir(out_dir)) if is_main else None
-        engine_kwargs = {}
-        if cfg.engine == "vllm" and torch.cuda.is_available():
-            engine_kwargs["llm_kwargs"] = {"gpu_memory_utilization": cfg.engine_gpu_memory_fraction,
-                                           "tensor_parallel_size": cfg.engine_tensor_parallel}
-        engine = stack.enter_context(make_engine(cfg.engine, sft_export, "float32", max_len, **engine_kwargs)) \
-            if is_main else None
+        engine = stack.enter_context(make_engine(cfg.engine, sft_export, "float32", max_len,
+                                                 **rollout_engine_options(cfg))) if is_main else None
         hf_now = hf_state_dict(policy) if step else None       # collective over TP/EP
         if engine is not None and hf_now is not None:
             engine.update_weights({**hf_now, **vision_state})   # resumed: the engine gets the checkpoint's policy
@@ -445,7 +458,7 @@ from flytekitplugins.kfpytorch import Elastic  # noqa: E402
 from flytekit import Cache, task  # noqa: E402
 
 from workflows.caching import (  # noqa: E402
-    HashedDir, as_output, code_version, hf_export, manifest_sha256, resource_kwargs, run_checkpoint_dir,
+    HashedDir, as_output, stage_version, hf_export, manifest_sha256, resource_kwargs, run_checkpoint_dir,
     shared_kernel_cache, stage_output_dir,
 )
 from workflows.presets import Preset, active_preset  # noqa: E402
@@ -467,7 +480,7 @@ def preset_rl_config(preset: Preset) -> RLConfig:
                     checkpoint_every=spec.checkpoint_every, engine_tensor_parallel=spec.engine_tensor_parallel)
 
 
-RL_VERSION = code_version("tasks/rl.py", "tasks/grpo.py", "tasks/engines.py", "tasks/sft.py", "model", "kernels")
+RL_VERSION = stage_version("rl", active_preset())
 _PRESET = active_preset()
 
 

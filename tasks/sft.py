@@ -1340,14 +1340,11 @@ from flytekit import Cache, task  # noqa: E402
 from flytekit.extras.accelerators import GPUAccelerator  # noqa: E402
 from flytekitplugins.kfpytorch import Elastic  # noqa: E402
 
-from workflows.caching import REPO_ROOT, HashedDir, as_output, code_version, requests_for, run_checkpoint_dir  # noqa: E402
+from workflows.caching import HashedDir, as_output, requests_for, run_checkpoint_dir, stage_version  # noqa: E402
 from workflows.caching import shared_kernel_cache, stage_output_dir  # noqa: E402
 from workflows.presets import Preset, active_preset  # noqa: E402
 
-SFT_VERSION = code_version(
-    "tasks/sft.py", "tasks/pack.py", "tasks/atomic.py",
-    *sorted(str(p.relative_to(REPO_ROOT)) for d in ("model", "model/ops", "kernels/dsa") for p in (REPO_ROOT / d).glob("*.py")),
-)
+SFT_VERSION = stage_version("sft", active_preset())
 
 
 def preset_sft_config(preset: Preset) -> SFTConfig:

