@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -77,6 +78,21 @@ def atomic_output_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def read_manifest(stage_dir: str | os.PathLike, schema: str, error: type[Exception] = OutputIntegrityError) -> dict:
+    """``stage_dir/manifest.json``, parsed and checked to carry ``"schema": schema``.
+
+    Raises:
+        error: no manifest, or another schema (the message names the file and both schemas).
+    """
+    path = Path(stage_dir) / "manifest.json"
+    if not path.is_file():
+        raise error(f"{stage_dir}: no manifest.json (expected a {schema} output directory)")
+    doc = json.loads(path.read_text())
+    if doc.get("schema") != schema:
+        raise error(f"{path}: schema {doc.get('schema')!r}, expected {schema!r}")
+    return doc
+
+
 def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 22) -> str:
     """Hex sha256 of a file's bytes, read in ``chunk_bytes`` pieces (constant memory)."""
     digest = hashlib.sha256()
@@ -93,8 +109,6 @@ def keep_records_through(path: str | os.PathLike, step: int) -> list[dict]:
     and drops what a killed run wrote after it. Each record has an integer ``"step"``; the file
     is created empty when missing.
     """
-    import json
-
     path = Path(path)
     records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     kept = [r for r in records if r["step"] <= step]

@@ -61,7 +61,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from tqdm.auto import tqdm
 
-from tasks.atomic import atomic_output_dir, sha256_file
+from tasks.atomic import atomic_output_dir, read_manifest, sha256_file
 from tasks.vocab import IUPAC_DNA
 
 log = logging.getLogger("megabase.ingest")
@@ -673,13 +673,7 @@ def _check_disjoint(train: Sequence[RecordInfo], held_out: Sequence[RecordInfo],
 
 def load_manifest(ingest_dir: str | os.PathLike) -> tuple[dict, dict[str, RecordInfo]]:
     """Read an ingest manifest; returns (raw manifest, records by key ``source:name``)."""
-    ingest_dir = Path(ingest_dir)
-    path = ingest_dir / "manifest.json"
-    if not path.exists():
-        raise GenomeInputError(f"{ingest_dir}: not an ingest output (no manifest.json)")
-    doc = json.loads(path.read_text())
-    if doc.get("schema") != MANIFEST_SCHEMA:
-        raise GenomeInputError(f"{path}: schema {doc.get('schema')!r}, expected {MANIFEST_SCHEMA!r}")
+    doc = read_manifest(ingest_dir, MANIFEST_SCHEMA, GenomeInputError)
     records = {}
     for row in doc["records"]:
         row = {k: v for k, v in row.items() if k != "key"}

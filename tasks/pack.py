@@ -91,7 +91,7 @@ import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from tasks import vocab
-from tasks.atomic import OutputIntegrityError, atomic_output_dir, resolve_inside, sha256_file
+from tasks.atomic import OutputIntegrityError, atomic_output_dir, read_manifest, resolve_inside, sha256_file
 from tasks.ingest import GenomeInputError, RecordInfo, load_manifest, open_fasta
 
 log = logging.getLogger("megabase.pack")
@@ -586,11 +586,7 @@ def verify_shards(pack_dir: str | os.PathLike, splits: Iterable[str] | None = No
     """
     pack_dir = Path(pack_dir)
     path = pack_dir / "manifest.json"
-    if not path.is_file():
-        raise OutputIntegrityError(f"{pack_dir}: no manifest.json (expected a pack output directory)")
-    manifest = json.loads(path.read_text())
-    if manifest.get("schema") != MANIFEST_SCHEMA:
-        raise OutputIntegrityError(f"{path}: schema {manifest.get('schema')!r}, expected {MANIFEST_SCHEMA!r}")
+    manifest = read_manifest(pack_dir, MANIFEST_SCHEMA)
     for split in manifest["splits"] if splits is None else splits:
         if split not in manifest["splits"]:
             raise OutputIntegrityError(f"{path}: no split {split!r}; the manifest has {', '.join(manifest['splits'])}")
