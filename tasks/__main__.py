@@ -17,7 +17,7 @@ from rich.table import Table
 
 from tasks.atomic import OutputIntegrityError
 from tasks.corpora import CORPORA
-from tasks.ingest import GenomeInputError, IngestConfig, ingest, redact_uri
+from tasks.ingest import GenomeInputError, IngestConfig, ingest
 from tasks.pack import PackConfig, pack
 from workflows.presets import PRESETS, active_preset, get_preset
 
@@ -70,7 +70,6 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if overlap["fraction"] is not None:
         console.print(f"held-out {overlap['k']}-mers also in train (either strand): {overlap['fraction']:.1%} "
                       f"of {overlap['held_out_kmers']:,}")
-    console.print("sources: " + ", ".join(redact_uri(s) for s in sources))
     console.print(f"shards + manifest: {packed.out_dir.absolute()}")
     return 0
 
