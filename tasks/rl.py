@@ -130,9 +130,9 @@ class PromptSampler:
     """
 
     def __init__(self, shards_dir: Path, prompt_len: int, gen_len: int, seed: int):
-        from tasks.pack import shard_token_stream
+        from tasks.pack import shard_token_stream, verify_shards
 
-        manifest = json.loads((shards_dir / "manifest.json").read_text())
+        manifest = verify_shards(shards_dir, ("train",))
         self.window = prompt_len + gen_len
         self.prompt_len = prompt_len
         self.streams, self.starts, self.paths = [], [], []

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.atomic import keep_records_through
+from tasks.atomic import keep_records_through, resolve_inside
 
 log = logging.getLogger("megabase.sft")
 
@@ -197,8 +197,8 @@ class WindowSampler:
 
     def __init__(self, pack_dir: str | os.PathLike, split: str, seq_len: int, seed: int):
         self.pack_dir = Path(pack_dir)
-        manifest = json.loads((self.pack_dir / "manifest.json").read_text())
-        shards = manifest["splits"][split]["shards"]
+        from tasks.pack import verify_shards
+        shards = verify_shards(self.pack_dir, (split,))["splits"][split]["shards"]
         self.seq_len, self.seed = seq_len, seed
         self.shards = [s["path"] for s in shards]
         self.windows = [(i, o) for i, s in enumerate(shards) for o in range(0, s["tokens"] - seq_len + 1, seq_len)]
@@ -856,7 +856,7 @@ class Checkpointer:
         """The checkpoint directory a pointer (``latest``/``best``) names, or None."""
         if self.root is None or not (self.root / name).exists():
             return None
-        return self.root / (self.root / name).read_text().strip()
+        return resolve_inside(self.root, (self.root / name).read_text().strip())
 
     def _set_pointer(self, name: str, target: Path) -> None:
         tmp = self.root / f".{name}.tmp"
