@@ -26,10 +26,16 @@ def test_readme_opens_with_install_and_run_then_test_command():
     assert test.startswith("bash scripts/install.sh && ") and "pytest" in test
 
 
-def test_ci_runs_exactly_the_readme_test_command():
+def test_ci_runs_both_readme_commands_and_checks_the_report():
     ci = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith("#")]
-    assert ci[-1] == readme_commands()[1]
+    run, test = readme_commands()
     assert "set -euo pipefail" in ci
+    assert test in ci
+    main = next(line for line in ci if "pyflyte run" in line)
+    assert ci.index(test) < ci.index(main)
+    assert f"'{run}'" in main, "the main command runs exactly as the README gives it"
+    assert 'HOME="$fresh/home" MEGABASE_HOME="$fresh/megabase"' in main, "the main command runs in a fresh HOME"
+    assert ci[-1].startswith(".venv/bin/python scripts/check_report.py")
 
 
 def test_pins_match_design():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -128,8 +129,15 @@ def _imported_modules(path: Path, root: Path) -> set[Path]:
     """Project files ``path`` imports anywhere in its body (function-local imports included), with
     the ``__init__.py`` of every package on the way (importing ``a.b`` runs ``a/__init__.py``)."""
     package = path.relative_to(root).parent.as_posix().replace("/", ".")
+    return {root / name for name in _project_imports(path.read_text(), package, str(root))}
+
+
+@functools.lru_cache(maxsize=None)
+def _project_imports(source: str, package: str, root_dir: str) -> frozenset[str]:
+    """Repo-relative files imported by ``source`` (the text of a module in ``package``)."""
+    root = Path(root_dir)
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -140,7 +148,7 @@ def _imported_modules(path: Path, root: Path) -> set[Path]:
                 base = node.module or ""
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)   # `from pkg import submodule`
-    found: set[Path] = set()
+    found: set[str] = set()
     for name in names:
         parts = name.split(".")
         if parts[0] not in PROJECT_PACKAGES:
@@ -148,8 +156,8 @@ def _imported_modules(path: Path, root: Path) -> set[Path]:
         for depth in range(1, len(parts) + 1):
             file = _module_file(".".join(parts[:depth]), root)
             if file is not None:
-                found.add(file)
-    return found
+                found.add(file.relative_to(root).as_posix())
+    return frozenset(found)
 
 
 def project_sources(*modules: str, root: Path = REPO_ROOT) -> list[str]:

