@@ -145,12 +145,11 @@ SCRIPT = textwrap.dedent(
     # segments (of 8 or 32 pools: 4 or 1 per 32-pool tile) whose maximum reaches its bound, in every query
     # block or in those that see at least 16 pools (the 40-query blocks see 10-24); the bound's bisection
     # stopping early (slack 0 and 2) or taking no step (40 exceeds the 32 columns, as the default 32 does at
-    # these sizes); pipelined or plain row loops (one block of every query as well)
+    # these sizes); pipelined or plain row loops (one block of every query as well, read by segments)
     for one_block, pair, segment, min_pools, slack, stages in [
-            (True, False, 0, 0, 0, 1),
-            (False, True, 8, 0, 0, 2),
-            (True, True, 8, 0, 2, 2),
-            (True, False, 32, 0, 2, 2),
+            (True, True, 8, 0, 0, 2),
+            (False, False, 0, 0, 2, 1),
+            (False, False, 32, 0, 2, 2),
             (False, True, 8, 16, 40, 1)]:
         it.SEGMENT, it.SEGMENT_MIN_POOLS, it.BOUND_SLACK = segment, min_pools, slack
         score_cfg.update(PAIR=pair)
