@@ -343,7 +343,7 @@ def activation_bytes_per_token(mcfg, layer: int, tp: int, width: int, on_gpu: bo
     backward, with ``width`` bytes per activation element (2 for bf16) and float32 where the
     code keeps float32; checked against ``tests/gpu/activation_bytes.py`` (autograd's saved
     tensors, deduplicated by storage) on CPU in ``tests/test_sft.py`` and on an H200
-    (``kernels/NOTES.md``: every part within 1% for the ``small`` preset). Parts:
+    (``kernels/NOTES.md at fee4dc9``: every part within 1% for the ``small`` preset). Parts:
 
     * ``mhc``: the two hyper-connections' input streams (their float32 maps are recomputed);
     * ``other``: the two RMSNorms (input + float32 rstd) and the two stream merges;
@@ -402,7 +402,7 @@ def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int, devi
     Workspace: 1-3.75x one layer's non-MLP activations (the backward in flight, by recompute and
     offload mode), one MLP chunk, one float32 logits chunk; plus an allocator reserve of
     ``ALLOCATOR_RESERVE``. Estimates calibrated on an H200 (table in
-    ``kernels/NOTES.md``); the GPU benchmark reports the measured peak next to it.
+    ``kernels/NOTES.md at fee4dc9``); the GPU benchmark reports the measured peak next to it.
 
     Args:
         mcfg: :class:`model.config.Glm5NextConfig`.
@@ -471,7 +471,7 @@ def memory_plan(mcfg, cfg: SFTConfig, world_size: int, procs_per_node: int, devi
     chunk = min(cfg.logits_chunk_tokens, tokens)
     mlp_tokens = min(cfg.mlp_chunk_tokens, tokens) if cfg.mlp_chunk_tokens > 0 else tokens
     # Backward in flight, in units of one layer's non-MLP activations, fitted on an H200 (small
-    # preset, kernels/NOTES.md): the gradients of the layer in backward (1; 1.08 measured at 64k
+    # preset, kernels/NOTES.md at fee4dc9): the gradients of the layer in backward (1; 1.08 measured at 64k
     # without recompute), a reloaded offloaded layer (+0.75; 1.7 measured at 256k), a recomputed
     # layer with its gradients (+2; 2.8 measured at 256k full recompute); plus one MLP chunk and
     # one float32 logits chunk. Under full recompute an offloaded layer reloads only its inputs
@@ -1109,7 +1109,7 @@ class ManualGC:
     An automatic collection pauses one rank's host at a moment its own allocations choose, for tens of
     milliseconds (a full collection: 44 ms in a process that imported torch, on an H200 host). Where the
     device waits on the host's launches (the lightning indexer's first query blocks) the pause is device
-    time too: it made every other timing of the 1M-token indexer 5-8% slower (kernels/NOTES.md, v28). And
+    time too: it made every other timing of the 1M-token indexer 5-8% slower (kernels/NOTES.md at fee4dc9, v28). And
     the other ranks wait for that rank at the next collective.
 
     A context manager around the loop: on entry one full collection, then the collector off (``interval``

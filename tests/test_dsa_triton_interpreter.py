@@ -20,18 +20,19 @@ SCRIPT = textwrap.dedent(
     import torch
     import kernels.dsa.indexer_triton as it
     import kernels.dsa.sparse_attention_triton as st
-    from kernels.dsa.indexer import _compress_on_grid, _torch_pool_topk, kpool_grid
+    from kernels.dsa.grid import kpool_grid
+    from kernels.dsa.indexer import compress_on_grid, expand_selection, torch_pool_topk
     from kernels.dsa.sparse_attention import torch_sparse_mla_bwd, torch_sparse_mla_fwd
 
-    for kernel, cfg in [(it._pool_scores_kernel, dict(BLOCK_M=16, BLOCK_N=32)),
-                        (it._select_kernel, dict(CHUNK=64)),
-                        (st._sparse_mla_fwd_kernel, dict(BLOCK_H=16, BLOCK_K=16)),
-                        (st._sparse_mla_bwd_kernel, dict(BLOCK_H=16, BLOCK_K=16)),
-                        (st._sparse_mla_mass_kernel, dict(BLOCK_H=16, BLOCK_K=16))]:
+    for kernel, cfg in [(it.pool_scores_kernel, dict(BLOCK_M=16, BLOCK_N=32)),
+                        (it.select_kernel, dict(CHUNK=64)),
+                        (st.sparse_mla_fwd_kernel, dict(BLOCK_H=16, BLOCK_K=16)),
+                        (st.sparse_mla_bwd_kernel, dict(BLOCK_H=16, BLOCK_K=16)),
+                        (st.sparse_mla_mass_kernel, dict(BLOCK_H=16, BLOCK_K=16))]:
         kernel.configs = [c for c in kernel.configs[:1]]
         kernel.configs[0].kwargs.update(cfg)
-    it._capacity = lambda n_select: 16   # 16 candidate slots: all-equal scores overflow them
-    it._n_columns = lambda n_select: 32  # 32 column groups, 16 per score program: 2 programs along
+    it.candidate_capacity = lambda n_select: 16   # 16 candidate slots: all-equal scores overflow them
+    it.n_columns = lambda n_select: 32  # 32 column groups, 16 per score program: 2 programs along
     it.GROUP_N = 16                      # the pools, each folding 2 pools of a tile into a group
     it.SEGMENT_CHUNK = 4                 # segment maxima compacted 4 at a time: several steps per row
 
@@ -82,9 +83,9 @@ SCRIPT = textwrap.dedent(
                                    (torch.tensor([0, 10, 96]), q, 1)]:   # 96 pools: 2 tiles per program
             ape = torch.randn(kpool, 16, generator=gen)
             grid = kpool_grid(n, kpool, cu)
-            keys = _compress_on_grid(k, g, ape, grid)
+            keys = compress_on_grid(k, g, ape, grid)
             got = it.triton_pool_topk(queries, keys, w, grid, n_select, 0.25, 0, query_block=query_block)
-            ref = _torch_pool_topk(queries, keys, w, grid, n_select, 0.25, 0, 32)
+            ref = torch_pool_topk(queries, keys, w, grid, n_select, 0.25, 0, 32)
             assert torch.equal(got, ref), (variant, (got != ref).nonzero())
         # one high-index pool above a tie of every other pool at 0: the tie overflows the slots
         # and the kernel's exact pass must still put pool 40 first
@@ -93,7 +94,7 @@ SCRIPT = textwrap.dedent(
         keys[0, 40] = 1.0
         ones, w_pos = torch.ones_like(q), w.abs() + 0.1
         got = it.triton_pool_topk(ones, keys, w_pos, grid, n_select, 0.25, 0, query_block=query_block)
-        assert torch.equal(got, _torch_pool_topk(ones, keys, w_pos, grid, n_select, 0.25, 0, 32))
+        assert torch.equal(got, torch_pool_topk(ones, keys, w_pos, grid, n_select, 0.25, 0, 32))
         assert got[0, -1].tolist() == [40, 0, 1], got[0, -1]
         # 32 pools above a tie of all others, in two column groups (pools p = 0, 1 mod 16 of every
         # other 32-pool tile: the score kernel's groups 0 and 1, the selection's 0 and 16): the bound
@@ -104,30 +105,29 @@ SCRIPT = textwrap.dedent(
         top = torch.tensor([p for p in range(512) if p % 64 < 32 and p % 16 < 2])
         keys[0, top] = torch.linspace(2.0, 9.0, len(top))[:, None]   # the best last
         got = it.triton_pool_topk(ones[:, :8], keys, w_pos[:, :8], grid, n_select, 0.25, 504, query_block=query_block)
-        assert torch.equal(got, _torch_pool_topk(ones[:, :8], keys, w_pos[:, :8], grid, n_select, 0.25, 504, 32))
+        assert torch.equal(got, torch_pool_topk(ones[:, :8], keys, w_pos[:, :8], grid, n_select, 0.25, 504, 32))
         assert got[0, -1].tolist() == top.flip(0)[:3].tolist(), got[0, -1]
         # 10 keys: the block sees 2 pools, fewer than n_select, and its first 3 queries none: the
         # selection writes 2 entries per row, the rest must be -1 (removing the fill fails here)
         grid, ape4 = kpool_grid(10, 4), torch.randn(4, 16, generator=gen)
-        keys = _compress_on_grid(k[:, :10], g[:, :10], ape4, grid)
+        keys = compress_on_grid(k[:, :10], g[:, :10], ape4, grid)
         got = it.triton_pool_topk(q[:, :10], keys, w[:, :10], grid, n_select, 0.25, 0, query_block=query_block)
-        assert torch.equal(got, _torch_pool_topk(q[:, :10], keys, w[:, :10], grid, n_select, 0.25, 0, 32)), got
+        assert torch.equal(got, torch_pool_topk(q[:, :10], keys, w[:, :10], grid, n_select, 0.25, 0, 32)), got
         # context-parallel call: the last 46 queries against all 96 keys, packed documents
         kpool, ape = 4, torch.randn(4, 16, generator=gen)
         grid = kpool_grid(n, kpool, torch.tensor([0, 30, 96]))
-        keys = _compress_on_grid(k, g, ape, grid)
+        keys = compress_on_grid(k, g, ape, grid)
         got = it.triton_pool_topk(q[:, 50:], keys, w[:, 50:], grid, n_select, 0.25, 50, query_block=query_block)
-        assert torch.equal(got, _torch_pool_topk(q[:, 50:], keys, w[:, 50:], grid, n_select, 0.25, 50, 32)), variant
+        assert torch.equal(got, torch_pool_topk(q[:, 50:], keys, w[:, 50:], grid, n_select, 0.25, 50, 32)), variant
 
     # expansion of pool indices to token indices (and tails), one kernel against the torch path:
     # packed documents, a kpool that is not a power of two, unselected pools, a CP query offset
-    from kernels.dsa.indexer import _expand_selection
     for kpool, tail, q_off in [(4, True, 0), (3, True, 20), (4, False, 0)]:
         grid = kpool_grid(96, kpool, torch.tensor([0, 30, 96]))
         n_pools = int(grid.start.numel())
         pools = torch.randint(-1, n_pools, (1, 96 - q_off, 5), generator=gen)
         got = it.triton_expand_selection(pools, grid, 96 - q_off, q_off, 5 * kpool, tail, block_t=4)
-        assert torch.equal(got, _expand_selection(pools, grid, 96 - q_off, q_off, 5 * kpool, tail)), (kpool, tail)
+        assert torch.equal(got, expand_selection(pools, grid, 96 - q_off, q_off, 5 * kpool, tail)), (kpool, tail)
 
     # k-pool compression, one kernel against the torch path (float64 reference): packed documents
     # whose last pools are incomplete, a kpool and an index dim that are not powers of two, batch 2
@@ -136,36 +136,25 @@ SCRIPT = textwrap.dedent(
         ape = torch.randn(kpool, dim, generator=gen)
         grid = kpool_grid(n, kpool, cu)
         got = it.triton_kpool_compress(k, g, ape, grid)
-        ref = _compress_on_grid(k.double(), g.double(), ape.double(), grid)
+        ref = compress_on_grid(k.double(), g.double(), ape.double(), grid)
         assert got.dtype == torch.float32 and got.shape == ref.shape, (got.dtype, got.shape)
         assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-6), (got.double() - ref).abs().max()
 
-    score_cfg, select_cfg = it._pool_scores_kernel.configs[0].kwargs, it._select_kernel.configs[0].kwargs
-    # every source of the selection bound (the score kernel's column maxima or the selection's
-    # own first pass), paired head products (PAIR), the split candidate sort and every way a
-    # candidate gets its slot (COMPACT), and whether the selection reads whole rows or only the
-    # segments (of 8 or 32 pools: 4 or 1 per 32-pool tile) whose maximum reaches its bound, in
-    # every query block or in those that see at least 16 pools (the 40-query blocks see 10-24),
-    # queries and pool keys loaded through tensor descriptors or pointer tensors, and score tiles
-    # stored through a tensor descriptor or per element (the buffer's rows padded to 16 pools), and the
-    # selection's bound by a sort of the column maxima (slack -1) or by bisection (slack 0 and 2 stop
-    # early; 40 exceeds the 32 columns: no step, as the default 32 does at these sizes), each with
-    # whole rows and with segments, and hit segments read one score or two (int64 pairs, v26) at a time
-    # (one block of every query as well: whole rows and segments, descriptor stores on and off)
-    for one_block, bound_pass, pair, split, compact, segment, min_pools, tma, store, slack, pairs in [
-            (True, False, False, False, "atomic", 0, 0, False, False, -1, False),
-            (False, True, True, True, "relaxed", 8, 0, True, True, 0, False),
-            (True, False, True, True, "relaxed", 8, 0, False, True, -1, False),
-            (False, True, False, False, "atomic", 0, 0, True, False, 0, False),
-            (True, False, False, True, "relaxed", 32, 0, True, True, 2, False),
-            (True, False, False, True, "relaxed", 32, 0, True, True, 2, True),
-            (False, False, True, True, "relaxed", 8, 16, True, False, 40, True)]:
-        it.BOUND_IN_SELECTION, it.SEGMENT, it.SEGMENT_MIN_POOLS = bound_pass, segment, min_pools
-        it.BOUND_SLACK, it.SEGMENT_PAIRS = slack, pairs
-        it.TENSOR_DESCRIPTORS, it.STORE_DESCRIPTOR = tma, store
+    score_cfg, select_cfg = it.pool_scores_kernel.configs[0].kwargs, it.select_kernel.configs[0].kwargs
+    # paired head products (PAIR) or one head at a time; the selection reading whole rows or only the
+    # segments (of 8 or 32 pools: 4 or 1 per 32-pool tile) whose maximum reaches its bound, in every query
+    # block or in those that see at least 16 pools (the 40-query blocks see 10-24); the bound's bisection
+    # stopping early (slack 0 and 2) or taking no step (40 exceeds the 32 columns, as the default 32 does at
+    # these sizes); pipelined or plain row loops (one block of every query as well, read by segments)
+    for one_block, pair, segment, min_pools, slack, stages in [
+            (True, True, 8, 0, 0, 2),
+            (False, False, 0, 0, 2, 1),
+            (False, False, 32, 0, 2, 2),
+            (False, True, 8, 16, 40, 1)]:
+        it.SEGMENT, it.SEGMENT_MIN_POOLS, it.BOUND_SLACK = segment, min_pools, slack
         score_cfg.update(PAIR=pair)
-        select_cfg.update(SPLIT_SORT=split, LOOP_STAGES=2 if split else 1, COMPACT=compact)
-        check_indexer(one_block, bound_pass, pair, split, compact, segment, min_pools, tma, store, slack, pairs)
+        select_cfg.update(LOOP_STAGES=stages)
+        check_indexer(one_block, pair, segment, min_pools, slack, stages)
     print("TRITON_INTERPRETER_OK")
     """
 )

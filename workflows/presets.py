@@ -252,7 +252,7 @@ PRESETS: dict[str, Preset] = {
         # Host memory from the memory plan: 8 ranks x 25.25 GiB of pinned offloaded layer inputs
         # (202 GiB per node, the host allocator's power-of-two blocks counted) plus 10%
         # (tests/test_presets.py recomputes it). The plan's per-token activation bytes are
-        # calibrated on an H200 with the small preset (kernels/NOTES.md).
+        # calibrated on an H200 with the small preset (kernels/NOTES.md at fee4dc9).
         train_resources=Resources(cpu="96", mem="228Gi", gpu=8, accelerator="nvidia-b200", shared_memory="256Gi"),
         # The memory plan (tasks.sft.memory_plan) fits 1M tokens on 180 GB B200s with CP=64 (16k
         # tokens per GPU), full-layer recompute and the layer inputs offloaded: 145 GiB per GPU,

@@ -10,115 +10,19 @@ visibility, tie rule, output layout).
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass
-
 import torch
 
 from kernels.dsa.errors import DSAInputError
+from kernels.dsa.grid import KPoolGrid, kpool_grid, query_docs
 
-__all__ = ["KPoolGrid", "kpool_grid", "kpool_compress", "lightning_indexer_topk"]
+__all__ = ["kpool_compress", "lightning_indexer_topk", "compress_on_grid", "torch_pool_topk", "expand_selection",
+           "selection_keys", "decode_selection_keys", "tail_indices"]
 
 # Composite int64 selection key: high 32 bits = order-preserving image of the float32
 # score, low 32 bits = (2^32 - 1 - pool index). Every key is distinct, so top-k over keys
 # is deterministic on every device and equal scores are won by the lower pool index.
 _LOW_MASK = 0xFFFFFFFF
 INVALID_KEY = torch.iinfo(torch.int64).min
-
-
-@dataclass(frozen=True)
-class KPoolGrid:
-    """Where the k-pools of ``S`` (possibly packed) keys lie.
-
-    Attributes:
-        start: ``[P]`` int64, first token of each pool (pools of a document are
-            contiguous and in position order, documents in order).
-        doc: ``[P]`` int64, document of each pool.
-        complete: ``[P]`` bool, the pool has ``kpool`` tokens inside its document.
-        doc_bounds: ``[n_docs + 1]`` int64, ``cu_seqlens`` (``[0, S]`` for one document).
-        doc_first_pool: ``[n_docs + 1]`` int64, index of each document's first pool.
-        kpool: tokens per pool.
-        bounds_host, first_pool_host: ``doc_bounds`` and ``doc_first_pool`` as host integers
-            (block bounds without a device-to-host read).
-    """
-
-    start: torch.Tensor
-    doc: torch.Tensor
-    complete: torch.Tensor
-    doc_bounds: torch.Tensor
-    doc_first_pool: torch.Tensor
-    kpool: int
-    bounds_host: tuple[int, ...]
-    first_pool_host: tuple[int, ...]
-
-    @property
-    def end(self) -> torch.Tensor:
-        """``[P]`` int64, last token of each complete pool (the visibility position)."""
-        return self.start + (self.kpool - 1)
-
-    def pool_of_start(self, start_token: torch.Tensor) -> torch.Tensor:
-        """Pool index of pools given by their first token (any shape, int)."""
-        start_token = start_token.long()
-        doc = torch.searchsorted(self.doc_bounds, start_token, right=True) - 1
-        doc = doc.clamp(0, self.doc_bounds.numel() - 2)
-        return self.doc_first_pool[doc] + (start_token - self.doc_bounds[doc]) // self.kpool
-
-    def visible_range(self, position: int) -> tuple[int, int]:
-        """The pools ``[lo, hi)`` a query at token ``position`` sees (host integers): its document's
-        complete pools whose last token is at or before it; :meth:`visible_ranges` for many."""
-        doc = bisect.bisect_right(self.bounds_host, position) - 1
-        lo = self.first_pool_host[doc]
-        return lo, lo + (position - self.bounds_host[doc] + 1) // self.kpool
-
-    def visible_ranges(self, q_pos: torch.Tensor, q_doc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[T]`` int64 ``lo`` and ``hi`` of :meth:`visible_range` for queries at ``q_pos`` (``[T]``
-        int64) in documents ``q_doc``: ``lo`` the document's first pool, ``hi - lo`` its pools
-        that end at or before the query (a document's pools are ``kpool`` tokens from its start,
-        and one that ends at or before a query inside the document is complete)."""
-        lo = self.doc_first_pool[q_doc]
-        return lo, lo + (q_pos - self.doc_bounds[q_doc] + 1) // self.kpool
-
-
-def kpool_grid(
-    n_keys: int, kpool: int, cu_seqlens: torch.Tensor | None = None, device: torch.device | None = None
-) -> KPoolGrid:
-    """Lay k-pools over ``n_keys`` keys, restarting at every document start.
-
-    The document bounds are read to the host once (none are read without ``cu_seqlens``); the
-    device tensors are built without waiting for the device.
-
-    Args:
-        n_keys: key count ``S``.
-        kpool: tokens per pool (>= 1).
-        cu_seqlens: optional ``[n_docs + 1]`` document bounds (fla convention).
-        device: where the grid tensors live.
-
-    Raises:
-        DSAInputError: ``kpool < 1`` or ``cu_seqlens`` not rising from 0 to ``n_keys``.
-    """
-    if kpool < 1:
-        raise DSAInputError(f"kpool must be >= 1, got {kpool}")
-    if cu_seqlens is None:
-        bounds_host = [0, n_keys]
-    else:
-        bounds_host = cu_seqlens.long().tolist() if cu_seqlens.ndim == 1 else None
-        if bounds_host is None or len(bounds_host) < 2 or bounds_host[0] != 0 or bounds_host[-1] != n_keys or any(
-            b1 < b0 for b0, b1 in zip(bounds_host, bounds_host[1:])
-        ):
-            raise DSAInputError(f"cu_seqlens must rise from 0 to the key length {n_keys}, got {cu_seqlens.tolist()}")
-    first_pool_host = [0]
-    for b0, b1 in zip(bounds_host, bounds_host[1:]):
-        first_pool_host.append(first_pool_host[-1] + -(-(b1 - b0) // kpool))
-    # (non-blocking copies from host lists: torch.tensor(..., device=cuda) would wait for the device)
-    bounds = torch.tensor(bounds_host, dtype=torch.long).to(device, non_blocking=True)
-    first_pool = torch.tensor(first_pool_host, dtype=torch.long).to(device, non_blocking=True)
-    n_docs, n_pools = len(bounds_host) - 1, first_pool_host[-1]
-    doc = torch.repeat_interleave(torch.arange(n_docs, device=device), first_pool[1:] - first_pool[:-1],
-                                  output_size=n_pools)
-    local = torch.arange(n_pools, device=device) - first_pool[doc]
-    start = bounds[doc] + local * kpool
-    complete = start + kpool <= bounds[doc + 1]
-    return KPoolGrid(start, doc, complete, bounds, first_pool, kpool, tuple(bounds_host), tuple(first_pool_host))
 
 
 def _check_kpool_inputs(keys: torch.Tensor, gate_scores: torch.Tensor, ape: torch.Tensor, kpool: int) -> None:
@@ -163,10 +67,10 @@ def kpool_compress(
     if cu_seqlens is not None and keys.shape[0] != 1:
         raise DSAInputError(f"cu_seqlens needs batch size 1 (packed documents), got batch {keys.shape[0]}")
     grid = kpool_grid(keys.shape[1], kpool, cu_seqlens, keys.device)
-    return _compress_on_grid(keys, gate_scores, ape, grid)
+    return compress_on_grid(keys, gate_scores, ape, grid)
 
 
-def _compress_on_grid(keys: torch.Tensor, gate_scores: torch.Tensor, ape: torch.Tensor, grid: KPoolGrid) -> torch.Tensor:
+def compress_on_grid(keys: torch.Tensor, gate_scores: torch.Tensor, ape: torch.Tensor, grid: KPoolGrid) -> torch.Tensor:
     compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
     kpool = grid.kpool
     tokens = grid.start[:, None] + torch.arange(kpool, device=keys.device)  # [P, kpool]
@@ -178,8 +82,8 @@ def _compress_on_grid(keys: torch.Tensor, gate_scores: torch.Tensor, ape: torch.
     return (probs * keys[:, tokens].to(compute)).sum(dim=2).to(keys.dtype)
 
 
-def _selection_keys(scores: torch.Tensor, pool_index: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """Composite int64 keys (see ``_LOW_MASK``) from float32 ``scores``; invisible -> INVALID_KEY."""
+def selection_keys(scores: torch.Tensor, pool_index: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Composite int64 keys (see ``_LOW_MASK`` above) from float32 ``scores``; invisible -> INVALID_KEY."""
     bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0 folds -0.0 into +0.0
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     keys = (ordered << 32) | (_LOW_MASK - pool_index)
@@ -235,6 +139,7 @@ def lightning_indexer_topk(
     q_offset: int = 0,
     cu_seqlens: torch.Tensor | None = None,
     block_size: int = 256,
+    score_kernel: str = "auto",
 ) -> torch.Tensor:
     """Select, per query, the tokens DSA attends to: the top k-pools by lightning-indexer score.
 
@@ -247,7 +152,7 @@ def lightning_indexer_topk(
     ``select_tail`` the visible tokens of the query's current incomplete pool follow.
 
     Tie rule (project decision): among equal scores the pool with the lower index
-    (earlier position) wins, in every path (composite int64 keys, see ``_LOW_MASK``).
+    (earlier position) wins, in every path (composite int64 keys, see ``_LOW_MASK`` above).
 
     Queries are processed ``block_size`` at a time against pools in chunks with a
     running top-k: memory ``O(T * topk + block_size * pool_chunk)``, never ``T x S``.
@@ -268,6 +173,9 @@ def lightning_indexer_topk(
             blocks, whole waves of score programs: 8448 queries per launch on an H200 at 1M tokens;
             there the k-pool compression, selection and expansion are Triton kernels,
             :mod:`kernels.dsa.indexer_triton`).
+        score_kernel: the CUDA path's score kernel, ``"auto"`` (Gluon on Hopper, Triton elsewhere),
+            ``"triton"`` or ``"gluon"`` (:func:`kernels.dsa.indexer_triton.resolve_score_kernel`); both
+            give the same scores bit for bit. Unused on the CPU.
 
     Returns:
         ``[B, T, W]`` int32 token indices into the ``S`` keys, ``-1`` = none,
@@ -286,25 +194,21 @@ def lightning_indexer_topk(
         raise DSAInputError(f"softmax_scale must be positive (ReLU commutes with it), got {softmax_scale}")
     grid = kpool_grid(k.shape[1], kpool, cu_seqlens, q.device)
     if q.is_cuda:
-        from kernels.dsa import indexer_triton   # its functions looked up per call (benchmarks swap them)
+        # imported on the first CUDA call: CPU runs never load the Triton and Gluon modules
+        from kernels.dsa.indexer_triton import triton_expand_selection, triton_kpool_compress, triton_pool_topk
 
         # float64 keys (a reference precision) are compressed by the torch path
-        compress = _compress_on_grid if k.dtype == torch.float64 else indexer_triton.triton_kpool_compress
+        compress = compress_on_grid if k.dtype == torch.float64 else triton_kpool_compress
         pool_keys = compress(k, gate_scores, ape, grid)
-        pools = indexer_triton.triton_pool_topk(q, pool_keys, weights, grid, topk // kpool, softmax_scale, q_offset)
-        return indexer_triton.triton_expand_selection(pools, grid, q.shape[1], q_offset, topk, select_tail)
-    pool_keys = _compress_on_grid(k, gate_scores, ape, grid)
-    pools = _torch_pool_topk(q, pool_keys, weights, grid, topk // kpool, softmax_scale, q_offset, block_size)
-    return _expand_selection(pools, grid, q.shape[1], q_offset, topk, select_tail)
+        pools = triton_pool_topk(q, pool_keys, weights, grid, topk // kpool, softmax_scale, q_offset,
+                                 score_kernel=score_kernel)
+        return triton_expand_selection(pools, grid, q.shape[1], q_offset, topk, select_tail)
+    pool_keys = compress_on_grid(k, gate_scores, ape, grid)
+    pools = torch_pool_topk(q, pool_keys, weights, grid, topk // kpool, softmax_scale, q_offset, block_size)
+    return expand_selection(pools, grid, q.shape[1], q_offset, topk, select_tail)
 
 
-def _query_docs(grid: KPoolGrid, n_q: int, q_offset: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    q_pos = q_offset + torch.arange(n_q, device=device)
-    q_doc = torch.searchsorted(grid.doc_bounds, q_pos, right=True) - 1
-    return q_pos, q_doc
-
-
-def _torch_pool_topk(
+def torch_pool_topk(
     q: torch.Tensor,
     pool_keys: torch.Tensor,
     weights: torch.Tensor,
@@ -318,7 +222,7 @@ def _torch_pool_topk(
     """Blockwise scores with a running top-k; ``[B, T, n_select]`` int64 pool indices, -1 = none."""
     batch, n_q, _, _ = q.shape
     device = q.device
-    q_pos, q_doc = _query_docs(grid, n_q, q_offset, device)
+    q_pos, q_doc = query_docs(grid, n_q, q_offset, device)
     pool_end = grid.end
     selected = torch.full((batch, n_q, n_select), -1, dtype=torch.long, device=device)
     for t0 in range(0, n_q, block_size):
@@ -340,14 +244,14 @@ def _torch_pool_topk(
                 & (grid.doc[None, c0:c1] == doc[:, None])
                 & (pool_end[None, c0:c1] <= pos[:, None])
             )
-            keys = _selection_keys(scores, torch.arange(c0, c1, device=device), visible[None])
+            keys = selection_keys(scores, torch.arange(c0, c1, device=device), visible[None])
             running = torch.cat([running, keys], dim=-1).topk(n_select, dim=-1).values
         pool_index, valid = decode_selection_keys(running)
         selected[:, t0:t1] = pool_index.masked_fill(~valid, -1)
     return selected
 
 
-def _expand_selection(
+def expand_selection(
     pools: torch.Tensor, grid: KPoolGrid, n_q: int, q_offset: int, topk: int, select_tail: bool,
     query_block: int = 65536,
 ) -> torch.Tensor:
@@ -360,7 +264,7 @@ def _expand_selection(
     width = topk + (kpool - 1 if select_tail else 0)
     out = torch.full((batch, n_q, width), -1, dtype=torch.int32, device=pools.device)
     offsets = torch.arange(kpool, dtype=torch.int32, device=pools.device)
-    q_pos, q_doc = _query_docs(grid, n_q, q_offset, pools.device)
+    q_pos, q_doc = query_docs(grid, n_q, q_offset, pools.device)
     n_pools = pools.shape[-1]
     for t0 in range(0, n_q, query_block):
         t1 = min(t0 + query_block, n_q)

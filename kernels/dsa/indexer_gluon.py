@@ -1,11 +1,11 @@
 """Gluon score kernel of the lightning indexer for Hopper (sm_90): each head's MMA overlaps the
-previous head's ReLU-weighted accumulation inside one warpgroup (v15, kernels/NOTES.md).
+previous head's ReLU-weighted accumulation inside one warpgroup.
 
-The Triton kernel (:func:`kernels.dsa.indexer_triton._pool_scores_kernel`) cannot overlap them: Triton
+The Triton kernel (:func:`kernels.dsa.indexer_triton.pool_scores_kernel`) cannot overlap them: Triton
 waits for every ``tl.dot`` before its result is used (``warp_group_dot_wait {pendings = 0}`` in the
 sm_90 TTGIR), so a CTA's tensor cores idle during its epilogue and only other CTAs on the SM fill the
 gap. With index dim 64 (the ``small`` DSA shape) the epilogue (a max and an FMA per score and head) is
-half the MMA time per head and the kernel reached 52-57% of the bf16 matmul rate (kernels/NOTES.md, v13).
+half the MMA time per head and the kernel reached 52-57% of the bf16 matmul rate.
 Here the program issues head ``h``'s asynchronous ``wgmma`` (Gluon's ``warpgroup_mma(is_async=True)``),
 then waits for head ``h - 1``'s only (``warpgroup_mma_wait(num_outstanding=1)``) and accumulates it
 while head ``h`` runs, the software pipelining FlashAttention-3 uses between its two GEMMs (Shah et al.
@@ -13,10 +13,10 @@ while head ``h`` runs, the software pipelining FlashAttention-3 uses between its
 (one ``[BLOCK_M, D]`` tile per head and pool tile, re-read from L2), pool-key tiles through a
 double buffer, both signalled by mbarriers. Measured on an H200 (one block of 8192 queries x 65,536
 pools): 2.26 against 2.44 ms at index dim 64, 6.24 against 6.43 at 128; halving the epilogue's
-instructions still saves 18%, so the epilogue and the MMA mostly alternate even so (kernels/NOTES.md, v15).
-With the head weights staged in shared memory (v19): 2.19 ms at 64 (2.30 before, same run), and 6.10 at 128
-with two query stages. Holding a CTA's queries in shared memory instead of the ring (two warpgroups, one CTA per
-SM) was slower, 2.44 ms: two CTAs per SM fill each other's gaps better (kernels/NOTES.md, v19).
+instructions still saves 18%, so the epilogue and the MMA mostly alternate even so. The head weights are
+staged in shared memory (2.19 ms at 64 against 2.30 with global loads in the head loop, whose L1 misses
+stalled the accumulation). Holding a CTA's queries in shared memory instead of the ring (two warpgroups, one
+CTA per SM) was slower, 2.44 ms: two CTAs per SM fill each other's gaps better.
 
 Same outputs as the Triton kernel, bit for bit where the products are (the same ``wgmma`` instructions
 in the same order; the same ``max`` then ``fma`` per head): scores of the visible pools of every tile some
@@ -55,14 +55,14 @@ GLUON_CONFIGS = [
     for bn, stages, store, group in [(128, 3, False, 8), (128, 3, False, 16), (128, 2, False, 16), (64, 3, True, 8),
                                      (128, 4, False, 8), (128, 3, True, 8)]
 ]
-"""Autotuned configurations of :func:`_pool_scores_gluon_kernel`: ``BLOCK_N`` pools per tile, the depth of
+"""Autotuned configurations of :func:`pool_scores_gluon_kernel`: ``BLOCK_N`` pools per tile, the depth of
 the query ring, whether score tiles leave through shared memory and a TMA store, heads per unrolled loop
 iteration (``H`` must be a multiple; the last product of each group is not overlapped). Shared memory per
 CTA: ``Q_STAGES * 64 * D * 2 + 2 * BLOCK_N * D * 2 + H * 64 * 4`` bytes (query ring, key tiles, staged head
 weights), plus ``64 * BLOCK_N * 4`` with ``TMA_STORE``
 (configurations that do not fit are skipped by the tuner). The last two (a 4-deep query ring; 128-pool tiles stored
-through shared memory and TMA) ran 2-3% faster than the tuner's pick on the last 1M block of the small shape
-(kernels/NOTES.md, twelfth session, call 8). Registers (offline sm_90 compile, Triton
+through shared memory and TMA) ran 2-3% faster than the tuner's pick on the last 1M block of the small shape.
+Registers (offline sm_90 compile, Triton
 3.6): 128-pool tiles 255 (three ``[64, 128]`` float32 tiles: two products and the running sum), 64-pool
 tiles ~205: two CTAs per SM."""
 
@@ -102,7 +102,7 @@ def _stage_weights(w_row, mask_m, H: gl.constexpr, BLOCK_M: gl.constexpr):
     """The head weights of the tile's rows (``w_row``: ``[BLOCK_M]`` pointers to each row's ``H`` float32
     weights; 0 where ``mask_m`` is false) staged in shared memory as ``[H, BLOCK_M]``: inside the head loop a
     head's weights are then a shared-memory read, whose latency is short and fixed, instead of a global load
-    whose L1 misses stalled the accumulation (v19). (Stored head by head, in ``w_row``'s layout: Triton 3.6
+    whose L1 misses stalled the accumulation. (Stored head by head, in ``w_row``'s layout: Triton 3.6
     allocates a ``[H, BLOCK_M]`` buffer that ``index`` can address only with a rank-1 layout, which a 2-d
     initial value cannot have.)"""
     w_smem = gl.allocate_shared_memory(gl.float32, [H, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -112,39 +112,23 @@ def _stage_weights(w_row, mask_m, H: gl.constexpr, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _head_weights(w_row, w_smem, h, mask_m, rows_l: gl.constexpr, W_SMEM: gl.constexpr):
-    """Head ``h``'s weight of each of the tile's rows, ``[BLOCK_M]`` float32 in ``rows_l``: from the staged
-    shared-memory tile (``W_SMEM``) or a global load."""
-    if W_SMEM:
-        w = w_smem.index(h).load(rows_l)
-    else:
-        w = gl.load(w_row + h, mask=mask_m, other=0.0)
-    return w
-
-
-@gluon.jit
-def _accumulate(acc, product, w, EPILOGUE: gl.constexpr):
-    """``acc + relu(product) * w[:, None]`` (``EPILOGUE`` 2; 1: ``acc + product``, timing only)."""
-    gl.static_assert((EPILOGUE == 1) | (EPILOGUE == 2))
-    if EPILOGUE == 2:
-        # relu(scale * s) * w == relu(s) * (scale * w) for scale > 0: W arrives pre-scaled. (As an FADD
-        # s + |s| with a free abs modifier and w / 2, bit for bit the same, instead of the FMNMX: 2% faster
-        # for index dim 64, 4% slower for 128, and 12% slower in the Triton kernel: kernels/NOTES.md, v15b)
-        acc += gl.maximum(product, 0.0) * w[:, None]
-    else:
-        acc += product
-    return acc
+def _accumulate(acc, product, w):
+    """``acc + relu(product) * w[:, None]``."""
+    # relu(scale * s) * w == relu(s) * (scale * w) for scale > 0: W arrives pre-scaled. (As an FADD
+    # s + |s| with a free abs modifier and w / 2, bit for bit the same, instead of the FMNMX: 2% faster
+    # for index dim 64, 4% slower for 128, and 12% slower in the Triton kernel)
+    return acc + gl.maximum(product, 0.0) * w[:, None]
 
 
 @gluon.jit
 def _finish_tile(acc, col_max, n0, offs_m, mask_m, lo, hi, lo_max, hi_min, n_pools, OUT, out_desc, out_smem, SEGMAX,
                  stride_ot, stride_gt, m0, n_q,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_N: gl.constexpr, MAXIMA: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_N: gl.constexpr,
                  SEG: gl.constexpr, TMA_STORE: gl.constexpr, num_warps: gl.constexpr):
     """Mask the summed tile of pools ``[n0, n0 + BLOCK_N)`` (``-inf`` outside each query's ``[lo, hi)``),
     store it, fold it into the column-group maxima and store its segment maxima. Returns the maxima.
     ``lo_max``/``hi_min``: the largest ``lo`` and smallest ``hi`` of the tile's queries; a tile inside every
-    query's range (most of them: the causal edge and document starts cross few) skips the mask (v18)."""
+    query's range (most of them: the causal edge and document starts cross few) skips the mask."""
     cols_l: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=cols_l)
     if (n0 < lo_max) | (n0 + BLOCK_N > hi_min):
@@ -159,12 +143,11 @@ def _finish_tile(acc, col_max, n0, offs_m, mask_m, lo, hi, lo_max, hi_min, n_poo
     else:
         gl.store(OUT + offs_m[:, None] * stride_ot + offs_n[None, :], acc,
                  mask=mask_m[:, None] & (offs_n < n_pools)[None, :])
-    if MAXIMA:
-        col_max = gl.maximum(col_max, gl.max(gl.reshape(acc, [BLOCK_M, BLOCK_N // GROUP_N, GROUP_N]), axis=1))
+    col_max = gl.maximum(col_max, gl.max(gl.reshape(acc, [BLOCK_M, BLOCK_N // GROUP_N, GROUP_N]), axis=1))
     if SEG > 0:
         gl.static_assert(BLOCK_N % SEG == 0)
         # stored from the reduction's own layout (the wgmma accumulator's, sliced; lanes of a quad store the same
-        # value): a layout conversion here went through shared memory behind a CTA barrier every tile (v18)
+        # value): a layout conversion here went through shared memory behind a CTA barrier every tile
         seg_max = gl.max(gl.reshape(acc, [BLOCK_M, BLOCK_N // SEG, SEG]), axis=2)
         seg_l: gl.constexpr = seg_max.type.layout
         rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, seg_l))
@@ -174,21 +157,21 @@ def _finish_tile(acc, col_max, n0, offs_m, mask_m, lo, hi, lo_max, hi_min, n_poo
     return col_max
 
 
-@triton.autotune(configs=GLUON_CONFIGS, key=["H", "D", "size_class", "N_COLUMNS", "MAXIMA", "SEG"],
+@triton.autotune(configs=GLUON_CONFIGS, key=["H", "D", "size_class", "N_COLUMNS", "SEG"],
                  prune_configs_by={"early_config_prune": _prune_configs})
 @gluon.jit
-def _pool_scores_gluon_kernel(
+def pool_scores_gluon_kernel(
     Q, PK, W, OUT, COLMAX, SEGMAX, Q_LO, Q_HI,
     stride_qb, stride_qt, stride_pb, stride_pp, stride_wb, stride_wt, stride_ob, stride_ot,
     stride_cb, stride_ct, stride_gb, stride_gt,
     n_q, n_pools, p_lo, n_pools_total, size_class,
     H: gl.constexpr, D: gl.constexpr, N_COLUMNS: gl.constexpr, GROUP_N: gl.constexpr,
-    BLOCK_N: gl.constexpr, Q_STAGES: gl.constexpr, MAXIMA: gl.constexpr, SEG: gl.constexpr,
-    TMA_STORE: gl.constexpr, HEAD_GROUP: gl.constexpr, EPILOGUE: gl.constexpr = 2, W_SMEM: gl.constexpr = True,
+    BLOCK_N: gl.constexpr, Q_STAGES: gl.constexpr, SEG: gl.constexpr,
+    TMA_STORE: gl.constexpr, HEAD_GROUP: gl.constexpr,
 ):
     """Scores of 64 queries against the pool tiles ``pid_n, pid_n + n_prog, ...`` (``n_prog =
     N_COLUMNS / GROUP_N``), with the arguments and outputs of
-    :func:`kernels.dsa.indexer_triton._pool_scores_kernel` (whose docstring gives the column groups,
+    :func:`kernels.dsa.indexer_triton.pool_scores_kernel` (whose docstring gives the column groups,
     segments and ``[lo, hi)`` ranges): ``Q`` ``[B, n_q, H, D]`` (``stride(2) == D``), ``PK`` ``[B,
     n_pools_total, D]`` (absolute pools), ``OUT`` ``[B, n_q, n_pools]`` float32 (row stride a multiple of
     4), ``W`` ``[B, n_q, H]`` float32 pre-scaled head weights. Tensor descriptors are made on the device
@@ -198,11 +181,7 @@ def _pool_scores_gluon_kernel(
     ``wgmma`` is issued before the previous head's product is waited for and accumulated (see the loop).
     Query tiles come through a ``Q_STAGES``-deep ring of TMA loads, a slot refilled as soon as the product
     that read it retires; pool-key tiles through two buffers, tile ``j + 2`` loaded when tile ``j`` is summed.
-    ``EPILOGUE`` is a timing knob (``tests/benchmarks/indexer_gluon_variants.py``): 2 (the scores) or 1 (a
-    plain sum of the products, one add per product instead of a max and an FMA: wrong scores). ``W_SMEM``
-    (default, v19): the tile's head weights are staged in shared memory once and each head reads its row
-    there; otherwise each head loads them from global memory inside the loop (whose misses stalled the
-    accumulation: 14% of the stall samples at 1M, kernels/NOTES.md).
+    The tile's head weights are staged in shared memory once (:func:`_stage_weights`).
     """
     num_warps: gl.constexpr = gl.num_warps()
     gl.static_assert(num_warps == 4)
@@ -256,11 +235,7 @@ def _pool_scores_gluon_kernel(
     for s in gl.static_range(Q_STAGES):
         _load_queries(q_desc, q_smem, q_bar, s, m0, s < n_steps, H, D, Q_STAGES)
 
-    w_row = W + offs_m * stride_wt
-    if W_SMEM:
-        w_smem = _stage_weights(w_row, mask_m, H, BLOCK_M)
-    else:
-        w_smem = q_bar   # unused
+    w_smem = _stage_weights(W + offs_m * stride_wt, mask_m, H, BLOCK_M)
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     col_max = gl.max(gl.reshape(gl.full([BLOCK_M, BLOCK_N], float("-inf"), gl.float32, mma),
                                 [BLOCK_M, BLOCK_N // GROUP_N, GROUP_N]), axis=1)
@@ -281,44 +256,44 @@ def _pool_scores_gluon_kernel(
         mbarrier.wait(pk_bar.index(j % 2), (j // 2) & 1, pred=h0 == 0)
         mbarrier.wait(q_bar.index(i0 % Q_STAGES), (i0 // Q_STAGES) & 1)
         x = warpgroup_mma(q_smem.index(i0 % Q_STAGES), pk_tile, x_dead, use_acc=False, is_async=True)
-        w_x = _head_weights(w_row, w_smem, h0, mask_m, rows_l, W_SMEM)
+        w_x = w_smem.index(h0).load(rows_l)
         mbarrier.wait(q_bar.index((i0 + 1) % Q_STAGES), ((i0 + 1) // Q_STAGES) & 1)
         y = warpgroup_mma(q_smem.index((i0 + 1) % Q_STAGES), pk_tile, y_dead, use_acc=False, is_async=True)
-        w_y = _head_weights(w_row, w_smem, h0 + 1, mask_m, rows_l, W_SMEM)
+        w_y = w_smem.index(h0 + 1).load(rows_l)
         for g in gl.static_range(2, HEAD_GROUP, 2):
             x_ready = warpgroup_mma_wait(num_outstanding=1, deps=(x,))   # step i0 + g - 2 retired
             _load_queries(q_desc, q_smem, q_bar, i0 + g - 2 + Q_STAGES, m0, i0 + g - 2 + Q_STAGES < n_steps,
                           H, D, Q_STAGES)
-            acc = _accumulate(acc, x_ready, w_x, EPILOGUE)
+            acc = _accumulate(acc, x_ready, w_x)
             # a wait on nothing new (y is the one group in flight) that takes the sum: it pins the
             # accumulation before the next issue (LLVM otherwise sinks it past later waits, keeping
             # every product of the group live and overlapping nothing)
             acc, x_ready = warpgroup_mma_wait(num_outstanding=1, deps=(acc, x_ready))
             mbarrier.wait(q_bar.index((i0 + g) % Q_STAGES), ((i0 + g) // Q_STAGES) & 1)
             x = warpgroup_mma(q_smem.index((i0 + g) % Q_STAGES), pk_tile, x_ready, use_acc=False, is_async=True)
-            w_x = _head_weights(w_row, w_smem, h0 + g, mask_m, rows_l, W_SMEM)
+            w_x = w_smem.index(h0 + g).load(rows_l)
             y_ready = warpgroup_mma_wait(num_outstanding=1, deps=(y,))   # step i0 + g - 1 retired
             _load_queries(q_desc, q_smem, q_bar, i0 + g - 1 + Q_STAGES, m0, i0 + g - 1 + Q_STAGES < n_steps,
                           H, D, Q_STAGES)
-            acc = _accumulate(acc, y_ready, w_y, EPILOGUE)
+            acc = _accumulate(acc, y_ready, w_y)
             acc, y_ready = warpgroup_mma_wait(num_outstanding=1, deps=(acc, y_ready))
             mbarrier.wait(q_bar.index((i0 + g + 1) % Q_STAGES), ((i0 + g + 1) // Q_STAGES) & 1)
             y = warpgroup_mma(q_smem.index((i0 + g + 1) % Q_STAGES), pk_tile, y_ready, use_acc=False, is_async=True)
-            w_y = _head_weights(w_row, w_smem, h0 + g + 1, mask_m, rows_l, W_SMEM)
+            w_y = w_smem.index(h0 + g + 1).load(rows_l)
         x_dead = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
         _load_queries(q_desc, q_smem, q_bar, i0 + HEAD_GROUP - 2 + Q_STAGES, m0,
                       i0 + HEAD_GROUP - 2 + Q_STAGES < n_steps, H, D, Q_STAGES)
-        acc = _accumulate(acc, x_dead, w_x, EPILOGUE)
+        acc = _accumulate(acc, x_dead, w_x)
         acc, x_dead = warpgroup_mma_wait(num_outstanding=1, deps=(acc, x_dead))
         y_dead = warpgroup_mma_wait(num_outstanding=0, deps=(y,))
         _load_queries(q_desc, q_smem, q_bar, i0 + HEAD_GROUP - 1 + Q_STAGES, m0,
                       i0 + HEAD_GROUP - 1 + Q_STAGES < n_steps, H, D, Q_STAGES)
-        acc = _accumulate(acc, y_dead, w_y, EPILOGUE)
+        acc = _accumulate(acc, y_dead, w_y)
         if h0 + HEAD_GROUP == H:   # tile j summed: its key buffer takes tile j + 2
             _load_pool_keys(pk_desc, pk_smem, pk_bar, j + 2, first_pool, stride_n, j + 2 < n_tiles)
             col_max = _finish_tile(acc, col_max, n_first + j * stride_n, offs_m, mask_m, lo, hi, lo_max, hi_min, n_pools,
                                    OUT, out_desc, out_smem, SEGMAX, stride_ot, stride_gt, m0, n_q,
-                                   BLOCK_M, BLOCK_N, GROUP_N, MAXIMA, SEG, TMA_STORE, num_warps)
+                                   BLOCK_M, BLOCK_N, GROUP_N, SEG, TMA_STORE, num_warps)
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
     if TMA_STORE:
         tma.store_wait(0)
@@ -326,28 +301,24 @@ def _pool_scores_gluon_kernel(
         mbarrier.invalidate(q_bar.index(s))
     for s in gl.static_range(2):
         mbarrier.invalidate(pk_bar.index(s))
-    if MAXIMA:
-        cm_l: gl.constexpr = gl.BlockedLayout([1, GROUP_N], [32, 1], [num_warps, 1], [1, 0])
-        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, cm_l))
-        offs_g = pid_n * GROUP_N + gl.arange(0, GROUP_N, layout=gl.SliceLayout(0, cm_l))
-        gl.store(COLMAX + rows[:, None] * stride_ct + offs_g[None, :], gl.convert_layout(col_max, cm_l),
-                 mask=(rows < n_q)[:, None])
+    cm_l: gl.constexpr = gl.BlockedLayout([1, GROUP_N], [32, 1], [num_warps, 1], [1, 0])
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, cm_l))
+    offs_g = pid_n * GROUP_N + gl.arange(0, GROUP_N, layout=gl.SliceLayout(0, cm_l))
+    gl.store(COLMAX + rows[:, None] * stride_ct + offs_g[None, :], gl.convert_layout(col_max, cm_l),
+             mask=(rows < n_q)[:, None])
 
 
 def gluon_pool_scores(q: torch.Tensor, pool_keys: torch.Tensor, weights: torch.Tensor, scores: torch.Tensor,
                       col_max: torch.Tensor, seg_max: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.Tensor,
-                      p_lo: int, size_class: int, n_columns: int, group_n: int, maxima: bool, seg: int,
-                      config: dict | None = None) -> None:
-    """Launch :func:`_pool_scores_gluon_kernel` (autotuned; with ``config``, its keyword arguments,
-    e.g. ``dict(BLOCK_N=128, Q_STAGES=3, TMA_STORE=False, HEAD_GROUP=8)``, without the tuner) for one
-    query block.
+                      p_lo: int, size_class: int, n_columns: int, group_n: int, seg: int) -> None:
+    """Launch :func:`pool_scores_gluon_kernel` (autotuned) for one query block.
 
     Args:
         q: ``[B, n_q, H, D]`` bf16 or fp16 queries, ``stride(2) == D`` and ``stride(3) == 1``.
         pool_keys: ``[B, P, D]`` pooled keys, same dtype, contiguous (absolute pool indices).
         weights: ``[B, n_q, H]`` float32 head weights times the softmax scale, contiguous.
         scores: ``[B, n_q, n_pools]`` float32 view of the block's score rows (row stride a multiple of 4).
-        col_max: ``[B, n_q, n_columns]`` float32 column-group maxima (written with ``maxima``).
+        col_max: ``[B, n_q, n_columns]`` float32 column-group maxima.
         seg_max: ``[B, n_q, cdiv(n_pools, seg)]`` float32 segment maxima (written with ``seg > 0``).
         q_lo, q_hi: ``[n_q]`` int32 absolute visible pool range of each query.
         p_lo: first pool of the block (absolute); the block sees ``scores.shape[-1]`` pools from it.
@@ -368,12 +339,10 @@ def gluon_pool_scores(q: torch.Tensor, pool_keys: torch.Tensor, weights: torch.T
     def grid(meta):
         return (n_columns // group_n, triton.cdiv(n_q, BLOCK_M), batch)
 
-    kernel = _pool_scores_gluon_kernel if config is None else _pool_scores_gluon_kernel.fn
-    kernel[grid](
+    pool_scores_gluon_kernel[grid](
         q, pool_keys, weights, scores, col_max, seg_max, q_lo, q_hi,
         q.stride(0), q.stride(1), pool_keys.stride(0), pool_keys.stride(1), weights.stride(0), weights.stride(1),
         scores.stride(0), scores.stride(1), col_max.stride(0), col_max.stride(1), seg_max.stride(0), seg_max.stride(1),
         n_q, n_pools, p_lo, pool_keys.shape[1], size_class,
-        H=heads, D=dim, N_COLUMNS=n_columns, GROUP_N=group_n, MAXIMA=maxima, SEG=seg,
-        **({} if config is None else dict(config, num_warps=4)),
+        H=heads, D=dim, N_COLUMNS=n_columns, GROUP_N=group_n, SEG=seg,
     )

@@ -1,36 +1,36 @@
 """Triton lightning-indexer scores over k-pools, with a streaming top-k (CUDA path).
 
-For a block of ``Tq`` queries one kernel launch writes the fused score
-``I[t, p] = sum_h w[t, h] * relu(scale * q[t, h] . pool_key[p])`` of every pool the block
-can see into a ``[B, Tq, P_visible]`` float32 buffer (invisible pools -> ``-inf``), without
-the ``[Tq, H, P]`` per-head intermediate a torch implementation materializes, and the row
-maxima of ``N_COLUMNS`` disjoint column groups (see the kernel). A second kernel finds a key that
-``n_select`` group maxima reach (by bisection, v23) as a lower bound of the row's ``n_select``-th value,
-reads the row once to keep the entries above it (score and pool index in one int64 slot; whole rows
-in 16-byte vector loads, slots taken by atomic increments) -- only
-the segments of :data:`SEGMENT` pools whose maximum (also kept by the score kernel) reaches
-the bound, in blocks that see at least :data:`SEGMENT_MIN_POOLS` pools, one segment per thread
-with slots from prefix sums (v21) --,
-builds the composite int64 keys of those few (score bits, then the complement of the pool index, as the
-torch path), sorts them in registers and writes the decoded pool indices: exact, with the tie
-rule (equal scores: lower pool index wins).
-A row with more candidates than its slots hold (massive ties) is selected exactly by the same
-program in a few more reads of the row (:func:`_select_tied`). The host never waits for the
-device: block bounds come from the grid's host copy of the document bounds (v14). Memory:
-``O(T * n_select + Tq * P)``. With ``bound_pass`` the
-selection computes the column maxima itself from a first read of the row and the score kernel
-keeps none (:data:`BOUND_IN_SELECTION`). :func:`triton_expand_selection` turns the pool indices
-into the ``[B, T, W]`` int32 token indices in one kernel, and :func:`triton_kpool_compress` makes the
-pooled keys the scores use in one kernel (keys and gates read once).
+For a block of ``Tq`` queries one score launch writes the fused score
+``I[t, p] = sum_h w[t, h] * relu(scale * q[t, h] . pool_key[p])`` of every pool the block can see
+into a ``[B, Tq, P_visible]`` float32 buffer (invisible pools -> ``-inf``), without the
+``[Tq, H, P]`` per-head intermediate a torch implementation materializes, together with the row
+maxima of ``N_COLUMNS`` disjoint column groups and of every :data:`SEGMENT` consecutive pools. The
+score kernel is :func:`pool_scores_kernel` or, on Hopper, the Gluon one
+(:mod:`kernels.dsa.indexer_gluon`); :func:`resolve_score_kernel` picks it.
 
-Each query sees one contiguous range of pools ``[lo, hi)`` (its document's complete pools up to
-it): the score kernel masks with two compares, skips the pool tiles no query of its tile sees
-(the causal triangle inside a block, other documents' pools) and stores score tiles through a
-tensor descriptor; the selection reads each row's range only.
+The selection (:func:`select_kernel`), one program per row, bisects the group maxima for a key that
+``n_select`` of them reach: a lower bound of the row's ``n_select``-th value. In blocks that see at
+least :data:`SEGMENT_MIN_POOLS` pools it reads only the segments whose maximum reaches the bound
+(a little more than ``n_select`` of them), one segment per thread, slots from prefix sums; in smaller
+blocks it reads whole rows in 16-byte vectors, slots from atomic increments. The candidates (score
+and pool index in one int64 slot) are few: their composite int64 keys (score bits, then the
+complement of the pool index, as the torch path) are sorted in registers and the decoded pool
+indices written: exact, with the tie rule (equal scores: lower pool index wins). A row with more
+candidates than its slots hold (massive ties) is selected exactly by the same program in a few more
+reads of the row (:func:`_select_tied`).
 
-Per launch, scores: FLOPs ``2 * B * Tq * P_visible * H * D``; bytes ``4 * Tq * P_visible``
-written and read once by the selection, plus the queries, re-read from L2 once per
-``BLOCK_N`` pools.
+Each query sees one contiguous range of pools ``[lo, hi)`` (its document's complete pools up to it):
+the score kernel masks with two compares, skips the pool tiles no query of its tile sees (the causal
+triangle inside a block, other documents' pools), and the selection reads each row's range only. The
+host never waits for the device: block bounds come from the grid's host copy of the document bounds.
+Memory: ``O(T * n_select + Tq * P)``. :func:`triton_expand_selection` turns the pool indices into the
+``[B, T, W]`` int32 token indices in one kernel, and :func:`triton_kpool_compress` makes the pooled keys
+the scores use in one kernel (keys and gates read once).
+
+Per launch, scores: FLOPs ``2 * B * Tq * P_visible * H * D``; bytes ``4 * Tq * P_visible`` written and
+read once by the selection (about ``1/5`` of it where segments are read), plus the queries, re-read
+from L2 once per ``BLOCK_N`` pools. The measurements behind the constants below are in
+``kernels/dsa/README.md``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels.dsa.errors import DSAInputError
-from kernels.dsa.indexer import KPoolGrid, _query_docs
+from kernels.dsa.grid import KPoolGrid, query_docs
 from kernels.dsa.indexer_gluon import gluon_pool_scores
 
 
@@ -49,25 +49,20 @@ SCORE_CONFIGS = [
     for bm, bn, w, st, pair, regs in [
         (128, 128, 8, 3, True, None), (128, 128, 8, 2, True, None), (64, 128, 4, 3, False, None),
         # capped at 168 registers: three 64x128 CTAs per SM where shared memory allows (index dim 64:
-        # 72 KiB each; ptxas spills 24 bytes per thread with segment maxima, sm90_resources.py)
+        # 72 KiB each; ptxas spills 24 bytes per thread with segment maxima)
         (64, 128, 4, 3, False, 168), (64, 128, 4, 2, False, 168)]
 ]
-"""Autotuned configurations of :func:`_pool_scores_kernel`. ``tests/benchmarks/indexer_score_variants.py``
-times tile x ``PAIR`` directly (kernels/NOTES.md, v7): ``PAIR`` takes the full shape's 128x128
-tile from 53% to 57% of the matmul rate. Since v13 (no per-tile loads, descriptor loads and stores)
-the tuner picks 64x128 with 4 warps for every key: two CTAs per SM, one's epilogue beside the
-other's MMA; 6.43 ms per 8192 x 65,536 block for the full shape (86% of the matmul rate) against
-7.75 for 128x128 with ``PAIR`` (kernels/NOTES.md, v13); for index dim 64 the 168-register cap (three
-CTAs per SM) is 9-20% faster again (v13b). Tiles of 256 pools were dropped: never chosen since v5,
-and with 32 column groups per 256 pools the selection's bound stays loose up to ~1,000 visible pools
-(rows of 513-1,000 pools overflow their slots and take the exact pass for massive ties). (Two other folds of the
-column maxima, contiguous groups by reshape or by pairwise ``tl.split``, ran within 3% of this one
-and were removed.)"""
+"""Autotuned configurations of :func:`pool_scores_kernel`. On an H200 the tuner picks 64x128 with 4 warps:
+two CTAs per SM, one's epilogue beside the other's MMA (6.43 ms per 8192 x 65,536 block for the full shape,
+86% of the matmul rate, against 7.75 for 128x128 with ``PAIR``); for index dim 64 the 168-register cap (three
+CTAs per SM) is 9-20% faster again. ``PAIR`` keeps the 128x128 tiles competitive where 64-row ones are not
+chosen (53% -> 57% of the matmul rate). Tiles of 256 pools are never chosen, and with 32 column groups per
+256 pools the selection's bound would stay loose up to ~1,000 visible pools."""
 
 
-@triton.autotune(configs=SCORE_CONFIGS, key=["H", "D", "size_class", "N_COLUMNS", "MAXIMA", "SEG"])
+@triton.autotune(configs=SCORE_CONFIGS, key=["H", "D", "size_class", "N_COLUMNS", "SEG"])
 @triton.jit
-def _pool_scores_kernel(
+def pool_scores_kernel(
     Q, PK, W, OUT, COLMAX, SEGMAX, Q_LO, Q_HI,
     stride_qb, stride_qt, stride_qh,
     stride_pb, stride_pp,
@@ -77,30 +72,29 @@ def _pool_scores_kernel(
     stride_gb, stride_gt,
     n_q, n_pools, p_lo, size_class,
     H: tl.constexpr, D: tl.constexpr, N_COLUMNS: tl.constexpr, GROUP_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MAXIMA: tl.constexpr, PAIR: tl.constexpr, SEG: tl.constexpr,
-    TMA: tl.constexpr, TMA_STORE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIR: tl.constexpr, SEG: tl.constexpr,
 ):
     """Scores of ``BLOCK_M`` queries against the pool tiles ``pid_n, pid_n + n_prog, ...``
     (``n_prog = N_COLUMNS / GROUP_N`` programs along the pools) and the row maxima of this
     program's ``GROUP_N`` column groups: pool ``c`` of a tile (``c < BLOCK_N``) is in group
     ``pid_n * GROUP_N + c mod GROUP_N`` (a reshape to ``[BLOCK_M, BLOCK_N / GROUP_N, GROUP_N]``
-    reduced over the middle axis; ``MAXIMA`` False: none, the selection computes its bound
-    itself). The maxima fold in
-    registers (``[BLOCK_M, GROUP_N]``, small beside the accumulator) and are stored once: no
-    atomics. ``PAIR``: two heads' loads and products are written before either's ReLU-weighted
-    accumulation (same summation order): 7-8% faster on the full shape, although Triton still
-    waits for each product before the next is issued (``warp_group_dot_wait {pendings = 0}`` in
-    the sm_90 TTGIR, ``tests/benchmarks/sm90_resources.py``), so no epilogue overlaps an MMA.
-    ``SEG > 0`` (divides ``BLOCK_N``): also the row maxima of every ``SEG`` consecutive pools
-    (segment ``s``: pools ``[s * SEG, (s + 1) * SEG)``) into ``SEGMAX`` ``[B, n_q,
+    reduced over the middle axis). The maxima fold in registers (``[BLOCK_M, GROUP_N]``, small
+    beside the accumulator) and are stored once: no atomics. ``PAIR``: two heads' loads and
+    products are written before either's ReLU-weighted accumulation (same summation order), 7-8%
+    faster on 128x128 tiles of the full shape, although Triton still waits for each product before
+    the next is issued (``warp_group_dot_wait {pendings = 0}`` in the sm_90 TTGIR), so no epilogue
+    overlaps an MMA. ``SEG > 0`` (divides ``BLOCK_N``): also the row maxima of every ``SEG``
+    consecutive pools (segment ``s``: pools ``[s * SEG, (s + 1) * SEG)``) into ``SEGMAX`` ``[B, n_q,
     cdiv(n_pools, SEG)]``, for the selection to skip segments below its bound.
-    ``TMA``: queries and pool keys arrive through tensor descriptors (``tl.make_tensor_descriptor``,
-    out-of-range rows zero-filled as the masked loads' ``other``) instead of per-element pointer
-    tensors, whose registers made ptxas spill (``q`` must have ``stride_qh == D``; the caller sets
-    ``triton.set_allocator``). ``Q_LO``/``Q_HI`` (``[n_q]`` int32, absolute pool indices): each
-    query's visible pools ``[lo, hi)``; a program skips the pool tiles that no query of its tile
-    sees, leaving them unwritten (v13). ``TMA_STORE``: score tiles leave through a tensor descriptor
-    (``stride_ot`` a multiple of 4 floats)."""
+
+    Queries and pool keys arrive through tensor descriptors (``tl.make_tensor_descriptor``, out-of-range
+    rows zero-filled) rather than per-element pointer tensors, whose registers made ptxas spill (296
+    bytes per thread, 8 with descriptors; ``q`` must have ``stride_qh == D``; the caller sets
+    ``triton.set_allocator``); score tiles leave through a descriptor too (a TMA store from shared
+    memory that overlaps the next tile; ``stride_ot`` a multiple of 4 floats). ``Q_LO``/``Q_HI``
+    (``[n_q]`` int32, absolute pool indices): each query's visible pools ``[lo, hi)``: two registers
+    per query instead of per-tile loads of pool ends and documents; a program skips the pool tiles
+    that no query of its tile sees, leaving them unwritten."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -108,7 +102,6 @@ def _pool_scores_kernel(
     # int64: at 1M tokens x 32 heads x 128 the query offsets pass 2^31
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_c = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
     mask_m = offs_m < n_q
     # each query sees the pools [lo, hi) of this block (its document's complete pools up to it)
     lo = tl.load(Q_LO + offs_m, mask=mask_m, other=2**31 - 1) - p_lo
@@ -119,38 +112,25 @@ def _pool_scores_kernel(
     n_first = pid_n * BLOCK_N + tl.maximum(tl.min(lo, axis=0) - pid_n * BLOCK_N, 0) // stride_n * stride_n
     n_end = tl.minimum(tl.max(hi, axis=0), n_pools)
     lo_max, hi_min = tl.max(lo, axis=0), tl.min(hi, axis=0)   # the pools every query of the tile sees
-    q_base = Q + b * stride_qb + offs_m[:, None] * stride_qt + offs_d[None, :]
     w_base = W + b * stride_wb + offs_m * stride_wt
     pid_b, n_batch = tl.program_id(2), tl.num_programs(2)   # the batch index as int32 (descriptor coordinates)
-    if TMA:
-        q_desc = tl.make_tensor_descriptor(Q, shape=[n_batch, n_q, H * D], strides=[stride_qb, stride_qt, 1],
-                                           block_shape=[1, BLOCK_M, D])
-        pk_desc = tl.make_tensor_descriptor(PK, shape=[n_batch, p_lo + n_pools, D], strides=[stride_pb, stride_pp, 1],
-                                            block_shape=[1, BLOCK_N, D])
-    if TMA_STORE:
-        out_desc = tl.make_tensor_descriptor(OUT, shape=[n_batch, n_q, n_pools],
-                                             strides=[stride_ob, stride_ot, 1], block_shape=[1, BLOCK_M, BLOCK_N])
+    q_desc = tl.make_tensor_descriptor(Q, shape=[n_batch, n_q, H * D], strides=[stride_qb, stride_qt, 1],
+                                       block_shape=[1, BLOCK_M, D])
+    pk_desc = tl.make_tensor_descriptor(PK, shape=[n_batch, p_lo + n_pools, D], strides=[stride_pb, stride_pp, 1],
+                                        block_shape=[1, BLOCK_N, D])
+    out_desc = tl.make_tensor_descriptor(OUT, shape=[n_batch, n_q, n_pools],
+                                         strides=[stride_ob, stride_ot, 1], block_shape=[1, BLOCK_M, BLOCK_N])
     col_max = tl.full([BLOCK_M, GROUP_N], float("-inf"), tl.float32)
     for n0 in range(n_first, n_end, stride_n):
         offs_n = n0 + offs_c
-        mask_n = offs_n < n_pools
-        if TMA:
-            pk = pk_desc.load([pid_b, p_lo + n0, 0]).reshape(BLOCK_N, D)
-        else:
-            pk = tl.load(PK + b * stride_pb + (p_lo + offs_n)[:, None] * stride_pp + offs_d[None, :],
-                         mask=mask_n[:, None], other=0.0)
-        pk_t = tl.trans(pk)
+        pk_t = tl.trans(pk_desc.load([pid_b, p_lo + n0, 0]).reshape(BLOCK_N, D))
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         # relu(scale * s) * w == relu(s) * (scale * w) for scale > 0: W arrives pre-scaled
         if PAIR:
             tl.static_assert(H % 2 == 0)
             for h in range(0, H, 2):
-                if TMA:
-                    q0 = q_desc.load([pid_b, pid_m * BLOCK_M, h * D]).reshape(BLOCK_M, D)
-                    q1 = q_desc.load([pid_b, pid_m * BLOCK_M, (h + 1) * D]).reshape(BLOCK_M, D)
-                else:
-                    q0 = tl.load(q_base + h * stride_qh, mask=mask_m[:, None], other=0.0)
-                    q1 = tl.load(q_base + (h + 1) * stride_qh, mask=mask_m[:, None], other=0.0)
+                q0 = q_desc.load([pid_b, pid_m * BLOCK_M, h * D]).reshape(BLOCK_M, D)
+                q1 = q_desc.load([pid_b, pid_m * BLOCK_M, (h + 1) * D]).reshape(BLOCK_M, D)
                 w0 = tl.load(w_base + h, mask=mask_m, other=0.0).to(tl.float32)
                 w1 = tl.load(w_base + h + 1, mask=mask_m, other=0.0).to(tl.float32)
                 s0 = tl.dot(q0, pk_t)
@@ -159,54 +139,44 @@ def _pool_scores_kernel(
                 acc += tl.maximum(s1, 0.0) * w1[:, None]
         else:
             for h in range(H):
-                if TMA:
-                    q = q_desc.load([pid_b, pid_m * BLOCK_M, h * D]).reshape(BLOCK_M, D)
-                else:
-                    q = tl.load(q_base + h * stride_qh, mask=mask_m[:, None], other=0.0)
+                q = q_desc.load([pid_b, pid_m * BLOCK_M, h * D]).reshape(BLOCK_M, D)
                 w = tl.load(w_base + h, mask=mask_m, other=0.0).to(tl.float32)
                 acc += tl.maximum(tl.dot(q, pk_t), 0.0) * w[:, None]
-        if (n0 < lo_max) | (n0 + BLOCK_N > hi_min):   # a tile inside every query's range skips the mask (v18)
+        if (n0 < lo_max) | (n0 + BLOCK_N > hi_min):   # a tile inside every query's range skips the mask
             visible = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
             acc = tl.where(visible, acc, float("-inf"))
-        if TMA_STORE:   # rows and pools past the buffer's bounds are not written
-            out_desc.store([pid_b, pid_m * BLOCK_M, n0], acc.reshape(1, BLOCK_M, BLOCK_N))
-        else:
-            tl.store(OUT + b * stride_ob + offs_m[:, None] * stride_ot + offs_n[None, :], acc,
-                     mask=mask_m[:, None] & mask_n[None, :])
-        if MAXIMA:
-            col_max = tl.maximum(col_max, tl.max(tl.reshape(acc, (BLOCK_M, BLOCK_N // GROUP_N, GROUP_N)), axis=1))
+        # rows and pools past the buffer's bounds are not written
+        out_desc.store([pid_b, pid_m * BLOCK_M, n0], acc.reshape(1, BLOCK_M, BLOCK_N))
+        col_max = tl.maximum(col_max, tl.max(tl.reshape(acc, (BLOCK_M, BLOCK_N // GROUP_N, GROUP_N)), axis=1))
         if SEG > 0:
             tl.static_assert(BLOCK_N % SEG == 0)
             offs_s = n0 // SEG + tl.arange(0, BLOCK_N // SEG)
             seg_max = tl.max(tl.reshape(acc, (BLOCK_M, BLOCK_N // SEG, SEG)), axis=2)
             tl.store(SEGMAX + b * stride_gb + offs_m[:, None] * stride_gt + offs_s[None, :], seg_max,
                      mask=mask_m[:, None] & (offs_s[None, :] * SEG < n_pools))
-    if MAXIMA:
-        offs_g = pid_n * GROUP_N + tl.arange(0, GROUP_N)
-        tl.store(COLMAX + b * stride_cb + offs_m[:, None] * stride_ct + offs_g[None, :], col_max,
-                 mask=mask_m[:, None])
+    offs_g = pid_n * GROUP_N + tl.arange(0, GROUP_N)
+    tl.store(COLMAX + b * stride_cb + offs_m[:, None] * stride_ct + offs_g[None, :], col_max,
+             mask=mask_m[:, None])
 
 
-SELECT_CONFIGS = [triton.Config({"CHUNK": c, "SPLIT_SORT": True, "LOOP_STAGES": st, "COMPACT": "relaxed"}, num_warps=w)
+SELECT_CONFIGS = [triton.Config({"CHUNK": c, "LOOP_STAGES": st}, num_warps=w)
                   for c, st, w in [(512, 2, 4), (512, 3, 4), (1024, 3, 4), (2048, 3, 4), (2048, 1, 4), (4096, 1, 4),
                                    (512, 2, 2), (512, 2, 1), (1024, 3, 2), (1024, 1, 1)]]
-"""Autotuned configurations of :func:`_select_kernel`. The kernel is latency-bound (a load, an
-atomic and a store per chunk, serially): small chunks keep few registers (64-80 at 1024-2048 vs
-151 at 8192: more programs per SM) and pipelined loads overlap the chain; at 65,536 pools
-CHUNK 1024 with 3 stages took 1.17 ms per 8192 rows against 1.51 for v6b's 4096 (kernels/NOTES.md, v7),
-and 0.90 ms with relaxed slot atomics (v9; a prefix sum instead of atomics took 1.67). With short rows
-(64k tokens: 65,536 rows of at most 4,096 pools, 1.18 ms, ~19 us per program) the two in-register
-sorts per row dominate; one or two warps per row do them with fewer cross-warp exchanges (v13). Since v21 (the
-segment gather one segment per thread) one warp per row is also the fastest where rows are read by segments;
-with ``CHUNK`` 1024 and ``SEG`` 32 each lane holds one segment per step."""
+"""Autotuned configurations of :func:`select_kernel`. The kernel is latency-bound (a load, a slot and a
+store per chunk, serially): small chunks keep few registers (64-80 at 1024-2048 against 151 at 8192: more
+programs per SM) and pipelined loads overlap the chain (at 65,536 pools, whole rows: CHUNK 1024 with 3
+stages 1.17 ms per 8192 rows against 1.51 for 4096 unpipelined). With short rows (64k tokens: rows of at
+most 4,096 pools) the two in-register sorts per row dominate; one or two warps per row do them with fewer
+cross-warp exchanges. Where rows are read by segments one warp per row is the fastest too; with ``CHUNK``
+1024 and ``SEGMENT`` 32 each lane holds one segment per step."""
 
 
 @triton.jit
 def _put_candidates(slots, pos, vals, pools, mask):
     """Store candidates in a row's slots (``CAPACITY`` int64; ``mask`` keeps ``pos`` inside them): at ``pos``, the
     float32 bits of a score ``vals`` in the high half and its absolute pool index ``pools`` (int32, >= 0) in the
-    low half, one 8-byte store (v21; v16: the composite keys are built by :func:`_sorted_pools` for the few
-    candidates, not for every entry)."""
+    low half, one 8-byte store (the composite keys are built by :func:`_sorted_pools` for the few candidates,
+    not for every entry)."""
     tl.store(slots + pos, (vals.to(tl.int32, bitcast=True).to(tl.int64) << 32) | pools.to(tl.int64), mask=mask)
 
 
@@ -227,7 +197,7 @@ def _sorted_pools(slots, count, n_keys: tl.constexpr):
 @triton.jit
 def _ordered(vals):
     """Order-preserving int32 image of float32 ``vals`` (-0.0 folded into +0.0: equal scores, equal
-    images), the high half of a composite selection key (:func:`kernels.dsa.indexer._selection_keys`)."""
+    images), the high half of a composite selection key (:func:`kernels.dsa.indexer.selection_keys`)."""
     bits = tl.where(vals == 0.0, 0.0, vals).to(tl.int32, bitcast=True)
     return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
@@ -242,9 +212,10 @@ def _passes(vals, bound):
 @triton.jit
 def _search_bound(col_max, N_SELECT: tl.constexpr, N_COLUMNS: tl.constexpr, SLACK: tl.constexpr):
     """A lower bound of a row's ``N_SELECT``-th value from its ``[N_COLUMNS]`` float32 column-group maxima,
-    without sorting them (v23): bisection on their :func:`_ordered` images for a key that ``N_SELECT`` to
+    without sorting them: bisection on their :func:`_ordered` images for a key that ``N_SELECT`` to
     ``N_SELECT + SLACK`` maxima reach (the ``N_SELECT``-th largest itself if the bisection ends first). Every
-    maximum is a distinct group's, so at least ``N_SELECT`` entries reach the returned float32."""
+    maximum is a distinct group's, so at least ``N_SELECT`` entries reach the returned float32. (~70 SASS
+    instructions per step with one warp; a sort of 512 maxima is 2,320.)"""
     key = _ordered(col_max)
     lo = tl.min(key, axis=0).to(tl.int64)          # count(key >= lo) = N_COLUMNS >= N_SELECT
     hi = tl.max(key, axis=0).to(tl.int64) + 1      # count(key >= hi) = 0
@@ -266,22 +237,21 @@ def _composite_key(vals, pools):
 
 
 @triton.jit
-def _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY: tl.constexpr, COMPACT: tl.constexpr):
+def _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY: tl.constexpr):
     """Write the entries of ``vals`` (float32 scores of pools ``p_lo + offs``) at or above
     ``bound`` to the next free ``slots`` (:func:`_put_candidates`; ``counter``: the row's
-    count, ``[len(vals)]`` pointers to it; slots past ``CAPACITY`` are counted, not written)."""
+    count, ``[len(vals)]`` pointers to it; slots past ``CAPACITY`` are counted, not written).
+    Relaxed atomics: the barrier before the sort publishes the slots (acquire-release ones were 29%
+    slower at 65,536 pools)."""
     keep = _passes(vals, bound)
-    if COMPACT == "relaxed":
-        pos = tl.atomic_add(counter, 1, mask=keep, sem="relaxed")
-    else:
-        pos = tl.atomic_add(counter, 1, mask=keep)
+    pos = tl.atomic_add(counter, 1, mask=keep, sem="relaxed")
     _put_candidates(slots, pos, vals, p_lo + offs, keep & (pos < CAPACITY))
 
 
 @triton.jit
 def _opaque_lanes(n: tl.constexpr, zero):
     """``tl.arange(0, n)[None, :]`` (``[1, n]`` int32) as ``lane ^ zero`` (``zero``: a runtime int32 0), so the
-    compiler does not see the values as contiguous (v21). A load through them takes the layout of the scattered
+    compiler does not see the values as contiguous. A load through them takes the layout of the scattered
     stores that follow (one thread per row of the tile, its ``n`` values in registers) instead of a vectorized
     one, and nothing is converted through shared memory in between (on sm_90 a 2-d tile with vector loads had
     three ``[32, 64]`` conversions per step). The loads stay coalesced: a warp reads whole rows."""
@@ -292,7 +262,7 @@ def _opaque_lanes(n: tl.constexpr, zero):
 def _places(ones, start):
     """Where the marked entries of a ``[R, n]`` tile go in a list filled from ``start`` on, row by row:
     ``ones`` int32 0/1; returns ``[R, n]`` int32 places (meaningful where marked) and ``start`` plus their number.
-    Prefix sums along each row (in a thread's registers when the row is) and over the rows' counts (v21; a 1-d
+    Prefix sums along each row (in a thread's registers when the row is) and over the rows' counts (a 1-d
     prefix sum over a whole chunk cost five warp shuffles per value)."""
     per_row = tl.sum(ones, axis=1)
     places = start + (tl.cumsum(per_row, axis=0) - per_row)[:, None] + tl.cumsum(ones, axis=1) - 1
@@ -300,32 +270,25 @@ def _places(ones, start):
 
 
 @triton.jit
-def _compact_hits(seg_row, hits, s0, s_lo, s_hi, bound, n_hits, SEG_CHUNK: tl.constexpr, PAIRS: tl.constexpr):
+def _compact_hits(seg_row, hits, s0, s_lo, s_hi, bound, n_hits, SEG_CHUNK: tl.constexpr):
     """Append to ``hits`` (from ``n_hits`` on) the segments ``s`` of ``[s0, s0 + SEG_CHUNK)`` inside ``[s_lo, s_hi)``
     whose maximum (``seg_row[s]``, float32) reaches ``bound`` and is finite. Returns ``n_hits`` plus their number.
     The chunk is a ``[SEG_CHUNK / 32, 32]`` tile of runs of segments (one run below 32), placed by
-    :func:`_places` (v21b); with ``PAIRS`` (:data:`SEGMENT_PAIRS`) each run is read as int64 pairs of maxima
-    (``seg_row`` 8-byte aligned: the maxima's row stride is even; ``s0`` a multiple of ``SEG_CHUNK``)."""
+    :func:`_places`, each run read as int64 pairs of maxima (``seg_row`` 8-byte aligned: the maxima's row stride
+    is even; ``s0`` a multiple of ``SEG_CHUNK``)."""
     RUN: tl.constexpr = SEG_CHUNK if SEG_CHUNK < 32 else 32
     runs = s0 + tl.arange(0, SEG_CHUNK // RUN)[:, None] * RUN
-    if PAIRS:
-        even = runs + 2 * _opaque_lanes(RUN // 2, (n_hits < 0).to(tl.int32))
-        _, _, keep0, keep1, pos0, pos1, n_hits = _passing_pairs(seg_row, even, True, s_lo, s_hi, bound, n_hits)
-        tl.store(hits + pos0, even, mask=keep0)
-        tl.store(hits + pos1, even + 1, mask=keep1)
-    else:
-        segs = runs + _opaque_lanes(RUN, (n_hits < 0).to(tl.int32))
-        seg_max = tl.load(seg_row + segs, mask=(segs >= s_lo) & (segs < s_hi), other=float("-inf"))
-        ones = _passes(seg_max, bound).to(tl.int32)
-        pos, n_hits = _places(ones, n_hits)
-        tl.store(hits + pos, segs, mask=ones > 0)
+    even = runs + 2 * _opaque_lanes(RUN // 2, (n_hits < 0).to(tl.int32))
+    _, _, keep0, keep1, pos0, pos1, n_hits = _passing_pairs(seg_row, even, True, s_lo, s_hi, bound, n_hits)
+    tl.store(hits + pos0, even, mask=keep0)
+    tl.store(hits + pos1, even + 1, mask=keep1)
     return n_hits
 
 
 @triton.jit
 def _passing_pairs(base, even, valid, lo, hi, bound, start):
     """The float32 pairs ``base[even], base[even + 1]`` (``base`` 8-byte aligned, ``even`` an int32 tile of even
-    offsets), each read as one int64 (little-endian: the first float in the low half; v26) where ``valid`` and
+    offsets), each read as one int64 (little-endian: the first float in the low half) where ``valid`` and
     one of the two offsets is in ``[lo, hi)``, and which of them pass ``bound`` (:func:`_passes`) with their
     places in a list filled from ``start`` on (:func:`_places`; both pass: the first a place before the second).
     Returns ``v0, v1`` (float32, ``-inf`` outside ``[lo, hi)``), ``keep0, keep1``, ``pos0, pos1`` and ``start``
@@ -343,32 +306,24 @@ def _passing_pairs(base, even, valid, lo, hi, bound, start):
 
 @triton.jit
 def _take_segments(row, hits, k0, n_hits, lo, hi, bound, slots, p_lo, written, SEG: tl.constexpr,
-                   SEGS: tl.constexpr, CAPACITY: tl.constexpr, PAIRS: tl.constexpr):
-    """Candidates of the hit segments ``k0 .. k0 + SEGS - 1`` of a score row (v21): the entries of
-    ``[lo, hi)`` at or above ``bound`` in segments ``hits[k]`` (``k < n_hits``; ``SEG`` pools each) to the
-    slots from ``written`` on (:func:`_put_candidates`). Returns ``written`` plus their number.
+                   SEGS: tl.constexpr, CAPACITY: tl.constexpr):
+    """Candidates of the hit segments ``k0 .. k0 + SEGS - 1`` of a score row: the entries of ``[lo, hi)`` at or
+    above ``bound`` in segments ``hits[k]`` (``k < n_hits``; ``SEG`` pools each) to the slots from ``written`` on
+    (:func:`_put_candidates`). Returns ``written`` plus their number.
 
     The segments form a ``[SEGS, SEG]`` tile held one segment per thread (:func:`_opaque_lanes`): a
-    candidate's slot comes from prefix sums (:func:`_places`), and no entry takes an atomic (v11-v20: one
-    warp-aggregated ``ATOMG`` per entry, and layout conversions through shared memory around them, 40% of the
-    selection's instructions at 65,536 pools). ``PAIRS`` (:data:`SEGMENT_PAIRS`, v26): the segment is read as
-    ``SEG / 2`` int64 score pairs."""
+    candidate's slot comes from prefix sums (:func:`_places`), and no entry takes an atomic (one
+    warp-aggregated ``ATOMG`` per entry, and the layout conversions around them, were 40% of the
+    selection's instructions at 65,536 pools). Each thread reads its segment as ``SEG / 2`` int64 score
+    pairs (the row 8-byte aligned: its stride is a multiple of 16 pools): a warp-wide load touches 32
+    cache lines either way, and pairs halve those requests (-27 to -31% per block)."""
     k = k0 + tl.arange(0, SEGS)
     seg = tl.load(hits + k, mask=k < n_hits, other=0)
-    if PAIRS:
-        # v26: each thread reads its segment as SEG / 2 int64 (two scores each, the row 8-byte aligned: its
-        # stride is a multiple of 16 pools), half the loads
-        even = 2 * (seg[:, None] * (SEG // 2) + _opaque_lanes(SEG // 2, (n_hits < 0).to(tl.int32)))
-        v0, v1, keep0, keep1, pos0, pos1, written = _passing_pairs(row, even, (k < n_hits)[:, None], lo, hi, bound,
-                                                                   written)
-        _put_candidates(slots, pos0, v0, p_lo + even, keep0 & (pos0 < CAPACITY))
-        _put_candidates(slots, pos1, v1, p_lo + even + 1, keep1 & (pos1 < CAPACITY))
-    else:
-        offs = seg[:, None] * SEG + _opaque_lanes(SEG, (n_hits < 0).to(tl.int32))
-        vals = tl.load(row + offs, mask=(k < n_hits)[:, None] & (offs >= lo) & (offs < hi), other=float("-inf"))
-        keep = _passes(vals, bound)
-        pos, written = _places(keep.to(tl.int32), written)
-        _put_candidates(slots, pos, vals, p_lo + offs, keep & (pos < CAPACITY))
+    even = 2 * (seg[:, None] * (SEG // 2) + _opaque_lanes(SEG // 2, (n_hits < 0).to(tl.int32)))
+    v0, v1, keep0, keep1, pos0, pos1, written = _passing_pairs(row, even, (k < n_hits)[:, None], lo, hi, bound,
+                                                               written)
+    _put_candidates(slots, pos0, v0, p_lo + even, keep0 & (pos0 < CAPACITY))
+    _put_candidates(slots, pos1, v1, p_lo + even + 1, keep1 & (pos1 < CAPACITY))
     return written
 
 
@@ -432,50 +387,38 @@ TIE_CHUNK = tl.constexpr(256)
 
 # COUNT is zeroed before each configuration's timing runs: accumulated over them, every row would
 # overflow its slots and take the slow exact pass (_select_tied) in the tuning call
-@triton.autotune(configs=SELECT_CONFIGS,
-                 key=["N_COLUMNS", "CAPACITY", "size_class", "BOUND_PASS", "SEG", "BOUND_SLACK", "PAIRS"],
-                 reset_to_zero=["COUNT"])
+@triton.autotune(configs=SELECT_CONFIGS, key=["N_COLUMNS", "CAPACITY", "size_class", "SEG"], reset_to_zero=["COUNT"])
 @triton.jit
-def _select_kernel(
+def select_kernel(
     S, COLMAX, SEGMAX, HITS, COUNT, SLOTS, OUT, Q_LO, Q_HI,
     stride_sb, stride_st, stride_cb, stride_ct, stride_gb, stride_gt, stride_nb, stride_ob, stride_ot,
     n_rows, n_cols, p_lo, size_class,
     N_SELECT: tl.constexpr, N_COLUMNS: tl.constexpr, CAPACITY: tl.constexpr,
-    CHUNK: tl.constexpr, SPLIT_SORT: tl.constexpr, LOOP_STAGES: tl.constexpr, BOUND_PASS: tl.constexpr,
-    COMPACT: tl.constexpr, SEG: tl.constexpr, SEG_CHUNK: tl.constexpr, BOUND_SLACK: tl.constexpr,
-    PAIRS: tl.constexpr,
+    CHUNK: tl.constexpr, LOOP_STAGES: tl.constexpr, SEG: tl.constexpr, SEG_CHUNK: tl.constexpr,
+    BOUND_SLACK: tl.constexpr,
 ):
     """Per score row: a lower bound on its n_select-th value, the composite keys above it,
     and the decoded pool indices of the best ``N_SELECT`` (-1 where fewer are visible).
 
-    The bound is the ``N_SELECT``-th largest of the row's ``N_COLUMNS`` column-group maxima
-    (written by :func:`_pool_scores_kernel`): it is met by ``N_SELECT`` entries of distinct
-    groups, so it bounds the row's ``N_SELECT``-th value from below; with ``N_COLUMNS >=
-    4 * N_SELECT`` it is close to it (about ``N_SELECT * (1 + N_SELECT / (2 N_COLUMNS))``
-    entries pass for random scores). ``BOUND_SLACK >= 0`` (v23, :data:`BOUND_SLACK`, the default): a key
-    that ``N_SELECT`` to ``N_SELECT + BOUND_SLACK`` of the maxima reach, found by bisection
-    (:func:`_search_bound`) instead of a sort of all of them; -1: the sort. Passing entries take a slot
-    and are written to a ``CAPACITY``-slot int64 scratch row (:func:`_put_candidates`); their composite
-    int64 keys (score bits, then the complement of the pool index, as the torch path), sorted in
-    registers, make the order exact and deterministic (tie rule: lower pool index first). Reading whole rows, a slot is an atomic increment
-    (``COMPACT``) of the row's ``COUNT`` (zeroed by the caller); reading segments, it comes from prefix sums
-    (:func:`_take_segments`) and ``COUNT`` is not used. A row with more than ``CAPACITY`` candidates is
-    selected again by :func:`_select_tied` (massive ties). ``SPLIT_SORT``: rows with at most
-    ``CAPACITY / 2`` candidates (nearly all) sort half as many keys. ``BOUND_PASS``: the column
-    maxima (group ``c mod N_COLUMNS``) come from a first read of the row here instead of from
-    the score kernel (``COLMAX`` unused; ``CHUNK`` must be a multiple of ``N_COLUMNS``).
-    ``COMPACT``: the slot's atomic increment, ``"relaxed"`` (no ordering: the barrier before the
-    sort publishes the slots) or ``"atomic"`` (v7's acquire-release, 29% slower at 65,536 pools:
-    kernels/NOTES.md, v9).
-    Only each row's visible pools ``[Q_LO, Q_HI)`` (``[n_rows]`` int32, absolute) are read: the score
-    kernel leaves other tiles unwritten.
-    ``SEG > 0`` (v11, needs the score kernel's ``SEGMAX`` of the same ``SEG``): only the
-    ``SEG``-pool segments whose maximum reaches the bound are read (every passing entry lies in
-    one): their indices are compacted ``SEG_CHUNK`` at a time (:func:`_compact_hits`) into the row's
-    ``HITS`` scratch (int32, ``cdiv(n_cols, SEG)`` entries), then gathered ``CHUNK / SEG``
-    segments per step (:func:`_take_segments`). For random scores a little more than ``N_SELECT`` segments
-    pass: 13% of the row at 65,536 pools, ``SEG`` 64, ``N_SELECT`` 128 (about 7% at ``SEG`` 32, the default;
-    25% at 128).
+    The bound (:func:`_search_bound`) is a key that ``N_SELECT`` to ``N_SELECT + BOUND_SLACK`` of the row's
+    ``N_COLUMNS`` column-group maxima (written by the score kernel) reach: met by ``N_SELECT`` entries of
+    distinct groups, so it bounds the row's ``N_SELECT``-th value from below; with ``N_COLUMNS >= 4 *
+    N_SELECT`` it is close to it (about ``N_SELECT * (1 + N_SELECT / (2 N_COLUMNS))`` entries pass for random
+    scores). Passing entries take a slot and are written to a ``CAPACITY``-slot int64 scratch row
+    (:func:`_put_candidates`); their composite int64 keys (score bits, then the complement of the pool
+    index, as the torch path), sorted in registers, make the order exact and deterministic (tie rule: lower
+    pool index first). Reading whole rows (``SEG`` 0), a slot is a relaxed atomic increment of the row's
+    ``COUNT`` (zeroed by the caller); reading segments, it comes from prefix sums (:func:`_take_segments`) and
+    ``COUNT`` is not used. A row with more than ``CAPACITY`` candidates is selected again by
+    :func:`_select_tied` (massive ties). Rows with at most ``CAPACITY / 2`` candidates (nearly all) sort half
+    as many keys. Only each row's visible pools ``[Q_LO, Q_HI)`` (``[n_rows]`` int32, absolute) are read: the
+    score kernel leaves other tiles unwritten.
+
+    ``SEG > 0`` (needs the score kernel's ``SEGMAX`` of the same ``SEG``): only the ``SEG``-pool segments whose
+    maximum reaches the bound are read (every passing entry lies in one): their indices are compacted
+    ``SEG_CHUNK`` at a time (:func:`_compact_hits`) into the row's ``HITS`` scratch (int32, ``cdiv(n_cols, SEG)``
+    entries), then gathered ``CHUNK / SEG`` segments per step (:func:`_take_segments`). For random scores a
+    little more than ``N_SELECT`` segments pass: about 7% of the row at 65,536 pools, ``SEG`` 32, ``N_SELECT`` 128.
     """
     row = tl.program_id(0).to(tl.int64)
     b = row // n_rows
@@ -485,20 +428,8 @@ def _select_kernel(
     # the row's visible pools [lo, hi): only those were scored (the score kernel skips other tiles)
     lo = tl.load(Q_LO + t) - p_lo
     hi = tl.load(Q_HI + t) - p_lo
-    if BOUND_PASS:
-        tl.static_assert(CHUNK % N_COLUMNS == 0)
-        col_max = tl.full([N_COLUMNS], float("-inf"), tl.float32)
-        for c0 in tl.range(lo // CHUNK * CHUNK, hi, CHUNK, num_stages=LOOP_STAGES):
-            offs = c0 + flat
-            vals = tl.load(base + offs, mask=(offs >= lo) & (offs < hi), other=float("-inf"))
-            col_max = tl.maximum(col_max, tl.max(tl.reshape(vals, (CHUNK // N_COLUMNS, N_COLUMNS)), axis=0))
-    else:
-        col_max = tl.load(COLMAX + b * stride_cb + t * stride_ct + tl.arange(0, N_COLUMNS))
-    if BOUND_SLACK >= 0:
-        bound = _search_bound(col_max, N_SELECT, N_COLUMNS, BOUND_SLACK)
-    else:
-        ranked = tl.sort(col_max, descending=True)
-        bound = tl.max(tl.where(tl.arange(0, N_COLUMNS) == N_SELECT - 1, ranked, float("-inf")), axis=0)
+    col_max = tl.load(COLMAX + b * stride_cb + t * stride_ct + tl.arange(0, N_COLUMNS))
+    bound = _search_bound(col_max, N_SELECT, N_COLUMNS, BOUND_SLACK)
     slots = SLOTS + row * CAPACITY
     count_ptr = COUNT + b * stride_nb + t
     counter = count_ptr + tl.zeros([CHUNK], tl.int32)
@@ -510,22 +441,22 @@ def _select_kernel(
         n_hits = tl.full([], 0, tl.int32)
         s_lo, s_hi = lo // SEG, tl.cdiv(hi, SEG)
         for s0 in range(s_lo // SEG_CHUNK * SEG_CHUNK, s_hi, SEG_CHUNK):
-            n_hits = _compact_hits(seg_row, hits, s0, s_lo, s_hi, bound, n_hits, SEG_CHUNK, PAIRS)
+            n_hits = _compact_hits(seg_row, hits, s0, s_lo, s_hi, bound, n_hits, SEG_CHUNK)
         # the hit list, written by every thread, is read by others below
         tl.debug_barrier()
         written = tl.full([], 0, tl.int32)
         for k0 in tl.range(0, n_hits, CHUNK // SEG, num_stages=LOOP_STAGES):
             written = _take_segments(base, hits, k0, n_hits, lo, hi, bound, slots, p_lo, written, SEG, CHUNK // SEG,
-                                     CAPACITY, PAIRS)
+                                     CAPACITY)
     else:
         # whole 16-byte vectors of the row ([lo, hi) widened to multiples of 4 floats: inside the row's padded
-        # stride), masked to [lo, hi) after the load: vector loads instead of one per float (v16)
+        # stride), masked to [lo, hi) after the load: vector loads instead of one per float
         lo4, hi4 = lo // 4 * 4, (hi + 3) // 4 * 4
         for c0 in tl.range(lo4 // CHUNK * CHUNK, hi4, CHUNK, num_stages=LOOP_STAGES):
             offs = c0 + flat
             vals = tl.load(base + offs, mask=(offs >= lo4) & (offs < hi4))
             vals = tl.where((offs >= lo) & (offs < hi), vals, float("-inf"))
-            _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY, COMPACT)
+            _take_candidates(vals, offs, bound, counter, slots, p_lo, CAPACITY)
     # other threads' slot writes and counter increments must be visible to this one's loads
     tl.debug_barrier()
     if SEG > 0:
@@ -537,20 +468,16 @@ def _select_kernel(
         tl.debug_barrier()
     out = OUT + b * stride_ob + t * stride_ot
     # (a runtime branch may not rebind a name to another shape: each branch stores its own)
-    if SPLIT_SORT:
-        if count <= CAPACITY // 2:   # CAPACITY // 2 >= 2 * N_SELECT (_capacity)
-            half = tl.arange(0, CAPACITY // 2)
-            tl.store(out + half, _sorted_pools(slots, count, CAPACITY // 2), mask=half < N_SELECT)
-        else:
-            whole = tl.arange(0, CAPACITY)
-            tl.store(out + whole, _sorted_pools(slots, count, CAPACITY), mask=whole < N_SELECT)
+    if count <= CAPACITY // 2:   # CAPACITY // 2 >= 2 * N_SELECT (candidate_capacity)
+        half = tl.arange(0, CAPACITY // 2)
+        tl.store(out + half, _sorted_pools(slots, count, CAPACITY // 2), mask=half < N_SELECT)
     else:
-        idx = tl.arange(0, CAPACITY)
-        tl.store(out + idx, _sorted_pools(slots, count, CAPACITY), mask=idx < N_SELECT)
+        whole = tl.arange(0, CAPACITY)
+        tl.store(out + whole, _sorted_pools(slots, count, CAPACITY), mask=whole < N_SELECT)
 
 
 @triton.jit
-def _expand_kernel(
+def expand_kernel(
     POOLS, START, Q_POS, Q_DOC_START, OUT,
     stride_pb, stride_pt, stride_ob, stride_ot,
     n_q, n_select,
@@ -586,25 +513,23 @@ def _expand_kernel(
 
 
 EXPAND_ROWS = 8
-"""Queries per :func:`_expand_kernel` program: at 1M tokens (8.6 GB written) 2.78 / 2.95 / 3.21 / 3.60 ms for
-8 / 1 / 4 / 2 on an H200, ``fill_`` of the output 1.86 ms (``tests/benchmarks/expand_compress.py``); 16 spills
-registers (offline sm_90)."""
+"""Queries per :func:`expand_kernel` program: at 1M tokens (8.6 GB written) 2.78 / 2.95 / 3.21 / 3.60 ms for
+8 / 1 / 4 / 2 on an H200, ``fill_`` of the output 1.86 ms; 16 spills registers (offline sm_90)."""
 
 
 def expand_constants(kpool: int, n_select: int, select_tail: bool, block_t: int) -> dict:
-    """The :func:`_expand_kernel` constexprs for ``kpool``-token pools, ``n_select`` pools per query, with or
-    without tails, ``block_t`` queries per program (here and in ``tests/benchmarks/sm90_resources.py``)."""
+    """The :func:`expand_kernel` constexprs for ``kpool``-token pools, ``n_select`` pools per query, with or
+    without tails, ``block_t`` queries per program (here and in :mod:`kernels.dsa.sm90`)."""
     return dict(KPOOL=kpool, KPOOL_P2=triton.next_power_of_2(kpool), SELECT_P2=triton.next_power_of_2(max(n_select, 1)),
                 TAIL=select_tail, BLOCK_T=block_t)
 
 
 def triton_expand_selection(pools: torch.Tensor, grid: KPoolGrid, n_q: int, q_offset: int, topk: int,
-                            select_tail: bool, block_t: int | None = None) -> torch.Tensor:
-    """:func:`kernels.dsa.indexer._expand_selection` in one kernel: pool indices ``[B, T,
+                            select_tail: bool, block_t: int = EXPAND_ROWS) -> torch.Tensor:
+    """:func:`kernels.dsa.indexer.expand_selection` in one kernel: pool indices ``[B, T,
     topk // kpool]`` (int64, -1 = none) -> token indices ``[B, T, W]`` int32, each output byte
     written once (the torch path fills, gathers, masks and copies: ~24 ms of the indexer's 0.78 s
-    at 1M tokens, full shape, on an H200). ``block_t``: queries per program (default
-    :data:`EXPAND_ROWS`)."""
+    at 1M tokens, full shape, on an H200). ``block_t``: queries per program."""
     batch, kpool = pools.shape[0], grid.kpool
     n_select = pools.shape[-1]
     width = topk + (kpool - 1 if select_tail else 0)
@@ -612,10 +537,9 @@ def triton_expand_selection(pools: torch.Tensor, grid: KPoolGrid, n_q: int, q_of
     if n_q == 0 or width == 0:
         return out
     pools = pools.contiguous()
-    q_pos, q_doc = _query_docs(grid, n_q, q_offset, pools.device)
+    q_pos, q_doc = query_docs(grid, n_q, q_offset, pools.device)
     doc_start = grid.doc_bounds[q_doc].contiguous()
-    block_t = EXPAND_ROWS if block_t is None else block_t
-    _expand_kernel[(triton.cdiv(n_q, block_t), batch)](
+    expand_kernel[(triton.cdiv(n_q, block_t), batch)](
         pools, grid.start.contiguous(), q_pos, doc_start, out,
         pools.stride(0), pools.stride(1), out.stride(0), out.stride(1), n_q, n_select,
         **expand_constants(kpool, n_select, select_tail, block_t),
@@ -624,7 +548,7 @@ def triton_expand_selection(pools: torch.Tensor, grid: KPoolGrid, n_q: int, q_of
 
 
 @triton.jit
-def _compress_kernel(
+def compress_kernel(
     K, G, APE, START, DOC, DOC_BOUNDS, OUT,
     stride_kb, stride_ks, stride_gb, stride_gs, stride_ob, stride_op,
     n_pools,
@@ -632,7 +556,7 @@ def _compress_kernel(
 ):
     """Pooled keys of ``BLOCK_P`` pools of batch row ``b``: per channel ``d``, the softmax over the
     pool's tokens (those inside its document) of ``G[t, d] + APE[i, d]`` weighting ``K[t, d]``, in
-    float32 (:func:`kernels.dsa.indexer._compress_on_grid`); keys and gates read once."""
+    float32 (:func:`kernels.dsa.indexer.compress_on_grid`); keys and gates read once."""
     b = tl.program_id(1).to(tl.int64)
     offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_i = tl.arange(0, KPOOL_P2)
@@ -658,19 +582,18 @@ def _compress_kernel(
 
 
 COMPRESS_ELEMENTS = 16384
-"""Gate (and key) elements one :func:`_compress_kernel` program holds: ``BLOCK_P * kpool * D``, e.g. 16
-pools of 16 tokens at index dim 64 (195 registers, no spill, offline sm_90). At 1M tokens on an H200
-(``tests/benchmarks/expand_compress.py``): 0.122 / 0.166 / 0.458 ms at 16,384 / 8192 / 4096 for index
-dim 64, 0.216 / 0.315 / 0.912 for 128; 8 warps slower; the torch path 2.78 and 4.20 ms (v27,
-kernels/NOTES.md)."""
+"""Gate (and key) elements one :func:`compress_kernel` program holds: ``BLOCK_P * kpool * D``, e.g. 16
+pools of 16 tokens at index dim 64 (195 registers, no spill, offline sm_90). At 1M tokens on an H200:
+0.122 / 0.166 / 0.458 ms at 16,384 / 8192 / 4096 for index dim 64, 0.216 / 0.315 / 0.912 for 128; 8 warps
+slower; the torch path 2.78 and 4.20 ms."""
 
 COMPRESS_WARPS = 4
-"""Warps per :func:`_compress_kernel` program."""
+"""Warps per :func:`compress_kernel` program."""
 
 
 def triton_kpool_compress(keys: torch.Tensor, gate_scores: torch.Tensor, ape: torch.Tensor,
                           grid: KPoolGrid) -> torch.Tensor:
-    """:func:`kernels.dsa.indexer._compress_on_grid` in one kernel, forward only (the indexer's
+    """:func:`kernels.dsa.indexer.compress_on_grid` in one kernel, forward only (the indexer's
     selection; the KL loss, which trains the compression, keeps the differentiable torch path).
     Per channel, ``pool_key[p, d] = sum_i softmax_i(gate[start_p + i, d] + ape[i, d]) * keys[start_p + i, d]``
     over the pool's tokens inside its document (``Glm5NextTextIndexer.get_pooled_states``).
@@ -678,7 +601,7 @@ def triton_kpool_compress(keys: torch.Tensor, gate_scores: torch.Tensor, ape: to
     Args:
         keys, gate_scores: ``[B, S, D]`` bf16, fp16 or fp32 (last dim contiguous).
         ape: ``[kpool, D]`` positional bias.
-        grid: the pools (:func:`kernels.dsa.indexer.kpool_grid` over the ``S`` keys).
+        grid: the pools (:func:`kernels.dsa.grid.kpool_grid` over the ``S`` keys).
 
     Returns:
         ``[B, P, D]`` pooled keys in ``keys.dtype``, computed in float32: the torch path's values up to
@@ -701,7 +624,7 @@ def triton_kpool_compress(keys: torch.Tensor, gate_scores: torch.Tensor, ape: to
     if n_pools == 0 or batch == 0:
         return out
     constants = compress_constants(dim, kpool)
-    _compress_kernel[(triton.cdiv(n_pools, constants["BLOCK_P"]), batch)](
+    compress_kernel[(triton.cdiv(n_pools, constants["BLOCK_P"]), batch)](
         keys, gate_scores, ape, grid.start, grid.doc, grid.doc_bounds, out,
         keys.stride(0), keys.stride(1), gate_scores.stride(0), gate_scores.stride(1), out.stride(0), out.stride(1),
         n_pools, **constants, num_warps=COMPRESS_WARPS,
@@ -710,14 +633,14 @@ def triton_kpool_compress(keys: torch.Tensor, gate_scores: torch.Tensor, ape: to
 
 
 def compress_constants(dim: int, kpool: int) -> dict:
-    """The :func:`_compress_kernel` constexprs for index dim ``dim`` and ``kpool``-token pools: ``BLOCK_P`` pools
-    per program from :data:`COMPRESS_ELEMENTS` (here and in ``tests/benchmarks/sm90_resources.py``)."""
+    """The :func:`compress_kernel` constexprs for index dim ``dim`` and ``kpool``-token pools: ``BLOCK_P`` pools
+    per program from :data:`COMPRESS_ELEMENTS` (here and in :mod:`kernels.dsa.sm90`)."""
     d_p2, kpool_p2 = triton.next_power_of_2(dim), triton.next_power_of_2(kpool)
     block_p = max(1, COMPRESS_ELEMENTS // (d_p2 * kpool_p2))
     return dict(D=dim, D_P2=d_p2, KPOOL=kpool, KPOOL_P2=kpool_p2, BLOCK_P=block_p)
 
 
-def _size_class(n_pools: int) -> int:
+def size_class(n_pools: int) -> int:
     """Autotuning bucket of a query block that sees ``n_pools`` pools: 0 below 256, then one class
     per factor 4 (256, 1,024, 4,096, 16,384) and 5 from 65,536 (the last blocks at 1M tokens,
     kpool 16). The tuner times a key's configurations on the first block of that key."""
@@ -729,77 +652,55 @@ GROUP_N = 32
 programs along the pools with :data:`COLUMNS_PER_SELECTED` 4 and 128 selected pools."""
 
 COLUMNS_PER_SELECTED = 4
-"""Column groups per selected pool. The selection sorts the row's column maxima for its bound (the
-``n_select``-th largest); more columns give a tighter bound (about ``n_select * (1 + n_select /
-(2 columns))`` candidates for random scores: 144 of 128 with 4 per selected pool, 160 with 2) at
-the price of a longer sort. 2 (a sort of 256 floats instead of 512, with ``GROUP_N`` 16) ran within
-2% end to end on an H200, either way (v14, kernels/NOTES.md)."""
-
-
-BOUND_IN_SELECTION = False
-"""Where the selection's bound comes from by default: False, the score kernel folds column maxima
-into each tile; True (v8), the selection kernel reads each score row once more to compute them and
-the score kernel keeps none. At 1M tokens, full shape: 0.7440 s against 0.7506 s end to end
-(``tests/benchmarks/indexer_score_variants.py``, kernels/NOTES.md)."""
-
+"""Column groups per selected pool. More columns give a tighter bound (about ``n_select * (1 + n_select /
+(2 columns))`` candidates for random scores: 144 of 128 with 4 per selected pool, 160 with 2) at the price of
+more maxima to keep and search; 2 (with ``GROUP_N`` 16) ran within 2% end to end on an H200, either way."""
 
 SEGMENT = 32
-"""Pools per segment whose row maxima the score kernel keeps (``SEG``) so that the selection reads
-only the segments that can hold a candidate (v11, kernels/NOTES.md); 0: the selection reads
-whole rows (v9). Unused with the bound computed in the selection. At 65,536 pools on an H200 the
-selection took 0.55 ms per 8192 rows with 64-pool segments (13% of each row read), 1.02 ms with
-128-pool ones (25% read) and 0.90 ms reading whole rows (``indexer_score_variants.py``). The selection
-gathers about ``n_select`` segments per row whatever the row's length, so narrower segments halve its
-work while the score kernel keeps more maxima: at 1M tokens, small shape, the selection took 58 / 43 / 37
-ms with 64- / 32- / 16-pool segments and the Gluon score kernel 152 / 161 / 171 ms; end to end 0.2205 /
-0.2116 / 0.2141 s (``indexer_versions.py --also``, kernels/NOTES.md, v18)."""
+"""Pools per segment whose row maxima the score kernel keeps so that the selection reads only the segments
+that can hold a candidate. The selection gathers about ``n_select`` segments per row whatever the row's
+length, so narrower segments cut its work while the score kernel keeps more maxima: at 1M tokens, small
+shape, on an H200 the selection took 58 / 43 / 37 ms with 64- / 32- / 16-pool segments and the Gluon score
+kernel 152 / 161 / 171 ms; end to end 0.2205 / 0.2116 / 0.2141 s."""
 
 SEGMENT_MIN_POOLS = 16384
-"""Query blocks that see fewer pools read whole rows: there the score kernel's segment maxima cost
-more than the selection saves. One 8192-query block on an H200, full shape (index dim 128), whole
-rows against 64-pool segments: 2.01 vs 2.07 ms at 8192 pools, 3.49 vs 3.25 at 16,384, 10.37 vs
-10.29 at 65,536; end to end at 1M tokens 0.6874 s (v9) against 0.6645 s with this threshold and
-0.6684 s without one; at 256k 0.0493 / 0.0503 / 0.0520 s (``indexer_score_variants.py``,
-kernels/NOTES.md, v11). For index dim 64 segments paid only at 65,536 pools and no end-to-end
-variant beat whole rows beyond noise (1M: 0.2840 s whole rows, 0.2859 s segmented). Rechecked on v23:
-8192 and 32,768 within 0.6% at 1M, 8192 2-3% slower at 256k (kernels/NOTES.md)."""
-
-BOUND_SLACK = 32
-"""How the selection finds its bound: ``s >= 0`` (v23, :func:`_search_bound`, the default 32), a key that
-``n_select`` to ``n_select + s`` column-group maxima reach, by bisection (~70 SASS instructions per step with
-one warp, offline sm_90); -1, the ``n_select``-th largest maximum by a sort of all of them (v5-v22: 2,320
-instructions for 512). Same indices. On an H200, small shape, 1M tokens: selection 31.4 against 36.2 ms,
-end to end 0.1893 against 0.1923 s (47% against 46% of the matmul rate); 256k 0.0156 against 0.0171 s; full
-shape 1M 0.4987 against 0.5019 s, 256k 0.0342 against 0.0361 s (``indexer_versions.py --also``,
-kernels/NOTES.md, v23)."""
-
-SEGMENT_PAIRS = True
-"""Whether the selection reads a hit segment as int64 pairs of scores (v26, :func:`_take_segments`): 16
-8-byte loads per thread and segment instead of 32 4-byte ones; likewise the segment maxima it compacts
-(:func:`_compact_hits`). One segment per thread, so each warp-wide load touches 32 cache lines either
-way; pairs halve those line requests (offline sm_90, one warp: 8,560 SASS instructions against 8,464,
-118 registers against 128). Same indices. On an H200, the selection alone on one block of 8192 rows
-(``tests/benchmarks/select_gather.py``): 0.211 against 0.291 ms at 65,536 pools, 0.150 against 0.219 at
-16,384; end to end, small shape, 1M tokens: selection 31.7 -> 23.0 ms, 0.1893 -> 0.1833 s
-(``indexer_versions.py --also``, kernels/NOTES.md, v26). False: v21's one 4-byte load per score."""
+"""Query blocks that see fewer pools read whole rows: there the score kernel's segment maxima cost more than
+the selection saves (one 8192-query block, full shape, whole rows against 64-pool segments: 2.01 vs 2.07 ms
+at 8192 pools, 3.49 vs 3.25 at 16,384, 10.37 vs 10.29 at 65,536; 8192 and 32,768 as the threshold ran within
+0.6% at 1M and up to 3% slower at 256k)."""
 
 SEGMENT_CHUNK = 1024
 """Segment maxima the selection compacts at a time (one step up to 32,768 pools at ``SEGMENT`` 32, two at 65,536)."""
 
+BOUND_SLACK = 32
+"""How many maxima beyond ``n_select`` may reach the selection's bound when its bisection stops
+(:func:`_search_bound`): a looser bound lets a few more candidates pass, more bisection steps cost
+more than they save (small shape, 1M tokens: selection 31.4 ms against 36.2 ms for the exact
+``n_select``-th maximum by a sort)."""
 
-SCORE_KERNEL = "auto"
-"""Which score kernel :func:`triton_pool_topk` launches: ``"triton"`` (:func:`_pool_scores_kernel`),
-``"gluon"`` (:func:`kernels.dsa.indexer_gluon.gluon_pool_scores`, v15: Hopper only, each head's ``wgmma``
-overlapping the previous head's ReLU-weighted accumulation inside the warpgroup) or ``"auto"``
-(:func:`resolve_score_kernel`). Both write the same scores bit for bit; on an H200, one block of 8192
-queries x 65,536 pools took 2.26 ms (Gluon) against 2.44 (Triton) at index dim 64 and 6.24 against
-6.43 at 128 (``tests/benchmarks/indexer_gluon_variants.py``, kernels/NOTES.md, v15)."""
+SCORE_BUFFER_ELEMENTS = 2**29
+"""Float32 scores one query block should hold (2 GiB): ``triton_pool_topk`` takes query blocks of the
+multiple of the block unit (:func:`_block_unit`) nearest to the rows whose ``[B, rows, pools]`` buffer
+fits, at least one unit (one unit at 1M tokens, kpool 16; four at 256k; the whole sequence at 64k).
+Bigger blocks mean fewer launches; the causal triangle inside a block costs nothing, the score kernel
+skips the tiles no query of a tile sees."""
+
+QUERY_BLOCK_MIN = 8192
+"""The fewest queries of a block unit (:func:`_block_unit`): fewer would mean more launches."""
+
+SCORE_BLOCK_M = 64
+"""Queries per score program: the Gluon kernel's ``BLOCK_M``. (The Triton kernel's 128-query tilings make
+half as many programs of a unit: whole waves still, at up to 8 programs per SM.)"""
 
 
 def resolve_score_kernel(score_kernel: str, q: torch.Tensor) -> str:
-    """The score kernel ``score_kernel`` names for queries ``q`` (``[B, T, H, D]``): ``"auto"`` is
-    ``"gluon"`` for bf16/fp16 queries on a Hopper GPU (CUDA capability 9.x) with an even head count,
-    ``"triton"`` otherwise (other GPUs such as B200, fp32, the Triton interpreter on the CPU).
+    """The score kernel ``score_kernel`` names for queries ``q`` (``[B, T, H, D]``): ``"triton"``
+    (:func:`pool_scores_kernel`), ``"gluon"`` (:func:`kernels.dsa.indexer_gluon.gluon_pool_scores`: Hopper only,
+    each head's ``wgmma`` overlapping the previous head's ReLU-weighted accumulation) or ``"auto"``: ``"gluon"``
+    for bf16/fp16 queries on a Hopper GPU (CUDA capability 9.x) with an even head count, ``"triton"`` otherwise
+    (other GPUs such as B200, fp32, the Triton interpreter on the CPU). Both write the same scores bit for bit;
+    on an H200, one block of 8192 queries x 65,536 pools took 2.26 ms (Gluon) against 2.44 (Triton) at index
+    dim 64 and 6.24 against 6.43 at 128.
 
     Raises:
         DSAInputError: ``score_kernel`` is none of ``"auto"``, ``"triton"``, ``"gluon"``, or ``"gluon"`` with
@@ -815,48 +716,10 @@ def resolve_score_kernel(score_kernel: str, q: torch.Tensor) -> str:
         score_kernel = "gluon" if hopper and q.dtype in (torch.bfloat16, torch.float16) and heads % 2 == 0 else "triton"
     return score_kernel
 
-TENSOR_DESCRIPTORS = True
-"""Whether the score kernel loads queries and pool keys through tensor descriptors (``TMA``). On an
-H200, full shape, 8192 x 65,536: 7.92 ms against 8.68 with pointer loads (ptxas spilled 296 bytes
-per thread for the pointer tensors, 8 with descriptors); the small shape is unchanged (3.27 / 3.24
-ms). 1M tokens end to end 0.6203 s against 0.6599 (``indexer_score_variants.py``, kernels/NOTES.md,
-v12)."""
-
-
-STORE_DESCRIPTOR = True
-"""Whether the score kernel stores each score tile through a tensor descriptor (a TMA store from shared
-memory that overlaps the next tile) instead of a layout conversion and per-thread stores (v13). On an
-H200, 64x128 tiles, 8192 x 65,536: 6.43 against 6.50 ms (full shape), 2.59 against 2.62 (small)."""
-
-SCORE_BUFFER_ELEMENTS = 2**29
-"""Float32 scores one query block should hold (2 GiB): ``triton_pool_topk`` takes query blocks of the
-multiple of the block unit (:func:`_block_unit`) nearest to the rows whose ``[B, rows, pools]`` buffer
-fits, at least one unit (one unit at 1M tokens, kpool 16; four at 256k; the whole sequence at 64k).
-Bigger blocks mean fewer launches; the causal triangle inside a block costs nothing, the score kernel
-skips the tiles no query of a tile sees (v13)."""
-
-QUERY_BLOCK_UNIT = 0
-"""Query blocks are multiples of this many queries; 0 (default, v28): :func:`_block_unit`'s whole waves
-(8448 on an H200). :data:`QUERY_BLOCK_MIN` is the unit before v28."""
-
-QUERY_BLOCK_MIN = 8192
-"""The fewest queries of a block unit (:func:`_block_unit`): fewer would mean more launches."""
-
-SCORE_BLOCK_M = 64
-"""Queries per score program: the Gluon kernel's ``BLOCK_M``. (The Triton kernel's 128-query tilings make
-half as many programs of a unit: whole waves still, at up to 8 programs per SM.)"""
-
 
 def _padded(n_pools: int) -> int:
     """Row stride of the score buffer: ``n_pools`` rounded up to a multiple of 16."""
     return -(-n_pools // 16) * 16
-
-
-def select_constants() -> dict:
-    """The :func:`_select_kernel` constexprs that this module's settings give (``SEG_CHUNK``: :data:`SEGMENT_CHUNK`,
-    ``BOUND_SLACK``: :data:`BOUND_SLACK`, ``PAIRS``: :data:`SEGMENT_PAIRS`), read at call time: for every launch of
-    the kernel, here and in the benchmarks that call it directly."""
-    return dict(SEG_CHUNK=SEGMENT_CHUNK, BOUND_SLACK=BOUND_SLACK, PAIRS=SEGMENT_PAIRS)
 
 
 def _even(n: int) -> int:
@@ -865,14 +728,12 @@ def _even(n: int) -> int:
 
 
 def _block_unit(device: torch.device) -> int:
-    """Queries per block unit on ``device``: :data:`QUERY_BLOCK_UNIT` when set; else, on CUDA, the smallest
-    multiple of ``SCORE_BLOCK_M * SMs`` (64 x 132 = 8448 on an H200, 9472 on a B200) of at least
-    :data:`QUERY_BLOCK_MIN` queries; :data:`QUERY_BLOCK_MIN` elsewhere (the interpreter). A block of ``n_q``
-    such queries launches ``n_prog * n_q / 64`` score programs (``n_prog`` = 16 at ``index_topk`` 2048, kpool 16), a multiple of ``16 * SMs``: whole waves
-    at 1, 2, 4, 8 or 16 programs per SM, where 8192-query blocks gave 2048 programs, 7.76 waves of two
-    per SM (the last one a quarter empty) on an H200 (kernels/NOTES.md, v28)."""
-    if QUERY_BLOCK_UNIT:
-        return QUERY_BLOCK_UNIT
+    """Queries per block unit on ``device``: on CUDA the smallest multiple of ``SCORE_BLOCK_M * SMs`` (64 x 132 =
+    8448 on an H200, 9472 on a B200) of at least :data:`QUERY_BLOCK_MIN` queries; :data:`QUERY_BLOCK_MIN`
+    elsewhere (the interpreter). A block of ``n_q`` such queries launches ``n_prog * n_q / 64`` score programs
+    (``n_prog`` = 16 at ``index_topk`` 2048, kpool 16), a multiple of ``16 * SMs``: whole waves at 1, 2, 4, 8 or
+    16 programs per SM, where 8192-query blocks gave 2048 programs, 7.76 waves of two per SM (the last one a
+    quarter empty) on an H200: -2.5% end to end at 1M tokens (small shape), -1.5% (full)."""
     if device.type != "cuda":
         return QUERY_BLOCK_MIN
     wave = SCORE_BLOCK_M * torch.cuda.get_device_properties(device).multi_processor_count
@@ -893,22 +754,22 @@ def _set_descriptor_allocator(device: torch.device) -> None:
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
 
 
-def _n_columns(n_select: int) -> int:
+def n_columns(n_select: int) -> int:
     """Column groups per score row: ``>= COLUMNS_PER_SELECTED * n_select`` (a tight bound), a power
     of two and a multiple of ``GROUP_N`` (each score program owns ``GROUP_N`` of them)."""
     return max(triton.next_power_of_2(COLUMNS_PER_SELECTED * n_select), GROUP_N)
 
 
-def _capacity(n_select: int) -> int:
+def candidate_capacity(n_select: int) -> int:
     """Candidate slots per row: ``4 * n_select`` rounded up to a power of two."""
     return triton.next_power_of_2(4 * n_select)
 
 
 def launch_pool_scores(score_kernel: str, q: torch.Tensor, pool_keys: torch.Tensor, weights: torch.Tensor,
                        scores: torch.Tensor, col_max: torch.Tensor, seg_max: torch.Tensor, q_lo: torch.Tensor,
-                       q_hi: torch.Tensor, p_lo: int, columns: int, maxima: bool, seg: int) -> None:
+                       q_hi: torch.Tensor, p_lo: int, columns: int, seg: int) -> None:
     """One query block's scores, column-group maxima and segment maxima with the ``score_kernel``
-    (``"triton"``: :func:`_pool_scores_kernel`, ``"gluon"``: :func:`kernels.dsa.indexer_gluon.gluon_pool_scores`),
+    (``"triton"``: :func:`pool_scores_kernel`, ``"gluon"``: :func:`kernels.dsa.indexer_gluon.gluon_pool_scores`),
     both autotuned. ``q`` ``[B, n_q, H, D]``, ``pool_keys`` ``[B, P, D]`` (same 16-bit dtype for Gluon),
     ``weights`` ``[B, n_q, H]`` float32 pre-scaled, ``scores`` ``[B, n_q, n_pools]`` float32 (row stride a
     multiple of 4), ``col_max`` ``[B, n_q, columns]``, ``seg_max`` ``[B, n_q, cdiv(n_pools, seg)]``,
@@ -916,14 +777,14 @@ def launch_pool_scores(score_kernel: str, q: torch.Tensor, pool_keys: torch.Tens
     batch, n_q, heads, dim = q.shape
     n_pools = scores.shape[-1]
     if score_kernel == "gluon":
-        gluon_pool_scores(q, pool_keys, weights, scores, col_max, seg_max, q_lo, q_hi, p_lo, _size_class(n_pools),
-                          columns, GROUP_N, maxima, seg)
+        gluon_pool_scores(q, pool_keys, weights, scores, col_max, seg_max, q_lo, q_hi, p_lo, size_class(n_pools),
+                          columns, GROUP_N, seg)
         return
 
     def launch(meta):
         return (columns // GROUP_N, triton.cdiv(n_q, meta["BLOCK_M"]), batch)
 
-    _pool_scores_kernel[launch](
+    pool_scores_kernel[launch](
         q, pool_keys, weights, scores, col_max, seg_max, q_lo, q_hi,
         q.stride(0), q.stride(1), q.stride(2),
         pool_keys.stride(0), pool_keys.stride(1),
@@ -931,8 +792,7 @@ def launch_pool_scores(score_kernel: str, q: torch.Tensor, pool_keys: torch.Tens
         scores.stride(0), scores.stride(1),
         col_max.stride(0), col_max.stride(1),
         seg_max.stride(0), seg_max.stride(1),
-        n_q, n_pools, p_lo, _size_class(n_pools), H=heads, D=dim, N_COLUMNS=columns, GROUP_N=GROUP_N,
-        MAXIMA=maxima, SEG=seg, TMA=TENSOR_DESCRIPTORS, TMA_STORE=STORE_DESCRIPTOR,
+        n_q, n_pools, p_lo, size_class(n_pools), H=heads, D=dim, N_COLUMNS=columns, GROUP_N=GROUP_N, SEG=seg,
     )
 
 
@@ -945,26 +805,20 @@ def triton_pool_topk(
     softmax_scale: float,
     q_offset: int,
     query_block: int | None = None,
-    bound_pass: bool | None = None,
-    score_kernel: str | None = None,
+    score_kernel: str = "auto",
 ) -> torch.Tensor:
     """``[B, T, n_select]`` int64 selected pool indices (-1 = none), best first.
 
-    Same contract as :func:`kernels.dsa.indexer._torch_pool_topk`; ``q``/``pool_keys`` are
+    Same contract as :func:`kernels.dsa.indexer.torch_pool_topk`; ``q``/``pool_keys`` are
     used in their dtype (bf16 on the GPU: fp32 accumulation in ``tl.dot``). Per block of
     ``query_block`` queries (default :func:`_query_block`: as many block units, :func:`_block_unit`, as
-    the :data:`SCORE_BUFFER_ELEMENTS` budget allows): :func:`_pool_scores_kernel` (scores + column
-    maxima, only the tiles some query of a tile sees), then :func:`_select_kernel` (bound,
-    candidates, sort, decode; each row's visible pools only; rows whose candidates overflow their
-    slots, massive ties, are redone exactly in the kernel) into the output. The block bounds come
-    from the grid's host copy of the document bounds: the call never waits for the device.
-    ``bound_pass`` (default :data:`BOUND_IN_SELECTION`): the selection reads each score row twice and
-    computes the column maxima itself, the score kernel keeps none (same indices). Otherwise the
-    selection reads only the :data:`SEGMENT`-pool segments that can hold a candidate.
-    ``score_kernel`` (default :data:`SCORE_KERNEL`): ``"triton"`` (:func:`_pool_scores_kernel`),
-    ``"gluon"`` (:func:`kernels.dsa.indexer_gluon.gluon_pool_scores`, Hopper only: each head's MMA
-    overlaps the previous head's accumulation) or ``"auto"`` (:func:`resolve_score_kernel`); both write
-    the same scores.
+    the :data:`SCORE_BUFFER_ELEMENTS` budget allows): the score kernel (scores, column and segment
+    maxima, only the tiles some query of a tile sees), then :func:`select_kernel` (bound, candidates,
+    sort, decode; each row's visible pools only, or only its segments that can hold a candidate where the
+    block sees at least :data:`SEGMENT_MIN_POOLS` pools; rows whose candidates overflow their slots,
+    massive ties, are redone exactly in the kernel) into the output. The block bounds come from the grid's
+    host copy of the document bounds: the call never waits for the device. ``score_kernel``: ``"auto"``,
+    ``"triton"`` or ``"gluon"`` (:func:`resolve_score_kernel`); all select the same pools.
 
     Raises:
         DSAInputError: the index head dim is not a power of two >= 16, or there are 2^31 - 1 pools
@@ -974,15 +828,14 @@ def triton_pool_topk(
     batch, n_q, heads, dim = q.shape
     if dim & (dim - 1) or dim < 16:
         raise DSAInputError(f"the Triton indexer needs a power-of-two index head_dim >= 16, got {dim}")
-    score_kernel = resolve_score_kernel(SCORE_KERNEL if score_kernel is None else score_kernel, q)
+    score_kernel = resolve_score_kernel(score_kernel, q)
     q = q.contiguous()
     pool_keys = pool_keys.to(q.dtype).contiguous()
     weights = (weights.float() * softmax_scale).contiguous()
     if pool_keys.shape[1] >= 2**31 - 1:
         raise DSAInputError(f"the Triton indexer needs fewer than 2^31 - 1 pools, got {pool_keys.shape[1]}")
-    # each query's visible pools [lo, hi) as int32 pool indices: two registers per query in the
-    # score kernel instead of per-tile loads of pool ends and documents (v13)
-    q_lo, q_hi = (r.int().contiguous() for r in grid.visible_ranges(*_query_docs(grid, n_q, q_offset, q.device)))
+    # each query's visible pools [lo, hi) as int32 pool indices (the kernels' Q_LO / Q_HI)
+    q_lo, q_hi = (r.int().contiguous() for r in grid.visible_ranges(*query_docs(grid, n_q, q_offset, q.device)))
     selected = torch.empty((batch, n_q, n_select), dtype=torch.long, device=q.device)
     if n_q == 0:
         return selected
@@ -999,23 +852,20 @@ def triton_pool_topk(
             selected[:, t0:t1].fill_(-1)
     if not blocks:
         return selected
-    columns, capacity = _n_columns(n_select), _capacity(n_select)
-    if TENSOR_DESCRIPTORS or STORE_DESCRIPTOR or score_kernel == "gluon":
-        _set_descriptor_allocator(q.device)
-    bound_pass = BOUND_IN_SELECTION if bound_pass is None else bound_pass
-    segment, min_pools = (0 if bound_pass else SEGMENT), SEGMENT_MIN_POOLS
+    columns, capacity = n_columns(n_select), candidate_capacity(n_select)
+    _set_descriptor_allocator(q.device)
 
     def block_seg(n_pools: int) -> int:
         """The segment width of a block that sees ``n_pools`` pools (0: whole rows)."""
-        return segment if n_pools >= min_pools else 0
+        return SEGMENT if n_pools >= SEGMENT_MIN_POOLS else 0
 
     rows_max = max(t1 - t0 for t0, t1, _, _ in blocks)
     pools_max = max(hi - lo for _, _, lo, hi in blocks)
     # rows padded to 16 pools: a tensor descriptor's row stride must be a multiple of 16 bytes
     score_buf = torch.empty(batch * rows_max * _padded(pools_max), dtype=torch.float32, device=q.device)
-    col_max = torch.empty(batch, 1 if bound_pass else rows_max, columns, dtype=torch.float32, device=q.device)
-    # segment maxima and the selection's list of the segments it reads (v11; the widest block's)
-    # segment maxima rows of an even stride: 8-byte aligned for the selection's pair loads (v26)
+    col_max = torch.empty(batch, rows_max, columns, dtype=torch.float32, device=q.device)
+    # segment maxima and the selection's list of the segments it reads (the widest block's); maxima rows
+    # of an even stride: 8-byte aligned for the selection's pair loads
     segs_max = _even(triton.cdiv(pools_max, block_seg(pools_max)) if block_seg(pools_max) else 1)
     seg_buf = torch.empty(batch * rows_max * segs_max, dtype=torch.float32, device=q.device)
     hits = torch.empty(batch * rows_max * segs_max, dtype=torch.int32, device=q.device)
@@ -1034,14 +884,14 @@ def triton_pool_topk(
         q_blk, w_blk = q[:, t0:t1], weights[:, t0:t1]
 
         launch_pool_scores(score_kernel, q_blk, pool_keys, w_blk, scores, col_max, seg_max, q_lo[t0:t1],
-                           q_hi[t0:t1], p_lo, columns, not bound_pass, width)
+                           q_hi[t0:t1], p_lo, columns, width)
         out, cnt = selected[:, t0:t1], counts[:, t0:t1]
-        _select_kernel[(batch * n_rows,)](
+        select_kernel[(batch * n_rows,)](
             scores, col_max, seg_max, hits, cnt, slots, out, q_lo[t0:t1], q_hi[t0:t1],
             scores.stride(0), scores.stride(1), col_max.stride(0), col_max.stride(1),
             seg_max.stride(0), seg_max.stride(1), cnt.stride(0), out.stride(0), out.stride(1),
-            n_rows, n_pools, p_lo, _size_class(n_pools),
-            N_SELECT=min(n_select, n_pools), N_COLUMNS=columns, CAPACITY=capacity, BOUND_PASS=bound_pass,
-            SEG=width, **select_constants(),
+            n_rows, n_pools, p_lo, size_class(n_pools),
+            N_SELECT=min(n_select, n_pools), N_COLUMNS=columns, CAPACITY=capacity, SEG=width,
+            SEG_CHUNK=SEGMENT_CHUNK, BOUND_SLACK=BOUND_SLACK,
         )
     return selected

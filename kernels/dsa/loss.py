@@ -16,7 +16,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from kernels.dsa.errors import DSAInputError
-from kernels.dsa.indexer import _compress_on_grid, kpool_grid
+from kernels.dsa.grid import kpool_grid
+from kernels.dsa.indexer import compress_on_grid
 
 __all__ = ["indexer_kl_loss"]
 
@@ -122,7 +123,7 @@ def indexer_kl_loss(
             f"q_index {tuple(q_index.shape)} / k_index {tuple(k_index.shape)}"
         )
     grid = kpool_grid(k_index.shape[1], kpool, cu_seqlens, k_index.device)
-    pool_keys = _compress_on_grid(k_index, gate_scores, ape, grid)
+    pool_keys = compress_on_grid(k_index, gate_scores, ape, grid)
     starts = indices[..., :topk:kpool].long()
     pool_ok = starts >= 0
     pool_row = grid.pool_of_start(starts.clamp_min(0))

@@ -44,7 +44,7 @@ _TUNE = dict(key=["n_heads", "DQK", "DV"], prune_configs_by={"early_config_prune
 
 @triton.autotune(configs=_attention_configs(), **_TUNE)
 @triton.jit
-def _sparse_mla_fwd_kernel(
+def sparse_mla_fwd_kernel(
     Q, KV, IDX, OUT, LSE,
     stride_qb, stride_qt, stride_qh,
     stride_kvb, stride_kvs,
@@ -99,7 +99,7 @@ def _sparse_mla_fwd_kernel(
 
 @triton.autotune(configs=_attention_configs(), reset_to_zero=["DKV"], **_TUNE)
 @triton.jit
-def _sparse_mla_bwd_kernel(
+def sparse_mla_bwd_kernel(
     Q, KV, IDX, O, DO, LSE, DQ, DKV,
     stride_qb, stride_qt, stride_qh,
     stride_kvb, stride_kvs,
@@ -161,7 +161,7 @@ def _sparse_mla_bwd_kernel(
 
 @triton.autotune(configs=_attention_configs(), reset_to_zero=["MASS"], **_TUNE)
 @triton.jit
-def _sparse_mla_mass_kernel(
+def sparse_mla_mass_kernel(
     Q, KV, IDX, LSE, MASS,
     stride_qb, stride_qt, stride_qh,
     stride_kvb, stride_kvs,
@@ -208,7 +208,7 @@ def triton_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v):
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
     out = torch.empty(batch, n_q, heads, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, n_q, heads, dtype=torch.float32, device=q.device)
-    _sparse_mla_fwd_kernel[_grid(n_q, heads, batch)](
+    sparse_mla_fwd_kernel[_grid(n_q, heads, batch)](
         q, kv, indices, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
@@ -228,7 +228,7 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     grad_out, lse, out = grad_out.contiguous(), lse.contiguous(), out.contiguous()
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-    _sparse_mla_bwd_kernel[_grid(n_q, heads, batch)](
+    sparse_mla_bwd_kernel[_grid(n_q, heads, batch)](
         q, kv, indices, out, grad_out, lse, dq, dkv,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
@@ -252,7 +252,7 @@ def triton_sparse_mla_mass(q, kv, indices, lse, softmax_scale):
     batch, n_q, heads, dqk = q.shape
     q, kv, indices, lse = q.contiguous(), kv.contiguous(), indices.contiguous(), lse.contiguous()
     mass = torch.zeros(indices.shape, dtype=torch.float32, device=q.device)
-    _sparse_mla_mass_kernel[_grid(n_q, heads, batch)](
+    sparse_mla_mass_kernel[_grid(n_q, heads, batch)](
         q, kv, indices, lse, mass,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),

@@ -1,8 +1,13 @@
-"""Benchmark of the DSA Triton kernels on one H200 (issue 4):
+"""Benchmarks of the DSA kernels, one command per question (``kernels/dsa/README.md`` has the numbers):
 
-    python tests/benchmarks/dsa_bench.py [--seq-lens 65536 262144 1048576] [--out bench.json]
+    python tests/benchmarks/dsa_bench.py [table] [--seq-lens 65536 262144 1048576] [--no-torch-indexer] [--out f.json]
+    python tests/benchmarks/dsa_bench.py indexer [--score-kernels triton gluon] [--rounds 3] [--profile] [--out f.json]
+    python tests/benchmarks/dsa_bench.py stages [--seq-len 1048576] [--out f.json]
+    python tests/benchmarks/dsa_bench.py call --shape small --seq-len 262144     # one indexer call, for ncu
+    python tests/benchmarks/dsa_bench.py resources [--shape full]               # sm_90 registers, no GPU
+    python tests/benchmarks/dsa_bench.py sass ncu_0.sass.csv [--top 12] [--reasons]   # ncu's SASS table, no GPU
 
-For the ``small`` and ``full`` DSA shapes (model/config.py presets) it times the lightning
+``table`` (the default): for the ``small`` and ``full`` DSA shapes (model/config.py presets) it times the lightning
 indexer + top-k, sparse MLA attention forward, and forward+backward, with peak memory, and
 in the same run measures the ceilings (a large bf16 matmul, a device copy) and the anchor:
 dense causal ``scaled_dot_product_attention`` (flash) with the same head shape at 64k and
@@ -12,15 +17,30 @@ the measured copy bandwidth, whichever is larger) next to the measurement.
 The full shape's absorbed query at 1M tokens is 64 GiB (1M x 64 heads x 512 x bf16), so its
 attention rows at 1M time one context-parallel quarter (256k queries over 1M keys) and
 report 4x that time, marked ``x4 of 256k chunk``.
+
+``indexer``: :func:`kernels.dsa.lightning_indexer_topk` end to end with each score kernel on the same inputs,
+the kernels taking turns round after round (a drift of the clocks falls on all alike; the table gives the
+median), identical indices required; ``--profile`` adds the CUDA milliseconds per kernel of one call.
+``stages``: the indexer's two memory-bound kernels (expansion to token indices, k-pool compression) against
+the torch paths and ``fill_`` of the output (the write ceiling), with their errors. ``call``: one seeded
+indexer call for Nsight Compute (``tests/gpu/ncu_indexer.sh``; ``--warm-only`` fills the compile and autotune
+caches first, so that ``ncu --launch-skip N`` picks query block ``N``). ``resources``: every autotuned
+configuration compiled for sm_90 on the CPU (:mod:`kernels.dsa.sm90`): registers, spill stack, shared memory,
+CTAs per SM. ``sass``: where a kernel's time goes, from ncu's per-instruction stall samples.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import csv
 import gc
 import json
 import os
+import re
+import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +48,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from kernels.dsa import (indexer_gluon, indexer_kl_loss, indexer_triton, lightning_indexer_topk,  # noqa: E402
-                         sparse_attention_triton, sparse_mla_attention)
-from kernels.dsa.indexer import _compress_on_grid, _torch_pool_topk, kpool_grid  # noqa: E402
+from kernels.dsa import indexer_kl_loss, lightning_indexer_topk, sparse_mla_attention  # noqa: E402
+from kernels.dsa.grid import kpool_grid  # noqa: E402
+from kernels.dsa.indexer import compress_on_grid, expand_selection, torch_pool_topk  # noqa: E402
 
 SHAPES = {
     "small": dict(heads=8, dqk=512, qk_head=128, v_head=128, index_heads=16, index_dim=64),
@@ -45,8 +65,7 @@ def timed(fn, reps: int) -> tuple[float, float]:
     garbage collector is off while they run (as ``timeit`` does): a full collection pauses the host for tens of
     milliseconds (44 ms in a fresh process that imported torch, on the device's host), and where the device
     waits on the host (the indexer's first query blocks, whose kernels are shorter than their launches) the
-    pause is device time too: with it on, every other timing of the 1M-token indexer was 9-14 ms (5-8%) slower
-    (kernels/NOTES.md, v28)."""
+    pause is device time too: with it on, every other timing of the 1M-token indexer was 9-14 ms (5-8%) slower."""
     fn()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -114,8 +133,8 @@ def bench_indexer(seq_len: int, shape: dict, ceil: dict, reps: int, torch_path: 
         grid = kpool_grid(seq_len, KPOOL, None, q.device)
 
         def torch_run():
-            pk = _compress_on_grid(k, g, ape, grid)
-            return _torch_pool_topk(q, pk, w, grid, TOPK // KPOOL, d**-0.5, 0, 1024)
+            pk = compress_on_grid(k, g, ape, grid)
+            return torch_pool_topk(q, pk, w, grid, TOPK // KPOOL, d**-0.5, 0, 1024)
 
         t, peak = timed(torch_run, reps)
         rows.append(dict(op="indexer+topk (torch blockwise)", seconds=t, predicted=predicted, peak_gib=peak,
@@ -209,16 +228,12 @@ def bench_sdpa(seq_len: int, shape: dict, ceil: dict, reps: int) -> list[dict]:
     ]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[65536, 262144, 1048576])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--no-torch-indexer", action="store_true", help="skip the torch blockwise indexer rows")
-    args = parser.parse_args()
+def table(args) -> None:
+    from kernels.dsa.indexer_triton import resolve_score_kernel
+
     ceil = ceilings()
     probe = torch.empty(1, 1, 2, 1, device="cuda", dtype=torch.bfloat16)
-    score_kernel = indexer_triton.resolve_score_kernel(indexer_triton.SCORE_KERNEL, probe)
+    score_kernel = resolve_score_kernel("auto", probe)
     print(json.dumps(dict(ceilings=ceil, score_kernel=score_kernel)), flush=True)
     table = []
     for name in args.shapes:
@@ -241,17 +256,245 @@ def main() -> None:
     for r in table:
         print(f"| {r['shape']} | {r['seq_len'] // 1024}k | {r['op']} | {r['predicted']:.4f} | {r['seconds']:.4f} "
               f"| {r['peak_gib']:.1f} | {r['tflops']:.0f} |")
-    tuned = {}
-    for module, names in [(indexer_triton, ["_pool_scores_kernel", "_select_kernel"]),
-                          (indexer_gluon, ["_pool_scores_gluon_kernel"]),
-                          (sparse_attention_triton, ["_sparse_mla_fwd_kernel", "_sparse_mla_bwd_kernel",
-                                                     "_sparse_mla_mass_kernel"])]:
-        for name in names:
-            tuned[name] = {str(key): str(cfg) for key, cfg in getattr(module, name).cache.items()}
+    tuned = autotuned()
     print(json.dumps(dict(autotuned=tuned), indent=1), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(ceilings=ceil, score_kernel=score_kernel, rows=table, autotuned=tuned), f, indent=1)
+    write(args.out, dict(ceilings=ceil, score_kernel=score_kernel, rows=table, autotuned=tuned))
+
+
+def autotuned() -> dict:
+    """The configuration each autotuned DSA kernel chose, per tuning key."""
+    from kernels.dsa import indexer_gluon, indexer_triton, sparse_attention_triton
+
+    kernels = dict(pool_scores_kernel=indexer_triton.pool_scores_kernel, select_kernel=indexer_triton.select_kernel,
+                   pool_scores_gluon_kernel=indexer_gluon.pool_scores_gluon_kernel,
+                   sparse_mla_fwd_kernel=sparse_attention_triton.sparse_mla_fwd_kernel,
+                   sparse_mla_bwd_kernel=sparse_attention_triton.sparse_mla_bwd_kernel,
+                   sparse_mla_mass_kernel=sparse_attention_triton.sparse_mla_mass_kernel)
+    return {name: {str(key): str(cfg) for key, cfg in kernel.cache.items()} for name, kernel in kernels.items()}
+
+
+def write(path: str | None, result) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def profile_call(call, label: str, top: int = 10) -> list[dict]:
+    """CUDA milliseconds of the ``top`` kernels of one ``call`` (after a warm-up), as rows labelled ``label``."""
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return [dict(profile=label, kernel=e.key[:90], calls=e.count, ms=e.device_time_total / 1e3)
+            for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]]
+
+
+def indexer(args) -> None:
+    """The ``indexer`` command (module docstring)."""
+    ceil = ceilings()
+    print(json.dumps(dict(ceilings=ceil)), flush=True)
+    rows = []
+    for name in args.shapes:
+        for seq_len in args.seq_lens:
+            inputs, kw, flops = indexer_inputs(seq_len, SHAPES[name], seed=seq_len)
+            selected, times, peaks = {}, {k: [] for k in args.score_kernels}, {}
+            for _ in range(args.rounds):
+                for kernel in args.score_kernels:
+                    def call(kernel=kernel):
+                        return lightning_indexer_topk(*inputs, **kw, score_kernel=kernel)
+                    if kernel not in selected:   # kept on the host: the other kernel's peak must not include it
+                        selected[kernel] = call().cpu()
+                    t, peak = timed(call, args.reps or (2 if seq_len > 262144 else 5))
+                    times[kernel].append(t)
+                    peaks[kernel] = max(peak, peaks.get(kernel, 0.0))
+            first = args.score_kernels[0]
+            for kernel in args.score_kernels:
+                t = statistics.median(times[kernel])
+                row = dict(shape=name, seq_len=seq_len, score_kernel=kernel, seconds=t, seconds_per_round=times[kernel],
+                           peak_gib=peaks[kernel], tflops=flops / t / 1e12,
+                           pct_of_matmul=100 * flops / t / 1e12 / ceil["matmul_tflops"],
+                           identical_to_first=bool(torch.equal(selected[kernel], selected[first])))
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                if args.profile:
+                    for prow in profile_call(lambda: lightning_indexer_topk(*inputs, **kw, score_kernel=kernel),
+                                             f"{name} {seq_len // 1024}k {kernel}"):
+                        print(json.dumps(prow), flush=True)
+                        rows.append(prow)
+            inputs = selected = None   # freed before the next length
+            torch.cuda.empty_cache()
+    print("\n| shape | T | score kernel | s | TFLOP/s | % of matmul | peak GiB | same indices |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "seconds" in r:
+            print(f"| {r['shape']} | {r['seq_len'] // 1024}k | {r['score_kernel']} | {r['seconds']:.4f} "
+                  f"| {r['tflops']:.0f} | {r['pct_of_matmul']:.0f}% | {r['peak_gib']:.1f} | {r['identical_to_first']} |")
+    write(args.out, dict(ceilings=ceil, rows=rows, autotuned=autotuned()))
+
+
+def cuda_ms(fn, reps: int = 20) -> float:
+    return timed(fn, reps)[0] * 1e3
+
+
+def stages(args) -> None:
+    """The ``stages`` command (module docstring): expansion and k-pool compression at ``args.seq_len`` tokens."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "gpu"))
+    from dsa_check import bf16_ulps_apart, rel_err
+
+    from kernels.dsa.indexer_triton import triton_expand_selection, triton_kpool_compress
+
+    n, rows = args.seq_len, []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    grid = kpool_grid(n, KPOOL, None, "cuda")
+    n_pools, n_select = grid.start.numel(), TOPK // KPOOL
+    # each query's pools drawn from those it sees (-1 where it sees fewer than n_select)
+    visible = (torch.arange(n, device="cuda")[:, None] + 1) // KPOOL
+    pools = (torch.rand(n, n_select, device="cuda", generator=gen) * visible).long()
+    pools = torch.where(torch.arange(n_select, device="cuda")[None] < visible, pools, -1)[None]
+    out_bytes = n * WIDTH * 4
+    want = expand_selection(pools, grid, n, 0, TOPK, True)
+    got = triton_expand_selection(pools, grid, n, 0, TOPK, True)
+    for version, fn, moved, check in [
+            ("triton", lambda: triton_expand_selection(pools, grid, n, 0, TOPK, True), out_bytes + pools.numel() * 8,
+             f"equal {torch.equal(got, want)}"),
+            ("torch", lambda: expand_selection(pools, grid, n, 0, TOPK, True), out_bytes + pools.numel() * 8, ""),
+            ("fill_ of the output (write ceiling)", lambda: want.fill_(-1), out_bytes, "")]:
+        ms = cuda_ms(fn)
+        rows.append(dict(kernel="expand", version=version, ms=ms, gb_per_s=moved / ms / 1e6, check=check))
+    del pools, want, got, visible
+    torch.cuda.empty_cache()
+    for dim in (64, 128):
+        k = torch.nn.functional.layer_norm(torch.randn(1, n, dim, device="cuda", generator=gen), (dim,)).bfloat16()
+        g = torch.randn(1, n, dim, device="cuda", generator=gen).bfloat16()
+        ape = (0.1 * torch.randn(KPOOL, dim, device="cuda", generator=gen)).bfloat16()
+        ref = compress_on_grid(k, g, ape, grid)
+        ref64 = compress_on_grid(k.double(), g.double(), ape.double(), grid)
+        moved = 2 * k.numel() * 2 + n_pools * dim * 2
+        for version, fn in [("triton", lambda: triton_kpool_compress(k, g, ape, grid)),
+                            ("torch", lambda: compress_on_grid(k, g, ape, grid))]:
+            got = fn()
+            check = f"rel err {rel_err(got, ref64):.2e}, {bf16_ulps_apart(got, ref):.0f} ulp from torch"
+            ms = cuda_ms(fn)
+            rows.append(dict(kernel=f"compress d{dim}", version=version, ms=ms, gb_per_s=moved / ms / 1e6, check=check))
+        del k, g, ref, ref64, got
+        torch.cuda.empty_cache()
+    print(f"\n| kernel (T = {n}) | version | ms | GB/s | check |\n|---|---|---|---|---|")
+    for r in rows:
+        print(json.dumps(r), flush=True)
+        print(f"| {r['kernel']} | {r['version']} | {r['ms']:.3f} | {r['gb_per_s']:.0f} | {r['check']} |")
+    write(args.out, rows)
+
+
+def call(args) -> None:
+    """The ``call`` command (module docstring): one seeded indexer call, its score kernel and wall time."""
+    from kernels.dsa.indexer_triton import resolve_score_kernel
+
+    inputs, kw, _ = indexer_inputs(args.seq_len, SHAPES[args.shape], seed=args.seq_len)
+    t0 = time.perf_counter()
+    lightning_indexer_topk(*inputs, **kw, score_kernel=args.score_kernel)
+    torch.cuda.synchronize()
+    print(json.dumps(dict(shape=args.shape, seq_len=args.seq_len, warm_only=args.warm_only,
+                          score_kernel=resolve_score_kernel(args.score_kernel, inputs[0]),
+                          seconds=time.perf_counter() - t0)), flush=True)
+
+
+def resources(args) -> None:
+    """The ``resources`` command (module docstring): one table row per compiled configuration."""
+    from kernels.dsa.sm90 import indexer_builds, resources as usage
+
+    h, d = SHAPES[args.shape]["index_heads"], SHAPES[args.shape]["index_dim"]
+    print(f"| kernel ({args.shape}: {h} heads x {d}) | registers | spill stack B/thread | shared KiB | CTAs/SM | "
+          "warps/SM |\n|---|---|---|---|---|---|")
+    for name, compiled, warps in indexer_builds(h, d, KPOOL, TOPK // KPOOL):
+        r = usage(compiled, warps)
+        print(f"| {name} | {r['registers']} | {r['stack_bytes']} | {r['shared_kib']:.0f} | {r['ctas_per_sm']} | "
+              f"{r['warps_per_sm']} |", flush=True)
+
+
+def opcode(sass: str) -> str:
+    """The opcode of one SASS line, without its predicate (``@!P0 ATOMG.E.ADD ...`` -> ``ATOMG.E.ADD``)."""
+    return re.sub(r"^@!?U?P\w+\s+", "", sass).split(" ")[0]
+
+
+def sass(args) -> None:
+    """The ``sass`` command (module docstring): from an ncu ``--page source --print-source sass --csv`` export,
+    the opcodes with the largest shares of stall samples (where warps were when sampled: the time) and of
+    executions, the hottest instructions (a consumer waits on its producer: a ``SHFL.IDX`` after an ``ATOMG``
+    carries the atomic's latency) and, with ``--reasons``, the stall reasons with their opcodes."""
+    with open(args.csv, newline="") as f:
+        table = list(csv.reader(f))
+    at = next((i for i, r in enumerate(table) if "Source" in r and "Instructions Executed" in r), None)
+    if at is None:
+        raise SystemExit(f"{args.csv}: no 'Source' and 'Instructions Executed' columns (ncu --page source --csv)")
+    header = table[at]
+    recs = [r for r in table[at + 1:] if len(r) >= len(header) and r[0].startswith("0x")]
+    i_src, i_exec = header.index("Source"), header.index("Instructions Executed")
+    i_samples = header.index("Warp Stall Sampling (All Samples)")
+    ops = [opcode(r[i_src].strip()) for r in recs]
+    samples, executed = [int(r[i_samples] or 0) for r in recs], [int(r[i_exec] or 0) for r in recs]
+    by_samples, by_exec = collections.Counter(), collections.Counter()
+    for op, s_, e in zip(ops, samples, executed):
+        by_samples[op] += s_
+        by_exec[op] += e
+    total_s, total_e = sum(samples) or 1, sum(executed) or 1
+    print(f"{len(recs)} instructions, {total_e:,} warp-level executions, {total_s:,} stall samples\n")
+    print("| opcode | % of stall samples | % of executions |\n|---|---|---|")
+    for op, s_ in by_samples.most_common(args.top):
+        print(f"| {op} | {100 * s_ / total_s:.1f} | {100 * by_exec[op] / total_e:.1f} |")
+    print("\n| address offset | SASS | % of stall samples | executions |\n|---|---|---|---|")
+    base = int(recs[0][0], 16) if recs else 0
+    for i in sorted(range(len(recs)), key=lambda i: -samples[i])[:args.top]:
+        print(f"| {int(recs[i][0], 16) - base:#x} | `{recs[i][i_src].strip()[:70]}` | "
+              f"{100 * samples[i] / total_s:.2f} | {executed[i]:,} |")
+    if args.reasons:
+        reasons = {n: collections.Counter() for n in header if n.startswith("stall_") and "Not Issued" not in n}
+        for r, op in zip(recs, ops):
+            for n in reasons:
+                reasons[n][op] += int(r[header.index(n)] or 0)
+        total = sum(sum(c.values()) for c in reasons.values()) or 1
+        print("\n| stall reason | % of samples | top opcodes (points) |\n|---|---|---|")
+        for n, counts in sorted(reasons.items(), key=lambda kv: -sum(kv[1].values()))[:args.top]:
+            top = ", ".join(f"{op} {100 * v / total:.1f}" for op, v in counts.most_common(5))
+            print(f"| {n} | {100 * sum(counts.values()) / total:.1f} | {top} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command")
+    lengths = dict(type=int, nargs="+", default=[65536, 262144, 1048576])
+    p = commands.add_parser("table", help="the DSA kernels' table (the default)")
+    p.add_argument("--seq-lens", **lengths)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--no-torch-indexer", action="store_true", help="skip the torch blockwise indexer rows")
+    p.add_argument("--out", default=None)
+    p = commands.add_parser("indexer", help="the lightning indexer end to end, score kernel by score kernel")
+    p.add_argument("--seq-lens", **lengths)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--score-kernels", nargs="+", default=["auto"], choices=["auto", "triton", "gluon"])
+    p.add_argument("--rounds", type=int, default=1, help="timings per kernel, the kernels taking turns; median")
+    p.add_argument("--reps", type=int, default=None, help="calls per timing (default: 2 above 256k tokens, else 5)")
+    p.add_argument("--profile", action="store_true", help="CUDA ms per kernel of one call")
+    p.add_argument("--out", default=None)
+    p = commands.add_parser("stages", help="the expansion and k-pool compression kernels against the torch paths")
+    p.add_argument("--seq-len", type=int, default=1 << 20)
+    p.add_argument("--out", default=None)
+    p = commands.add_parser("call", help="one indexer call (for Nsight Compute)")
+    p.add_argument("--shape", default="small", choices=list(SHAPES))
+    p.add_argument("--seq-len", type=int, default=262144)
+    p.add_argument("--score-kernel", default="auto", choices=["auto", "triton", "gluon"])
+    p.add_argument("--warm-only", action="store_true", help="the run before the profiled one (fills the caches)")
+    p = commands.add_parser("resources", help="registers, spills, shared memory on sm_90, no GPU")
+    p.add_argument("--shape", default="full", choices=list(SHAPES))
+    p = commands.add_parser("sass", help="an ncu SASS export's stall samples by opcode and instruction")
+    p.add_argument("csv")
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--reasons", action="store_true", help="also the stall reasons, each with its top opcodes")
+    argv = sys.argv[1:]
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):   # no command: the table
+        argv = ["table"] + argv
+    args = parser.parse_args(argv)
+    dict(table=table, indexer=indexer, stages=stages, call=call, resources=resources, sass=sass)[args.command](args)
 
 
 if __name__ == "__main__":

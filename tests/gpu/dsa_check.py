@@ -1,7 +1,6 @@
 """GPU correctness check of the DSA Triton kernels (issue 4). Run on an H200:
 
-    python tests/gpu/dsa_check.py [--seq-lens 4096 16384 65536] [--score-kernel gluon] [--bound-slack 32]
-        [--[no-]segment-pairs] [--out results.json]
+    python tests/gpu/dsa_check.py [--seq-lens 4096 16384 65536] [--score-kernel gluon] [--out results.json]
 
 Per sequence length, with fresh random inputs and the caching allocator's free memory
 filled with NaN before every kernel call (so an unwritten output shows up):
@@ -17,7 +16,7 @@ filled with NaN before every kernel call (so an unwritten output shows up):
   smallest length;
 * massive ties (``--ties``, and by default): every score equal (zero queries), and 160 pools
   of six score levels above a tie of all others in 40 of the 512 column groups, so that the
-  selection's slots overflow and its exact pass (``_select_tied``) must climb above its bound:
+  selection's slots overflow and its exact pass must climb above its bound:
   the Triton selection equals the torch path exactly and, for the last query, the pools ranked
   by (level, lower index first) directly;
 * context parallelism (when 2 GPUs are visible): indices computed on each rank from its
@@ -38,8 +37,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from kernels.dsa import lightning_indexer_topk, sparse_mla_attention  # noqa: E402
-from kernels.dsa.indexer import _compress_on_grid, _torch_pool_topk, kpool_grid  # noqa: E402
-from kernels.dsa.indexer_triton import triton_kpool_compress  # noqa: E402
+from kernels.dsa.grid import kpool_grid  # noqa: E402
+from kernels.dsa.indexer import compress_on_grid, expand_selection, torch_pool_topk  # noqa: E402
+from kernels.dsa.indexer_triton import resolve_score_kernel, triton_kpool_compress, triton_pool_topk  # noqa: E402
 from kernels.dsa.sparse_attention import torch_sparse_mla_bwd, torch_sparse_mla_fwd  # noqa: E402
 
 SHAPES = {  # model/config.py presets: MLA heads, kv_lora_rank, qk head dim, indexer heads x dim
@@ -77,25 +77,27 @@ def bf16_ulps_apart(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float(((got - ref).abs() / ulp).max())
 
 
-def check_indexer(seq_len: int, shape: dict, gen: torch.Generator, n_rows: int = 1024) -> tuple[dict, torch.Tensor]:
+def check_indexer(seq_len: int, shape: dict, gen: torch.Generator, score_kernel: str,
+                  n_rows: int = 1024) -> tuple[dict, torch.Tensor]:
     inp = indexer_inputs(seq_len, shape, gen)
     scale = shape["index_dim"] ** -0.5
     poison()
-    indices = lightning_indexer_topk(**inp, kpool=KPOOL, topk=TOPK, select_tail=True, softmax_scale=scale)
+    indices = lightning_indexer_topk(**inp, kpool=KPOOL, topk=TOPK, select_tail=True, softmax_scale=scale,
+                                     score_kernel=score_kernel)
     torch.cuda.synchronize()
     grid = kpool_grid(seq_len, KPOOL, None, inp["q"].device)
     # the pooled keys the Triton path selects on (triton_kpool_compress) are the same-precision
     # reference's too; they are checked against the torch compression and against float64
     poison()
     pool_keys = triton_kpool_compress(inp["k"], inp["gate_scores"], inp["ape"], grid)
-    torch_keys = _compress_on_grid(inp["k"], inp["gate_scores"], inp["ape"], grid)
-    keys64 = _compress_on_grid(inp["k"].double(), inp["gate_scores"].double(), inp["ape"].double(), grid)
+    torch_keys = compress_on_grid(inp["k"], inp["gate_scores"], inp["ape"], grid)
+    keys64 = compress_on_grid(inp["k"].double(), inp["gate_scores"].double(), inp["ape"].double(), grid)
     compression = dict(
         max_ulps_from_torch=bf16_ulps_apart(pool_keys, torch_keys),
         rel_err_float64=rel_err(pool_keys, keys64), torch_rel_err_float64=rel_err(torch_keys, keys64))
     del torch_keys
     n_sel = TOPK // KPOOL
-    ref_pools = _torch_pool_topk(inp["q"], pool_keys, inp["weights"], grid, n_sel, scale, 0, 512)
+    ref_pools = torch_pool_topk(inp["q"], pool_keys, inp["weights"], grid, n_sel, scale, 0, 512)
     got_pools = torch.where(indices[..., :TOPK:KPOOL] >= 0, indices[..., :TOPK:KPOOL].long() // KPOOL, -1)
     got_sorted, ref_sorted = got_pools.sort(-1).values, ref_pools.sort(-1).values
     differing = (got_sorted != ref_sorted).any(-1)[0]
@@ -126,11 +128,8 @@ def check_indexer(seq_len: int, shape: dict, gen: torch.Generator, n_rows: int =
         max_tie_gap = max(max_tie_gap, max(abs(s_same[i, p].item() - boundary) for p in a ^ b))
     # the one-kernel expansion (triton_expand_selection) against the torch expansion of the
     # pools the same Triton selection picks (deterministic): every token and tail entry
-    from kernels.dsa.indexer import _expand_selection
-    from kernels.dsa.indexer_triton import triton_pool_topk
-
-    pools = triton_pool_topk(inp["q"], pool_keys, inp["weights"], grid, n_sel, scale, 0)
-    expansion_equal = bool(torch.equal(indices, _expand_selection(pools, grid, seq_len, 0, TOPK, True)))
+    pools = triton_pool_topk(inp["q"], pool_keys, inp["weights"], grid, n_sel, scale, 0, score_kernel=score_kernel)
+    expansion_equal = bool(torch.equal(indices, expand_selection(pools, grid, seq_len, 0, TOPK, True)))
     result = dict(
         compression=compression,
         expansion_equal=expansion_equal,
@@ -186,10 +185,8 @@ def check_attention(seq_len: int, shape: dict, indices: torch.Tensor, gen: torch
     return result
 
 
-def check_ties(seq_len: int = 16384) -> dict:
+def check_ties(score_kernel: str, seq_len: int = 16384) -> dict:
     """The massive-tie cases of the module docstring at ``seq_len`` tokens (full shape's index heads)."""
-    from kernels.dsa.indexer_triton import triton_pool_topk
-
     h, d, n_select = SHAPES["full"]["index_heads"], SHAPES["full"]["index_dim"], TOPK // KPOOL
     grid = kpool_grid(seq_len, KPOOL, None, "cuda")
     n_pools = seq_len // KPOOL
@@ -206,8 +203,8 @@ def check_ties(seq_len: int = 16384) -> dict:
         q[..., 0] = q0
         q, pool_keys = q.bfloat16(), keys.bfloat16()
         poison()
-        got = triton_pool_topk(q, pool_keys, weights, grid, n_select, d**-0.5, 0)
-        ref = _torch_pool_topk(q, pool_keys, weights, grid, n_select, d**-0.5, 0, 1024)
+        got = triton_pool_topk(q, pool_keys, weights, grid, n_select, d**-0.5, 0, score_kernel=score_kernel)
+        ref = torch_pool_topk(q, pool_keys, weights, grid, n_select, d**-0.5, 0, 1024)
         last = seq_len - 1   # sees every pool; ranked by (level or 0, lower index first)
         score = level if q0 else torch.zeros_like(level)
         direct = sorted(range(n_pools), key=lambda p: (-float(score[p]), p))[:n_select]
@@ -217,23 +214,15 @@ def check_ties(seq_len: int = 16384) -> dict:
     return result
 
 
-SETTINGS = ("SCORE_KERNEL", "BOUND_SLACK", "SEGMENT_PAIRS")
-"""The module constants of kernels/dsa/indexer_triton.py that the options set, passed on to the CP workers."""
-
-
-def _cp_worker(rank: int, world: int, seq_len: int, port: int, queue, settings: dict) -> None:
-    import kernels.dsa.indexer_triton as indexer_triton
-
-    # a spawned process imports the module afresh
-    for name, value in settings.items():
-        setattr(indexer_triton, name, value)
+def _cp_worker(rank: int, world: int, seq_len: int, port: int, queue, score_kernel: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
     shape = SHAPES["full"]
     gen = torch.Generator(device="cuda").manual_seed(1234)  # same full inputs on every rank
     inp = indexer_inputs(seq_len, shape, gen)
-    kw = dict(kpool=KPOOL, topk=TOPK, select_tail=True, softmax_scale=shape["index_dim"] ** -0.5)
+    kw = dict(kpool=KPOOL, topk=TOPK, select_tail=True, softmax_scale=shape["index_dim"] ** -0.5,
+              score_kernel=score_kernel)
     local = seq_len // world
     sl = slice(rank * local, (rank + 1) * local)
     # each rank owns its chunk of keys; all-gather them as the CP model does
@@ -252,13 +241,10 @@ def _cp_worker(rank: int, world: int, seq_len: int, port: int, queue, settings: 
     dist.destroy_process_group()
 
 
-def check_context_parallel(seq_len: int, world: int = 2) -> dict:
-    import kernels.dsa.indexer_triton as indexer_triton
-
+def check_context_parallel(seq_len: int, score_kernel: str, world: int = 2) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    settings = {name: getattr(indexer_triton, name) for name in SETTINGS}
-    mp.start_processes(_cp_worker, args=(world, seq_len, 29533 + world, queue, settings),
+    mp.start_processes(_cp_worker, args=(world, seq_len, 29533 + world, queue, score_kernel),
                        nprocs=world, start_method="spawn")
     return dict(world=world, seq_len=seq_len, indices_equal_single_gpu=queue.get(), ok=None)
 
@@ -268,31 +254,13 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--out", default=None)
     parser.add_argument("--ties", action="store_true", help="only the massive-tie check")
-    parser.add_argument("--score-kernel", choices=["auto", "triton", "gluon"], default=None,
-                        help="the indexer's score kernel (default: kernels/dsa/indexer_triton.py's SCORE_KERNEL)")
-    parser.add_argument("--bound-slack", type=int, default=None,
-                        help="the selection's bound search (default: kernels/dsa/indexer_triton.py's BOUND_SLACK; "
-                             "-1: the sort)")
-    parser.add_argument("--segment-pairs", action=argparse.BooleanOptionalAction, default=None,
-                        help="hit segments read as int64 score pairs or one score at a time (default: "
-                             "kernels/dsa/indexer_triton.py's SEGMENT_PAIRS, v26)")
+    parser.add_argument("--score-kernel", choices=["auto", "triton", "gluon"], default="auto",
+                        help="the indexer's score kernel (auto: Gluon on Hopper, Triton elsewhere)")
     args = parser.parse_args()
-    import kernels.dsa.indexer_triton as indexer_triton
-
-    if args.score_kernel:
-        indexer_triton.SCORE_KERNEL = args.score_kernel
-    if args.bound_slack is not None:
-        indexer_triton.BOUND_SLACK = args.bound_slack
-    if args.segment_pairs is not None:
-        indexer_triton.SEGMENT_PAIRS = args.segment_pairs
-    slack = indexer_triton.BOUND_SLACK
-    print(f"selection bound: {'sort' if slack < 0 else f'search, slack {slack}'}; "
-          f"segments read {'by pairs' if indexer_triton.SEGMENT_PAIRS else 'by score'}", flush=True)
     probe = torch.empty(1, 1, SHAPES["full"]["index_heads"], 1, device="cuda", dtype=torch.bfloat16)
-    print(f"indexer score kernel: {indexer_triton.SCORE_KERNEL} -> "
-          f"{indexer_triton.resolve_score_kernel(indexer_triton.SCORE_KERNEL, probe)}", flush=True)
+    print(f"indexer score kernel: {args.score_kernel} -> {resolve_score_kernel(args.score_kernel, probe)}", flush=True)
     results = []
-    ties = dict(ties=check_ties())
+    ties = dict(ties=check_ties(args.score_kernel))
     print(json.dumps(ties), flush=True)
     results.append(ties)
     if args.ties:
@@ -300,7 +268,7 @@ def main() -> None:
     for seq_len in args.seq_lens:
         for name, shape in SHAPES.items():
             gen = torch.Generator(device="cuda").manual_seed(seq_len + len(name))
-            idx_res, indices = check_indexer(seq_len, shape, gen)
+            idx_res, indices = check_indexer(seq_len, shape, gen, args.score_kernel)
             attn_res = check_attention(seq_len, shape, indices, gen, backward=seq_len == min(args.seq_lens))
             row = dict(seq_len=seq_len, shape=name, indexer=idx_res, attention=attn_res)
             print(json.dumps(row), flush=True)
@@ -311,7 +279,7 @@ def main() -> None:
         for world in (2, 4, 8):   # CP over 2 GPUs and, where the host has them, 4 and 8
             if world > torch.cuda.device_count():
                 break
-            cp = check_context_parallel(max(args.seq_lens), world)
+            cp = check_context_parallel(max(args.seq_lens), args.score_kernel, world)
             cp["ok"] = cp["indices_equal_single_gpu"]
             print(json.dumps(dict(context_parallel=cp)), flush=True)
             results.append(dict(context_parallel=cp))

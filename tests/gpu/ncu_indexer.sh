@@ -4,7 +4,7 @@
 # case: a warm run (compile + autotuning caches), then ncu on one launch; ncu_<i>.txt gets the details
 # page (speed of light, occupancy, warp stall reasons, instruction mix) and ncu_<i>.sass.csv the SASS
 # with its per-instruction stall samples (source counters); both leave as one $OUT/ncu.tgz (the device tool
-# returns few files). Read the SASS table with tests/benchmarks/ncu_sass.py.
+# returns few files). Read the SASS table with `tests/benchmarks/dsa_bench.py sass`.
 set -u
 OUT=${OUT:-/tmp/out}
 DIR=$(mktemp -d)
@@ -13,12 +13,12 @@ NCU=${NCU:-/usr/local/cuda/bin/ncu}
 SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
   --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section SourceCounters"
 i=0
-for case in ${NCU_CASES:-small:262144:_select_kernel:3}; do
+for case in ${NCU_CASES:-small:262144:select_kernel:3}; do
   IFS=: read -r shape seq kernel launch <<< "$case"
   echo "--- ncu case $i: $shape $seq $kernel launch $launch"
-  python3 tests/benchmarks/indexer_ncu.py --shape "$shape" --seq-len "$seq" --warm-only
+  python3 tests/benchmarks/dsa_bench.py call --shape "$shape" --seq-len "$seq" --warm-only
   "$NCU" --kernel-name "$kernel" --launch-skip "$launch" --launch-count 1 $SECTIONS --import-source yes \
-    -f -o "$DIR/ncu_$i" python3 tests/benchmarks/indexer_ncu.py --shape "$shape" --seq-len "$seq" 2>&1 | tail -3
+    -f -o "$DIR/ncu_$i" python3 tests/benchmarks/dsa_bench.py call --shape "$shape" --seq-len "$seq" 2>&1 | tail -3
   "$NCU" --import "$DIR/ncu_$i.ncu-rep" --page details --print-details all > "$DIR/ncu_$i.txt" 2>&1
   "$NCU" --import "$DIR/ncu_$i.ncu-rep" --page source --print-source sass --csv > "$DIR/ncu_$i.sass.csv" 2>&1
   rm -f "$DIR/ncu_$i.ncu-rep"

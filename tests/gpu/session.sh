@@ -9,17 +9,18 @@
 # sft (tests/gpu/sft_small.py with $SFT_CONFIGS), model_check (model_small.py's bf16-vs-CPU check
 # only), offload (tests/gpu/offload_check.py: activation offload on/off the copy stream, same
 # gradients), dsacheck (tests/gpu/dsa_check.py with $DSA_ARGS: correctness, CP over every GPU
-# pair/quad), indexer (tests/benchmarks/indexer_versions.py, against $INDEXER_ANCHOR when set: a carried
-# earlier kernels/dsa/indexer_triton.py such as .bench/indexer_v14.py; $INDEXER_ARGS, e.g. --profile),
-# variants (tests/benchmarks/indexer_score_variants.py), gluonvar (tests/benchmarks/indexer_gluon_variants.py),
-# expcomp (tests/benchmarks/expand_compress.py: the indexer's expansion and k-pool compression kernels,
-# $EXPCOMP_ARGS), bench (dsa_bench.py alone, with $BENCH_ARGS), dsa (dsa_check.py + dsa_bench.py),
-# ncu (tests/gpu/ncu_indexer.sh: Nsight Compute on single indexer kernel launches, $NCU_CASES).
+# pair/quad), indexer (tests/benchmarks/dsa_bench.py indexer: the lightning indexer end to end per score
+# kernel, $INDEXER_ARGS, e.g. --score-kernels triton gluon --rounds 3 --profile), stages (dsa_bench.py stages:
+# the indexer's expansion and k-pool compression kernels), bench (dsa_bench.py alone, with $BENCH_ARGS),
+# dsa (dsa_check.py + dsa_bench.py), ncu (tests/gpu/ncu_indexer.sh: Nsight Compute on single indexer kernel
+# launches, $NCU_CASES). The DSA parts need no wheels: with no .whl folder the install is skipped.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # Compiled kernels and autotuning results (Triton's, fla's) persist across the parts of a call.
 # The autotuning results alone (*.autotune.json, kilobytes; the compiled cache of an SFT call is
@@ -58,15 +59,11 @@ part model_check "${T_MODEL:-150}" python3 tests/gpu/model_small.py --seq --chec
   --out "$OUT/model_check.json"
 part offload "${T_OFFLOAD:-120}" python3 tests/gpu/offload_check.py --out "$OUT/offload_check.json"
 part dsacheck "${T_DSA:-200}" python3 tests/gpu/dsa_check.py ${DSA_ARGS:-} --out "$OUT/dsa_check.json"
-part indexer "${T_INDEXER:-170}" python3 tests/benchmarks/indexer_versions.py ${INDEXER_ANCHOR:+--anchor "$INDEXER_ANCHOR"} \
+part indexer "${T_INDEXER:-170}" python3 tests/benchmarks/dsa_bench.py indexer \
   --seq-lens ${INDEXER_SEQ:-1048576 262144} --shapes ${INDEXER_SHAPES:-full small} ${INDEXER_ARGS:-} \
-  --out "$OUT/indexer_versions.json"
-part variants "${T_VARIANTS:-240}" python3 tests/benchmarks/indexer_score_variants.py ${VARIANTS_ARGS:---shapes small full --profile} \
-  --out "$OUT/indexer_score_variants.json"
-part gluonvar "${T_GLUONVAR:-240}" python3 tests/benchmarks/indexer_gluon_variants.py ${GLUONVAR_ARGS:-} \
-  --out "$OUT/indexer_gluon_variants.json"
+  --out "$OUT/indexer.json"
 part ncu "${T_NCU:-300}" bash tests/gpu/ncu_indexer.sh
-part expcomp "${T_EXPCOMP:-120}" python3 tests/benchmarks/expand_compress.py ${EXPCOMP_ARGS:-} --out "$OUT/expand_compress.json"
+part stages "${T_STAGES:-120}" python3 tests/benchmarks/dsa_bench.py stages --out "$OUT/stages.json"
 part bench "${T_BENCH:-420}" python3 tests/benchmarks/dsa_bench.py ${BENCH_ARGS:-} --out "$OUT/dsa_bench.json"
 part dsa "${T_DSA:-300}" bash -c "python3 tests/gpu/dsa_check.py --out $OUT/dsa_check.json && \
   python3 tests/benchmarks/dsa_bench.py --out $OUT/dsa_bench.json"
