@@ -19,7 +19,7 @@ from tasks.atomic import OutputIntegrityError
 from tasks.corpora import CORPORA
 from tasks.ingest import GenomeInputError, IngestConfig, ingest
 from tasks.pack import PackConfig, pack
-from workflows.presets import PRESETS, active_preset, get_preset
+from tasks.presets import PRESETS, active_preset, get_preset
 
 
 def _parse_aliases(items: list[str], parser: argparse.ArgumentParser) -> dict[str, str]:

@@ -53,8 +53,8 @@ def base_model(model_preset: str, seed: int, out_dir: str | os.PathLike, init_hf
 
 from flytekit import Cache, task  # noqa: E402
 
-from workflows.caching import HashedDir, as_output, stage_version, requests_for, stage_output_dir  # noqa: E402
-from workflows.presets import active_preset  # noqa: E402
+from tasks.caching import HashedDir, as_output, stage_version, requests_for, stage_output_dir  # noqa: E402
+from tasks.presets import active_preset  # noqa: E402
 
 BASE_VERSION = stage_version("base_model", active_preset())
 

@@ -723,7 +723,7 @@ def make_engine(name: str, checkpoint_dir: str | os.PathLike, dtype: str = "floa
     """Build the engine called ``name`` ("vllm" or "transformers") on a Hugging Face export.
 
     Args:
-        name: engine name, usually ``workflows.presets.active_preset().engine``.
+        name: engine name, usually ``tasks.presets.active_preset().engine``.
         checkpoint_dir: export directory (``config.json`` + safetensors).
         dtype: "float32", "bfloat16" or "float16".
         max_model_len: longest prompt (+ generation) accepted, in tokens.

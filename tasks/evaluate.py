@@ -520,7 +520,7 @@ def evaluate_checkpoints(checkpoints: Mapping[str, str | os.PathLike], shards_di
     Args:
         checkpoints: label -> export directory, in report order (first = baseline).
         shards_dir: pack output directory.
-        preset: a :class:`workflows.presets.Preset`; ``preset.evaluate.scorer`` picks the
+        preset: a :class:`tasks.presets.Preset`; ``preset.evaluate.scorer`` picks the
             trainer's forward or ``preset.engine``; dtype is ``preset.verify.dtype``.
         out_dir: output directory.
 
@@ -547,10 +547,10 @@ def evaluate_checkpoints(checkpoints: Mapping[str, str | os.PathLike], shards_di
 
 from flytekit import Cache, Deck, task  # noqa: E402
 
-from workflows.caching import (  # noqa: E402
+from tasks.caching import (  # noqa: E402
     HashedDir, as_output, stage_version, hf_export, manifest_sha256, resource_kwargs, stage_output_dir,
 )
-from workflows.presets import active_preset  # noqa: E402
+from tasks.presets import active_preset  # noqa: E402
 
 
 EVALUATE_VERSION = stage_version("evaluate", active_preset())

@@ -100,8 +100,8 @@ def export_checkpoint(checkpoint_root: str | os.PathLike, out_dir: str | os.Path
 
 from flytekit import task  # noqa: E402
 
-from workflows.caching import HashedDir, as_output, resource_kwargs, stage_output_dir, stage_version  # noqa: E402
-from workflows.presets import active_preset  # noqa: E402
+from tasks.caching import HashedDir, as_output, resource_kwargs, stage_output_dir, stage_version  # noqa: E402
+from tasks.presets import active_preset  # noqa: E402
 
 EXPORT_VERSION = stage_version("export", active_preset())
 

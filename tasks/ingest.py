@@ -706,8 +706,8 @@ def fingerprint_sources(sources: Sequence[str]) -> str:
 
 from flytekit import Cache, task  # noqa: E402
 
-from workflows.caching import HashedDir, as_output, stage_version, requests_for, stage_output_dir  # noqa: E402
-from workflows.presets import active_preset  # noqa: E402
+from tasks.caching import HashedDir, as_output, stage_version, requests_for, stage_output_dir  # noqa: E402
+from tasks.presets import active_preset  # noqa: E402
 
 INGEST_VERSION = stage_version("ingest", active_preset())
 

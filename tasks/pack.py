@@ -631,8 +631,8 @@ def shard_token_stream(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]
 
 from flytekit import Cache, task  # noqa: E402
 
-from workflows.caching import HashedDir, as_output, stage_version, requests_for, stage_output_dir  # noqa: E402
-from workflows.presets import active_preset  # noqa: E402
+from tasks.caching import HashedDir, as_output, stage_version, requests_for, stage_output_dir  # noqa: E402
+from tasks.presets import active_preset  # noqa: E402
 
 PACK_VERSION = stage_version("pack", active_preset())
 
@@ -640,7 +640,7 @@ PACK_VERSION = stage_version("pack", active_preset())
 @task(cache=Cache(version=PACK_VERSION), requests=requests_for(active_preset().data_resources))
 def pack_task(ingest_dir: HashedDir, cfg: PackConfig) -> HashedDir:
     """Flyte wrapper of :func:`pack`; cached on the ingest output's manifest hash and ``cfg``."""
-    from workflows.caching import manifest_sha256
+    from tasks.caching import manifest_sha256
 
     out = stage_output_dir("pack", PACK_VERSION, ingest=manifest_sha256(ingest_dir), cfg=asdict(cfg))
     pack(ingest_dir.download(), cfg, out)

@@ -457,11 +457,11 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
 from flytekitplugins.kfpytorch import Elastic  # noqa: E402
 from flytekit import Cache, task  # noqa: E402
 
-from workflows.caching import (  # noqa: E402
+from tasks.caching import (  # noqa: E402
     HashedDir, as_output, stage_version, hf_export, manifest_sha256, resource_kwargs, run_checkpoint_dir,
     shared_kernel_cache, stage_output_dir,
 )
-from workflows.presets import Preset, active_preset  # noqa: E402
+from tasks.presets import Preset, active_preset  # noqa: E402
 
 
 def rl_parallel(preset: Preset):

@@ -1340,15 +1340,15 @@ from flytekit import Cache, task  # noqa: E402
 from flytekit.extras.accelerators import GPUAccelerator  # noqa: E402
 from flytekitplugins.kfpytorch import Elastic  # noqa: E402
 
-from workflows.caching import HashedDir, as_output, requests_for, run_checkpoint_dir, stage_version  # noqa: E402
-from workflows.caching import shared_kernel_cache, stage_output_dir  # noqa: E402
-from workflows.presets import Preset, active_preset  # noqa: E402
+from tasks.caching import HashedDir, as_output, requests_for, run_checkpoint_dir, stage_version  # noqa: E402
+from tasks.caching import shared_kernel_cache, stage_output_dir  # noqa: E402
+from tasks.presets import Preset, active_preset  # noqa: E402
 
 SFT_VERSION = stage_version("sft", active_preset())
 
 
 def preset_sft_config(preset: Preset) -> SFTConfig:
-    """The :class:`SFTConfig` a preset asks for (windows, parallel sizes, :class:`workflows.presets.SFTSpec`)."""
+    """The :class:`SFTConfig` a preset asks for (windows, parallel sizes, :class:`tasks.presets.SFTSpec`)."""
     spec, par = preset.sft, preset.train_parallel
     return SFTConfig(
         model=preset.model, seq_len=preset.train_seq_len, eval_seq_len=preset.eval_seq_len, steps=spec.steps,
@@ -1384,7 +1384,7 @@ def sft_task(shards: HashedDir, cfg: SFTConfig, init: Optional[HashedDir] = None
     with the task function cloudpickled). ``init`` (the base-model stage's export) replaces
     ``cfg.init_hf``, so held-out evaluation has the exact "before" checkpoint.
     """
-    from workflows.caching import hf_export, manifest_sha256
+    from tasks.caching import hf_export, manifest_sha256
 
     if init is not None:
         cfg = dataclasses.replace(cfg, init_hf=str(hf_export(init.download())))

@@ -333,10 +333,10 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike, shards_dir: str | os.Pa
 
 from flytekit import Cache, Deck, task  # noqa: E402
 
-from workflows.caching import (  # noqa: E402
+from tasks.caching import (  # noqa: E402
     HashedDir, as_output, stage_version, hf_export, manifest_sha256, resource_kwargs, stage_output_dir,
 )
-from workflows.presets import active_preset  # noqa: E402
+from tasks.presets import active_preset  # noqa: E402
 
 
 VERIFY_VERSION = stage_version("verify", active_preset())

@@ -23,7 +23,7 @@ from tasks.engines import TransformersEngine
 from tasks.evaluate import EvalConfig, EvalError, MarkovModel, evaluate, evaluate_checkpoints
 from tasks.ingest import IngestConfig, ingest
 from tasks.pack import PackConfig, pack
-from workflows.presets import get_preset
+from tasks.presets import get_preset
 
 WINDOW = 2048
 BUCKETS = (0, 256, 1024)

@@ -3,7 +3,7 @@
 import pytest
 
 from tasks.sft import memory_plan, model_config, preset_sft_config
-from workflows.presets import DEVICE_MEMORY_BYTES, get_preset
+from tasks.presets import DEVICE_MEMORY_BYTES, get_preset
 
 UNITS = {"Gi": 2**30, "Ti": 2**40, "G": 10**9, "T": 10**12}
 

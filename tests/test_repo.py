@@ -10,7 +10,7 @@ import pytest
 
 from tasks.corpora import CORPORA
 from tasks.pack import PackConfig
-from workflows.presets import PRESETS, active_preset, get_preset
+from tasks.presets import PRESETS, active_preset, get_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 

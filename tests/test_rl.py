@@ -18,7 +18,7 @@ from tasks.corpora import CORPORA
 from tasks.ingest import IngestConfig, ingest
 from tasks.pack import PackConfig, pack, read_shard
 from tasks.rl import RLConfig, rl
-from workflows.presets import get_preset
+from tasks.presets import get_preset
 
 LETTERS = {"A": 4, "C": 5, "G": 6, "T": 7}
 

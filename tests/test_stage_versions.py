@@ -14,9 +14,9 @@ import shutil
 
 import pytest
 
-from workflows import caching
-from workflows.caching import STAGES, stage_version
-from workflows.presets import get_preset
+from tasks import caching
+from tasks.caching import STAGES, stage_version
+from tasks.presets import get_preset
 
 ALL = set(STAGES)
 ENGINE_STAGES = {"rl", "verify", "evaluate"}
@@ -84,7 +84,7 @@ def test_presets_module_is_not_code_of_any_stage(repo):
     another preset's entry leaves every version alone."""
     preset = get_preset("local-cpu")
     before = versions(repo, preset)
-    append_line(repo / "workflows/presets.py")
+    append_line(repo / "tasks/presets.py")
     assert moved(before, versions(repo, preset)) == set()
 
 

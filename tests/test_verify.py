@@ -34,7 +34,7 @@ from tasks.verify import (  # noqa: E402
     verify,
     verify_checkpoint,
 )
-from workflows.presets import get_preset  # noqa: E402
+from tasks.presets import get_preset  # noqa: E402
 
 LENGTHS = (512, 4096)
 PERTURBED = "model.layers.1.self_attn.o_proj.weight"

@@ -74,7 +74,7 @@ def test_cache_hits_on_same_content_and_misses_on_one_changed_byte(tmp_path, iso
 
 
 def test_gpu_workers_share_the_kernel_cache_under_the_checkpoint_root(tmp_path, monkeypatch):
-    from workflows.caching import run_checkpoint_dir, shared_kernel_cache
+    from tasks.caching import run_checkpoint_dir, shared_kernel_cache
 
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)

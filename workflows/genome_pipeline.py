@@ -6,7 +6,7 @@
     MEGABASE_PRESET=ci-smoke pyflyte run workflows/genome_pipeline.py genome_pipeline
 
 The preset (resources, model size, windows) is fixed when this module is imported
-(``MEGABASE_PRESET``), see ``workflows/presets.py``. This module only wires stages.
+(``MEGABASE_PRESET``), see ``tasks/presets.py``. This module only wires stages.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from tasks.pack import PackConfig, pack_task
 from tasks.rl import RLConfig, preset_rl_config, rl_task
 from tasks.sft import SFTConfig, preset_sft_config, sft_task
 from tasks.verify import verify_task
-from workflows.caching import HashedDir, megabase_home
-from workflows.presets import active_preset
+from tasks.caching import HashedDir, megabase_home
+from tasks.presets import active_preset
 
 PRESET = active_preset()
 

@@ -35,7 +35,7 @@ from flytekit import FlyteContextManager, Resources
 from flytekit.core.hash import HashMethod
 from flytekit.types.directory import FlyteDirectory
 
-from workflows import presets
+from tasks import presets
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def code_version(*sources: str, salt: str = "", root: Path = REPO_ROOT) -> str:
 PROJECT_PACKAGES = ("tasks", "model", "kernels", "workflows")
 """Top-level packages of this repository; imports of anything else are libraries."""
 
-SETTINGS_MODULE = "workflows/presets.py"
+SETTINGS_MODULE = "tasks/presets.py"
 """Left out of code hashing: a stage's version takes the preset settings it reads instead
 (:data:`STAGES`), so a change to one stage's settings misses that stage's cache only."""
 
@@ -346,7 +346,7 @@ def as_output(path: Path) -> FlyteDirectory:
 
 
 def requests_for(resources: presets.Resources) -> Resources:
-    """Flyte resource requests of a preset's :class:`workflows.presets.Resources`."""
+    """Flyte resource requests of a preset's :class:`tasks.presets.Resources`."""
     return Resources(cpu=resources.cpu, mem=resources.mem, gpu=str(resources.gpu) if resources.gpu else None)
 
 
