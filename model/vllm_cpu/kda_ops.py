@@ -66,6 +66,7 @@ def chunk_kda(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
     chunk_size: int = CHUNK_SIZE,
+    first_position: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked KDA over one request.
 
@@ -77,6 +78,10 @@ def chunk_kda(
         beta: delta-rule step sizes ``[T, H]`` in (0, 1).
         initial_state: ``[H, K, V]`` state before the first token, or None for zeros.
         chunk_size: tokens per chunk.
+        first_position: position of the first token in its sequence. Chunks end at multiples
+            of ``chunk_size`` in sequence positions, so a prompt prefilled over several engine
+            steps is cut into the chunks of a one-step prefill, but for the chunk a step
+            boundary splits: the results agree to float32 rounding of that one chunk.
 
     Returns:
         ``(o, final_state)``: outputs ``[T, H, V]`` and the state after the last token
@@ -91,8 +96,9 @@ def chunk_kda(
         else initial_state.float().clone()
     )
     out = torch.empty(seq_len, num_heads, value_dim, dtype=torch.float32)
-    for start in range(0, seq_len, chunk_size):
-        stop = min(start + chunk_size, seq_len)
+    first = chunk_size - first_position % chunk_size
+    for start in [0, *range(first, seq_len, chunk_size)]:
+        stop = min(first if start == 0 else start + chunk_size, seq_len)
         n = stop - start
         qc, kc, vc, gc = (t[start:stop].transpose(0, 1) for t in (q, k, v, g))  # [H, n, *]
         bc = beta[start:stop].t().unsqueeze(-1)  # [H, n, 1]

@@ -246,7 +246,7 @@ class KdaMixer(nn.Module, MambaBase):
             return self.lower_bound * torch.sigmoid(decay_rate * g)
         return -decay_rate * F.softplus(g)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         heads, head_dim = self.num_heads, self.head_dim
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
@@ -256,12 +256,13 @@ class KdaMixer(nn.Module, MambaBase):
         core = torch.zeros(num_tokens, heads, head_dim, dtype=x.dtype)
         metadata = _layer_metadata(self.prefix)
         if metadata is not None:
-            self._mix(metadata, mixed, conv_weight, g, beta, core)
+            self._mix(metadata, positions, mixed, conv_weight, g, beta, core)
         gate = self.g_b_proj(self.g_a_proj(x)).view(num_tokens, heads, head_dim)
         return self.o_proj(self.o_norm(core, gate).reshape(num_tokens, -1))
 
-    def _mix(self, metadata, mixed, conv_weight, g, beta, core) -> None:
-        """Short conv + KDA for every request of the step, reading and updating its states."""
+    def _mix(self, metadata, positions, mixed, conv_weight, g, beta, core) -> None:
+        """Short conv + KDA for every request of the step, reading and updating its states
+        (``positions [T]``: each token's position in its sequence)."""
         conv_states, recurrent_states = self.kv_cache
         if not self._conv_dim_first:
             conv_states = conv_states.transpose(-1, -2)
@@ -292,7 +293,8 @@ class KdaMixer(nn.Module, MambaBase):
                 out, new_state = recurrent_kda_step(q, k, v, g[start:stop], beta[start:stop], state[None])
                 new_state = new_state[0]
             else:
-                out, new_state = chunk_kda(q, k, v, g[start:stop], beta[start:stop], state)
+                out, new_state = chunk_kda(q, k, v, g[start:stop], beta[start:stop], state,
+                                           first_position=int(positions[start]))
             recurrent_states[slot].copy_(new_state)
             core[start:stop] = out.to(core.dtype)
 

@@ -93,15 +93,16 @@ class DecoderLayer(nn.Module):
         self.hc_args = dict(rms_eps=config.rms_norm_eps, hc_eps=config.hc_eps, sinkhorn_iters=config.hc_sinkhorn_iters)
 
     def forward(
-        self, streams: torch.Tensor, selection: torch.Tensor | None
+        self, streams: torch.Tensor, positions: torch.Tensor, selection: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``streams [T, N, D]`` -> (``[T, N, D]``, the DSA selection for later shared layers)."""
+        """``streams [T, N, D]``, ``positions [T]`` -> (``[T, N, D]``, the DSA selection for later
+        shared layers)."""
         post, comb, x = hyper_connection_pre(
             streams, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, **self.hc_args
         )
         x = self.input_layernorm(x)
         if self.is_kda:
-            x = self.self_attn(x)
+            x = self.self_attn(x, positions)
         else:
             x, own_selection = self.self_attn(x, selection)
             selection = own_selection if own_selection is not None else selection
@@ -168,7 +169,7 @@ class Glm5NextCpuForCausalLM(nn.Module, HasInnerState, IsHybrid):
         streams = hidden.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         selection = None
         for layer in self.layers:
-            streams, selection = layer(streams, selection)
+            streams, selection = layer(streams, positions, selection)
         # The final collapse is an unweighted mean of the streams (transformers Glm5NextTextHyperHead).
         return self.norm(streams.mean(dim=1))
 
