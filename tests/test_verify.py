@@ -227,3 +227,33 @@ def test_transformers_leg_on_glm5_next_is_capped_and_says_so(setup, glm5_next_ex
     # The engine of ci-smoke is transformers: capped below the only length, nothing compares it.
     with pytest.raises(VerifyError, match=r"no pair of legs runs 1024-token windows \(caps .*'engine': 512"):
         verify_checkpoint(glm5_next_export, root / "pack", capped, tmp_path / "out")
+
+
+def _row_flattened_bind(self, kv_cache):
+    """The plugin's earlier ``LatentCache.bind_kv_cache``: the cache kept as token rows, so vLLM's
+    zeroing of newly allocated blocks (``kv_cache[block_id].zero_()``) hit token rows instead."""
+    self.block_size = kv_cache.shape[-2]
+    self.kv_cache = kv_cache.view(-1, self.head_size)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["fixed-plugin", "row-flattened-cache"])
+def test_verify_gate_catches_a_cache_broken_across_prefill_steps(setup, glm5_next_export, tmp_path, monkeypatch,
+                                                                 broken):
+    """The local preset's verify prefills 16k-token windows in 1000-token engine steps on every host:
+    with the cache defect injected, state handed from step to step is wrong and the gate fails."""
+    from model.vllm_cpu import layers
+
+    root, *_ = setup
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)   # vLLM's host branch, pinned
+    if broken:
+        monkeypatch.setattr(layers.LatentCache, "bind_kv_cache", _row_flattened_bind)
+    preset = get_preset("local-cpu")
+    assert preset.verify.engine_step_tokens < min(preset.verify.context_lengths)
+    preset = dataclasses.replace(preset, verify=dataclasses.replace(preset.verify, context_lengths=(16_384,),
+                                                                    windows_per_length=1))
+    if broken:
+        with pytest.raises(VerifyGateError, match="bucket 16,384 tokens"):
+            verify_checkpoint(glm5_next_export, root / "pack", preset, tmp_path / "out")
+    else:
+        report = verify_checkpoint(glm5_next_export, root / "pack", preset, tmp_path / "out").report
+        assert report["passed"] and "chunked prefill, 1000 tokens per step" in report["legs"]["engine"]
