@@ -80,3 +80,24 @@ def test_second_run_hits_every_stage_and_prints_the_same_report(runs):
     assert flytekit_log(first).count("Cache miss") >= 7
     assert flytekit_log(second).count("Cache miss") == 0
     assert flytekit_log(second).count("Cache hit") >= 7
+
+
+def test_nightly_plan_with_its_fixed_inputs_evaluates_the_newest_sft_run(runs, tmp_path):
+    """The nightly launch plan's inputs, fixed as at registration (MEGABASE_HELDOUT_SHARDS set,
+    no checkpoint root given): the base of every run's checkpoints, resolved to the newest SFT run."""
+    outputs, _, _ = runs
+    (pack,) = (outputs / "outputs" / "pack").glob("*/manifest.json")
+    env = dict(os.environ, MEGABASE_PRESET="ci-smoke", MEGABASE_HOME=str(outputs), HOME=str(tmp_path),
+               MEGABASE_HELDOUT_SHARDS=str(pack.parent))
+    script = ("import json, sys; from workflows import genome_pipeline as g; "
+              "inputs = g.nightly_fixed_inputs(['pyflyte', 'register']); print(json.dumps(inputs)); "
+              "print('EVALUATED', g.heldout_eval(**inputs).path)")
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=1800)
+    assert run.returncode == 0, run.stderr[-6000:]
+    inputs = json.loads(run.stdout.splitlines()[0])
+    assert inputs["checkpoint_root"] == str(outputs / "checkpoints") and inputs["shards_uri"] == str(pack.parent)
+    evaluated = Path(run.stdout.split("EVALUATED ")[1].split()[0])
+    report = json.loads((evaluated / "evaluate.json").read_text())
+    assert list(report["checkpoints"]) == ["latest"]
+    assert report["checkpoints"]["latest"]["overall"]["bits_per_base"] < 4.0
