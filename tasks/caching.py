@@ -338,6 +338,62 @@ def shared_kernel_cache(checkpoint_dir: str, on_gpu: bool | None = None) -> str 
     return cache
 
 
+def _local_blobs(literal) -> list[tuple[str, str]]:
+    """``(uri, hash)`` of every blob in a flyteidl ``Literal`` (collections and maps walked)."""
+    found = []
+    if literal.HasField("scalar") and literal.scalar.HasField("blob"):
+        found.append((literal.scalar.blob.uri, literal.hash))
+    elif literal.HasField("collection"):
+        for item in literal.collection.literals:
+            found += _local_blobs(item)
+    elif literal.HasField("map"):
+        for item in literal.map.literals.values():
+            found += _local_blobs(item)
+    return found
+
+
+def drop_stale_local_cache_entries() -> list[str]:
+    """Forget Flyte local-cache hits whose output directory is gone or changed under ``$MEGABASE_HOME``.
+
+    flytekit's local cache (``~/.flyte/local-cache``) keeps each cached task's outputs as URIs,
+    and a hit on a directory that was deleted or renamed fails every later run ("Expected a
+    directory, but the given uri ... is not a directory") until the cache is cleared by hand.
+    This drops exactly those entries, and entries whose directory's manifest no longer has the
+    recorded content hash, so the stage reruns. Local outputs only: a cluster run's outputs
+    live in its blob store. Reads flytekit's ``LocalTaskCache._cache`` (a ``diskcache.Cache``
+    whose values are serialized ``LiteralMap`` protos, flytekit 1.16).
+
+    Returns:
+        The output paths whose entries were dropped (one log line each).
+    """
+    from flyteidl.core.literals_pb2 import LiteralMap
+    from flytekit.core.local_cache import LocalTaskCache
+
+    outputs = (megabase_home() / "outputs").resolve()
+    if not LocalTaskCache._initialized:
+        LocalTaskCache.initialize()
+    cache, dropped = LocalTaskCache._cache, []
+    for key in list(cache.iterkeys()):
+        value = cache.get(key)
+        if not isinstance(value, bytes):
+            continue
+        literals = LiteralMap()
+        literals.ParseFromString(value)
+        for uri, recorded in (blob for lit in literals.literals.values() for blob in _local_blobs(lit)):
+            path = Path(uri.removeprefix("file://")).expanduser()
+            if "://" in uri.removeprefix("file://") or not path.resolve().is_relative_to(outputs):
+                continue
+            stale = not path.is_dir() or (recorded and (path / "manifest.json").exists()
+                                          and directory_sha256(path) != recorded)
+            if stale:
+                cache.delete(key)
+                dropped.append(str(path))
+                logging.getLogger("megabase.workflow").warning(
+                    "cached output %s is missing or changed: its stage reruns", path)
+                break
+    return dropped
+
+
 def as_output(path: Path) -> FlyteDirectory:
     """Return a stage's output directory: kept in place locally, uploaded on a cluster."""
     if is_local_execution():

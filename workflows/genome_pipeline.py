@@ -28,10 +28,12 @@ from tasks.pack import PackConfig, pack_task
 from tasks.rl import RLConfig, preset_rl_config, rl_task
 from tasks.sft import SFTConfig, preset_sft_config, sft_task
 from tasks.verify import verify_task
-from tasks.caching import HashedDir, megabase_home
+from tasks.caching import HashedDir, drop_stale_local_cache_entries, megabase_home
 from tasks.presets import active_preset
 
 PRESET = active_preset()
+# A cached stage whose output directory was deleted or changed reruns instead of failing.
+drop_stale_local_cache_entries()
 
 
 class DataSelection(NamedTuple):
