@@ -106,11 +106,13 @@ def keep_records_through(path: str | os.PathLike, step: int) -> list[dict]:
     """Truncate a JSON-lines history to the records of steps ``<= step``; returns them.
 
     A training run resumed from the checkpoint of ``step`` keeps its history up to that step
-    and drops what a killed run wrote after it. Each record has an integer ``"step"``; the file
-    is created empty when missing.
+    and drops what a killed run wrote after it. Each record has an integer ``"step"``. A missing
+    file stays missing (a run that fails before its first step leaves no empty history behind).
     """
     path = Path(path)
-    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines()]
     kept = [r for r in records if r["step"] <= step]
     path.write_text("".join(json.dumps(r) + "\n" for r in kept))
     return kept

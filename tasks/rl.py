@@ -444,7 +444,10 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
         if is_main:
             if history != work:
                 for name in ("metrics.jsonl", "rollouts.jsonl"):
-                    shutil.copyfile(history / name, work / name)
+                    if (history / name).exists():
+                        shutil.copyfile(history / name, work / name)
+                    else:
+                        (work / name).write_text("")
             meta = export_metadata(preset, sha256_file(shards_dir / "manifest.json"))
             save_hf_checkpoint(hf, model_cfg, work / "hf", meta, vision_state=vision_state,
                                vision_config=json.loads((sft_export / "config.json").read_text()).get("vision_config"))

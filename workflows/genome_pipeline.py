@@ -19,6 +19,7 @@ from typing import NamedTuple
 from flytekit import CronSchedule, LaunchPlan, task, workflow
 from flytekit.types.directory import FlyteDirectory
 
+from tasks import failures
 from tasks.base_model import base_model_task
 from tasks.corpora import CORPORA
 from tasks.evaluate import evaluate_task
@@ -34,6 +35,8 @@ from tasks.presets import active_preset
 PRESET = active_preset()
 # A cached stage whose output directory was deleted or changed reruns instead of failing.
 drop_stale_local_cache_entries()
+# A failure prints one paragraph on stderr (stage, cause, what to do) and logs the traceback.
+failures.install()
 
 
 class DataSelection(NamedTuple):
