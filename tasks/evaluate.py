@@ -26,11 +26,13 @@ Outputs (``out_dir``, written atomically): ``evaluate.json`` (every number),
 from __future__ import annotations
 
 import base64
+import bz2
 import contextlib
 import functools
 import html
 import json
 import logging
+import lzma
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -353,6 +355,30 @@ def _markov_baseline(shards_dir: Path, order: int) -> _MarkovSource | None:
     return _MarkovSource(model, f"Markov order {order}, add-one smoothing, backoff; fitted on the train split")
 
 
+COMPRESSORS = {
+    "xz -9e (lzma)": lambda data: lzma.compress(data, preset=9 | lzma.PRESET_EXTREME),
+    "bzip2 -9": lambda data: bz2.compress(data, compresslevel=9),
+}
+"""General-purpose compressors whose size on the scored bases is a baseline (standard library)."""
+
+
+def compressor_baselines(windows: list[Window]) -> dict[str, dict]:
+    """Bits per base of each of :data:`COMPRESSORS` on exactly the bases the models score.
+
+    The scored bases (every A/C/G/T target of every window, in order, as one ASCII string) are
+    compressed whole: ``8 * compressed bytes / bases``. A compressor has no per-token cost, so
+    the numbers are overall only; they are what a model must beat to say it learned more than
+    a general-purpose compressor finds in the same sequence.
+    """
+    letters = np.frombuffer(b"????ACGT", dtype=np.uint8)
+    data = b"".join(letters[w.tokens[1:][w.loss_mask[1:]]].tobytes() for w in windows)
+    if not data:
+        return {}
+    return {name: {"bits_per_base": 8 * len(compress(data)) / len(data), "bases": len(data),
+                   "source": f"{name} on the {len(data):,} scored bases of the held-out windows"}
+            for name, compress in COMPRESSORS.items()}
+
+
 def _opened(source: LogProbSource | Callable[[], LogProbSource]):
     """A source, or one built now from a zero-argument factory and closed after use."""
     if isinstance(source, LogProbSource):
@@ -429,12 +455,19 @@ def evaluate(sources: Mapping[str, LogProbSource | Callable[[], LogProbSource]],
         "context_buckets": [[int(a), int(b)] for a, b in zip(edges[:-1], edges[1:])],
         "checkpoints": {label: results[label] for label in sources},
         "baselines": {label: results[label] for label in results if label not in sources},
+        "compressors": compressor_baselines(windows),
+        "held_out_kmer_overlap": _manifest_overlap(shards_dir),
     }
     with atomic_output_dir(out_dir) as work:
         (work / "evaluate.json").write_text(json.dumps(report, indent=1))
         png = plot_loss_by_context(report, work / "loss_by_context.png")
         (work / "deck.html").write_text(deck_html(report, png))
     return EvalResult(Path(out_dir), report)
+
+
+def _manifest_overlap(shards_dir: Path) -> dict | None:
+    """The pack manifest's train/held-out 31-mer overlap (``tasks.pack``), or None for older packs."""
+    return json.loads((shards_dir / "manifest.json").read_text()).get("held_out_kmer_overlap")
 
 
 def _relative(entry: dict, base: dict) -> float | None:
@@ -462,15 +495,25 @@ def plot_loss_by_context(report: dict, path: Path) -> Path:
 
     labels = [_bucket_label(*b) for b in report["context_buckets"]]
     x = np.arange(len(labels))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    others = [name for name in report["checkpoints"]][1:]
+    fig, axes = plt.subplots(1, 2 if others else 1, figsize=(11 if others else 6.5, 4.2), squeeze=False)
+    left = axes[0, 0]
     for name, entry in {**report["checkpoints"], **report["baselines"]}.items():
         style = "--" if name in report["baselines"] else "-"
         left.plot(x, [np.nan if b["bits_per_base"] is None else b["bits_per_base"] for b in entry["buckets"]],
                   style, marker="o", label=name)
+    left.axhline(2.0, color="grey", linewidth=0.8, linestyle=":", label="uniform over A/C/G/T")
+    for (name, entry), color in zip(report.get("compressors", {}).items(), ("tab:brown", "tab:pink")):
+        left.axhline(entry["bits_per_base"], color=color, linewidth=0.8, linestyle="-.", label=name)
     left.set(xticks=x, xticklabels=labels, xlabel="prior context (tokens)", ylabel="bits per base",
              title="held-out loss by prior context")
     left.legend(fontsize=8)
-    others = [name for name in report["checkpoints"]][1:]
+    if not others:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+    right = axes[0, 1]
     width = 0.8 / max(len(others), 1)
     for i, name in enumerate(others):
         change = [100 * (b["relative_change"] or 0.0) for b in report["checkpoints"][name]["buckets"]]
@@ -503,12 +546,20 @@ def deck_html(report: dict, png: Path) -> str:
             + f"<br><small>{b['tokens']:,} tok</small></td>" for b in entry["buckets"])
         rows.append(f"<tr><td><b>{html.escape(name)}</b><br><small>{html.escape(entry['source'])}</small></td>"
                     f"{cells}<td>{_fmt(entry['overall']['bits_per_base'])}</td></tr>")
+    for name, entry in report.get("compressors", {}).items():
+        rows.append(f"<tr><td><b>{html.escape(name)}</b><br><small>{html.escape(entry['source'])}</small></td>"
+                    f"<td colspan={len(buckets)}>(no per-token cost)</td><td>{_fmt(entry['bits_per_base'])}</td></tr>")
     windows = report["windows"]
+    overlap = report.get("held_out_kmer_overlap") or {}
+    note = (f"<p>{100 * overlap['fraction']:.1f}% of the held-out chromosome's distinct {overlap['k']}-mers "
+            f"(both strands) occur exactly in the training split: shared sequence (homology), not leakage "
+            f"of the held-out record.</p>" if overlap.get("fraction") is not None else "")
     return (
         f"<h3>Held-out loss (bits per base) by prior context: {len(windows)} windows of "
         f"{report['config']['window_tokens']:,} tokens, split {html.escape(report['config']['split'])}</h3>"
         f'<img src="data:image/png;base64,{image}" style="max-width:100%">'
         f"<table border=1 cellpadding=4><tr><th>checkpoint</th>{head}<th>all</th></tr>{''.join(rows)}</table>"
+        f"{note}"
     )
 
 

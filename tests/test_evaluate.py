@@ -255,3 +255,21 @@ def test_an_evaluation_only_pack_gets_no_markov_baseline(setup, tmp_path):
     result = evaluate({"base": TransformersEngine(root / "base", max_model_len=WINDOW)}, pack_dir, cfg, tmp_path / "out")
     assert result.report["baselines"] == {}
     assert set(result.report["checkpoints"]) == {"base"}
+
+
+def test_compressor_baselines_compress_exactly_the_scored_bases():
+    import bz2
+    import lzma
+
+    from tasks import vocab
+    from tasks.evaluate import Window, compressor_baselines
+
+    text = "NACGTTGCANNACGGT"                      # position 0 is never a target; N is not scored
+    tokens = np.array([vocab.TOKENS.index(c) for c in text], dtype=np.uint8)   # ids by hand: A=4 ... N=8
+    mask = np.array([c in "ACGT" for c in text])
+    window = Window(tokens, mask, np.zeros_like(mask), "eval/shard-00000.parquet", 0, "r", "+", 0)
+    scored = "".join(c for c in text[1:] if c in "ACGT").encode()
+    got = compressor_baselines([window, window])
+    assert got["xz -9e (lzma)"]["bases"] == 2 * len(scored)
+    assert got["xz -9e (lzma)"]["bits_per_base"] == 8 * len(lzma.compress(scored * 2, preset=9 | lzma.PRESET_EXTREME)) / (2 * len(scored))
+    assert got["bzip2 -9"]["bits_per_base"] == 8 * len(bz2.compress(scored * 2, compresslevel=9)) / (2 * len(scored))
