@@ -33,3 +33,16 @@ def tiny_glm5_next_hf(plain_torch_transformers):
         return hf.eval()
 
     return build
+
+
+@pytest.fixture(autouse=True, scope="session")
+def pinned_cpu_isa_branch():
+    """vLLM's CPU paths branch on AMX (vllm/platforms/cpu.py: chunked prefill and block size for
+    MLA models; vllm/v1/attention/backends/cpu_attn.py: the attention ISA): every in-process
+    engine of the test run takes the no-AMX branch, whatever the host, so no outcome depends on
+    the machine. Tests of the other branch set it themselves."""
+    import torch
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        yield
