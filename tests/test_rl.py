@@ -181,3 +181,28 @@ def test_context_parallel_2_ranks_equals_one_process(shards, tiny_export, tmp_pa
     # two runs agree to 1% of the largest update.
     update = max((a[k] - start[k]).abs().max().item() for k in a)
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 0.01 * update
+
+
+def test_rl_never_opens_a_held_out_shard(shards, tiny_export, tmp_path, monkeypatch):
+    import shutil
+
+    import tasks.pack
+
+    pack_dir = tmp_path / "pack"
+    shutil.copytree(shards, pack_dir)
+    splits = json.loads((pack_dir / "manifest.json").read_text())["splits"]
+    train = {str(pack_dir / s["path"]) for s in splits["train"]["shards"]}
+    for shard in splits["eval"]["shards"]:     # any attempt to read one would now fail
+        (pack_dir / shard["path"]).unlink()
+    opened = []
+
+    def recording(read):
+        def wrapper(path, *args, **kwargs):
+            opened.append(str(path))
+            return read(path, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(tasks.pack, "read_shard", recording(tasks.pack.read_shard))
+    monkeypatch.setattr(tasks.pack, "sha256_file", recording(tasks.pack.sha256_file))
+    run_rl(pack_dir, tiny_export, tmp_path / "rl", steps=1, engine="transformers")
+    assert opened and set(opened) <= train, set(opened) - train
