@@ -5,7 +5,7 @@ nothing when a CUDA device is present, so GPU runs execute megatron unmodified.
 :func:`enable` is idempotent; call it before building megatron modules and before
 ``parallel_state.initialize_model_parallel``.
 
-Calls covered (each met on CPU, see /work/shared/FINDINGS.md, "megatron-core on CPU"):
+Calls covered (each met running megatron-core 0.19.2 on CPU):
 
 ``torch.cuda.current_device()``
     Used as ``device=`` for parameters and buffers (router ``expert_bias``, rotary tables, MoE

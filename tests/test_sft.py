@@ -266,8 +266,10 @@ def test_planned_activation_bytes_match_what_autograd_saves(tmp_path):
     # gets a looser bound; fla's core matched to 0.1% on an H200 (kernels/NOTES.md at fee4dc9).
     script = Path(__file__).parent / "gpu" / "activation_bytes.py"
     out = tmp_path / "bytes.json"
+    # PYTHONPATH: the script imports this checkout's tasks/model, not an installed copy's
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(script.parents[2])}
     proc = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--seq", "512", "--out", str(out)],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+                          capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from model.config import preset
 
