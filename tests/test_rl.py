@@ -184,25 +184,9 @@ def test_context_parallel_2_ranks_equals_one_process(shards, tiny_export, tmp_pa
 
 
 def test_rl_never_opens_a_held_out_shard(shards, tiny_export, tmp_path, monkeypatch):
-    import shutil
+    from held_out import record_shard_reads, without_held_out_shards
 
-    import tasks.pack
-
-    pack_dir = tmp_path / "pack"
-    shutil.copytree(shards, pack_dir)
-    splits = json.loads((pack_dir / "manifest.json").read_text())["splits"]
-    train = {str(pack_dir / s["path"]) for s in splits["train"]["shards"]}
-    for shard in splits["eval"]["shards"]:     # any attempt to read one would now fail
-        (pack_dir / shard["path"]).unlink()
-    opened = []
-
-    def recording(read):
-        def wrapper(path, *args, **kwargs):
-            opened.append(str(path))
-            return read(path, *args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(tasks.pack, "read_shard", recording(tasks.pack.read_shard))
-    monkeypatch.setattr(tasks.pack, "sha256_file", recording(tasks.pack.sha256_file))
-    run_rl(pack_dir, tiny_export, tmp_path / "rl", steps=1, engine="transformers")
+    train = without_held_out_shards(shards, tmp_path / "pack")
+    opened = record_shard_reads(monkeypatch.setattr)
+    run_rl(tmp_path / "pack", tiny_export, tmp_path / "rl", steps=1, engine="transformers")
     assert opened and set(opened) <= train, set(opened) - train

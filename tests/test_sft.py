@@ -492,44 +492,26 @@ def test_validation_windows_are_the_training_shards_last_tokens_and_never_traine
 
 HELD_OUT_SCRIPT = r"""
 import json, sys
-import tasks.pack
+sys.path.insert(0, sys.argv[4])
+from held_out import record_shard_reads
 from tasks.sft import SFTConfig, train
 
-opened = []
-
-def recording(read):
-    def wrapper(path, *args, **kwargs):
-        opened.append(str(path))
-        return read(path, *args, **kwargs)
-    return wrapper
-
-tasks.pack.read_shard = recording(tasks.pack.read_shard)      # every shard decode
-tasks.pack.sha256_file = recording(tasks.pack.sha256_file)    # every shard verification
+opened = record_shard_reads(setattr)
 train(sys.argv[1], SFTConfig(**json.loads(sys.argv[2])), sys.argv[3])
 print("OPENED" + json.dumps(opened))
 """
 
 
-def without_held_out_shards(shards: Path, copy: Path) -> tuple[set[str], set[str]]:
-    """A copy of the pack output whose held-out (eval) shard files are deleted; (train, eval) shard paths."""
-    import shutil
-
-    shutil.copytree(shards, copy)
-    splits = json.loads((copy / "manifest.json").read_text())["splits"]
-    paths = {split: {str(copy / s["path"]) for s in splits[split]["shards"]} for split in ("train", "eval")}
-    assert paths["eval"]
-    for path in paths["eval"]:
-        Path(path).unlink()
-    return paths["train"], paths["eval"]
-
-
 def test_sft_validates_and_picks_best_without_opening_a_held_out_shard(shards, tmp_path):
-    train_paths, _ = without_held_out_shards(shards, tmp_path / "pack")
+    from held_out import without_held_out_shards
+
+    train_paths = without_held_out_shards(shards, tmp_path / "pack")
     cfg = dict(seq_len=1024, eval_seq_len=2048, eval_windows=2, steps=2, warmup_steps=1, eval_every=1,
                checkpoint_every=1, checkpoint_dir=str(tmp_path / "ckpt"))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", HELD_OUT_SCRIPT, str(tmp_path / "pack"), json.dumps(cfg),
-                           str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=600)
+                           str(tmp_path / "out"), str(Path(__file__).parent)], capture_output=True, text=True, env=env,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     opened = set(json.loads(proc.stdout.split("OPENED", 1)[1]))
     assert opened and opened <= train_paths, opened - train_paths
