@@ -5,7 +5,7 @@ nothing when a CUDA device is present, so GPU runs execute megatron unmodified.
 :func:`enable` is idempotent; call it before building megatron modules and before
 ``parallel_state.initialize_model_parallel``.
 
-Calls covered (each met on CPU, see /work/shared/FINDINGS.md, "megatron-core on CPU"):
+Calls covered (each met running megatron-core 0.19.2 on CPU):
 
 ``torch.cuda.current_device()``
     Used as ``device=`` for parameters and buffers (router ``expert_bias``, rotary tables, MoE
@@ -34,9 +34,10 @@ maps ``torch.cuda.current_device()`` to the CPU, so a float32 CPU copy of the mo
 reference next to the GPU model (megatron's router otherwise moves its CPU weight to the current
 CUDA device in ``gating``).
 
-Not covered here: ``Tensor.type() == "torch.cuda.FloatTensor"`` assertions in megatron's
-distributed optimizer / grad clipping (patching ``Tensor.type`` globally would change its meaning
-for every library); the training stage uses megatron's optimizer wrappers that avoid them.
+:func:`megatron_optimizer_on_cpu` is the one scoped patch: megatron's distributed optimizer and
+gradient clipping assert ``param.type() == "torch.cuda.FloatTensor"`` and allocate norm buffers
+with ``device="cuda"``. Patching ``Tensor.type`` for the whole process would change its meaning for
+every library, so the trainer wraps only optimizer construction, ``step()`` and state loading in it.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import os
 
 import torch
 
-__all__ = ["enable", "is_active", "init_process_group", "cpu_reference"]
+__all__ = ["enable", "is_active", "init_process_group", "cpu_reference", "megatron_optimizer_on_cpu"]
 
 _ACTIVE = False
 
@@ -174,3 +175,53 @@ def cpu_reference():
             yield
     finally:
         torch.cuda.current_device = original
+
+
+@contextlib.contextmanager
+def megatron_optimizer_on_cpu():
+    """Let megatron's optimizer code run on CPU tensors (no-op when a GPU is present).
+
+    megatron-core 0.19.2 asserts ``param.type() == "torch.cuda.FloatTensor"`` (distributed
+    optimizer, gradient clipping) and allocates norm buffers with ``device="cuda"``
+    (``clip_grads``, ``utils.local_multi_tensor_l2_norm``). Inside this context a CPU tensor
+    reports its CUDA type name and ``device="cuda"`` allocations in those megatron modules land on
+    the CPU; on exit both are restored, so no other code sees them.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    original_type = torch.Tensor.type
+
+    def cuda_type_name(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None:
+            name = original_type(self)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        return original_type(self, dtype, non_blocking, **kwargs)
+
+    class _CPUTorch:
+        """``torch`` as seen by the patched megatron modules: ``device="cuda"`` means the CPU."""
+
+        def __getattr__(self, name):
+            value = getattr(torch, name)
+            if name in ("zeros", "tensor", "empty", "ones", "full", "zeros_like", "empty_like"):
+                def on_cpu(*args, **kwargs):
+                    if str(kwargs.get("device", "")).startswith("cuda"):
+                        kwargs["device"] = "cpu"
+                    return value(*args, **kwargs)
+                return on_cpu
+            return value
+
+    modules = (clip_grads, distrib_optimizer, optimizer, utils)
+    saved = [m.torch for m in modules]
+    torch.Tensor.type = cuda_type_name
+    for m in modules:
+        m.torch = _CPUTorch()
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original_type
+        for m, t in zip(modules, saved):
+            m.torch = t

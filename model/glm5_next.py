@@ -48,8 +48,9 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from model.config import DSA, Glm5NextConfig
-from model.layers import DSAMixer, HyperConnection, KDAMixer, RMSNorm, _init_normal
+from model.layers import DSAMixer, HyperConnection, KDAMixer, RMSNorm, init_normal
 from model.offload import OffloadChain
+from model.parallel import ParallelLayout
 
 __all__ = ["Glm5NextLayerSubmodules", "Glm5NextLayer", "Glm5NextModel", "layer_spec", "build_model", "mlp_recomputed"]
 
@@ -91,12 +92,13 @@ class Glm5NextLayer(MegatronModule):
     DSA selection ``[b, s, W]`` of this layer (None for KDA layers), handed to the next layer.
     """
 
-    def __init__(self, config: Glm5NextConfig, submodules: Glm5NextLayerSubmodules, layer_number: int = 1):
+    def __init__(self, config: Glm5NextConfig, submodules: Glm5NextLayerSubmodules, layer_number: int = 1,
+                 layout: ParallelLayout | None = None):
         super().__init__(config)
         self.layer_number = layer_number
         self.attn_hc = HyperConnection(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
-        self.mixer = build_module(submodules.mixer, config=config, layer_number=layer_number)
+        self.mixer = build_module(submodules.mixer, config=config, layer_number=layer_number, layout=layout)
         self.ffn_hc = HyperConnection(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
         self.is_moe = config.mlp_layer_types[layer_number - 1] == "sparse"
@@ -155,15 +157,17 @@ class Glm5NextModel(MegatronModule):
     per-token cross-entropy ``[b, s]`` (float32, computed ``logits_chunk_tokens`` tokens at a time,
     each chunk's logits recomputed in backward: full-vocabulary logits never exist for all
     positions at once); without, the final hidden states ``[s, b, h]``. Under CP, ``input_ids`` and
-    ``labels`` are this rank's contiguous shard.
+    ``labels`` are this rank's contiguous shard. ``layout`` (:class:`model.parallel.ParallelLayout`)
+    reaches every mixer.
     """
 
-    def __init__(self, config: Glm5NextConfig, logits_chunk_tokens: int = 4096):
+    def __init__(self, config: Glm5NextConfig, logits_chunk_tokens: int = 4096, layout: ParallelLayout | None = None):
         super().__init__(config)
-        init = _init_normal(config.init_method_std)
+        init = init_normal(config.init_method_std)
         self.embedding = VocabParallelEmbedding(config.vocab_size, config.hidden_size, init_method=init, config=config)
         self.layers = torch.nn.ModuleList(
-            [build_module(layer_spec(config, i), config=config, layer_number=i + 1) for i in range(config.num_layers)]
+            [build_module(layer_spec(config, i), config=config, layer_number=i + 1, layout=layout)
+             for i in range(config.num_layers)]
         )
         self.final_norm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
         self.output_layer = ColumnParallelLinear(config.hidden_size, config.vocab_size, config=config, init_method=init,
@@ -206,12 +210,14 @@ class Glm5NextModel(MegatronModule):
 
 
 def build_model(config: Glm5NextConfig, *, seed: int = 0, logits_chunk_tokens: int = 4096,
-                dtype: torch.dtype | None = None) -> Glm5NextModel:
-    """Build the glm5_next model for this rank (TP/EP/CP from megatron ``parallel_state``).
+                dtype: torch.dtype | None = None, layout: ParallelLayout | None = None) -> Glm5NextModel:
+    """Build the glm5_next model for this rank in ``layout`` (TP/CP; EP through megatron's MoE).
 
     Initialises ``parallel_state`` for a single process (gloo) if no one did, enables
     :mod:`model.cpu_compat` when no GPU is present, seeds megatron's model-parallel RNG with
-    ``seed``. ``dtype`` casts parameters (the router's ``expert_bias`` stays float32).
+    ``seed``. ``dtype`` casts parameters (the router's ``expert_bias`` stays float32). ``layout``
+    is the trainer's (:func:`tasks.trainer.init_parallel`); without one, the layout megatron's
+    ``parallel_state`` was initialised with (:meth:`ParallelLayout.from_megatron`), read once here.
     """
     from model import cpu_compat
 
@@ -220,9 +226,10 @@ def build_model(config: Glm5NextConfig, *, seed: int = 0, logits_chunk_tokens: i
         cpu_compat.init_process_group(0, 1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
+    layout = layout or ParallelLayout.from_megatron()
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    model = Glm5NextModel(config, logits_chunk_tokens=logits_chunk_tokens)
+    model = Glm5NextModel(config, logits_chunk_tokens=logits_chunk_tokens, layout=layout)
     if dtype is not None:
         model.to(dtype)
         for layer in model.layers:

@@ -2,7 +2,8 @@
 
 Every module takes megatron's ``[s, b, h]`` layout (sequence first) and tensor-parallel linears
 (``ColumnParallelLinear`` / ``RowParallelLinear``): heads are split over TP ranks, the small
-low-rank/gate projections and the DSA indexer are replicated. Numerics follow transformers'
+low-rank/gate projections and the DSA indexer are replicated. The mixers receive the parallel
+layout (:class:`model.parallel.ParallelLayout`) as an argument and read no parallel globals. Numerics follow transformers'
 ``modeling_glm5_next.py`` (the reference of the parity tests), module by module as named below.
 """
 
@@ -12,7 +13,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
@@ -21,29 +21,14 @@ from megatron.core.transformer.module import MegatronModule
 from model.config import Glm5NextConfig
 from model.norms import RMSNorm
 from model.ops.kda import chunk_kda_torch
-from model.parallel import CPContext, all_gather_seq
+from model.parallel import CPContext, ParallelLayout, all_gather_seq
 
-__all__ = ["RMSNorm", "HyperConnection", "KDAMixer", "DSAMixer", "recompute"]
+__all__ = ["RMSNorm", "HyperConnection", "KDAMixer", "DSAMixer", "recompute", "init_normal"]
 
 
-def _init_normal(std: float):
+def init_normal(std: float):
+    """Initialiser drawing weights from ``N(0, std^2)`` (megatron's ``init_method``)."""
     return lambda w: torch.nn.init.normal_(w, mean=0.0, std=std)
-
-
-def _tp_size() -> int:
-    if not parallel_state.model_parallel_is_initialized():
-        return 1
-    return parallel_state.get_tensor_model_parallel_world_size()
-
-
-def _tp_rank() -> int:
-    return parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
-
-
-def _cp_context() -> CPContext:
-    if parallel_state.model_parallel_is_initialized():
-        return CPContext(parallel_state.get_context_parallel_group())
-    return CPContext(None)
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -162,18 +147,20 @@ class KDAMixer(MegatronModule):
     :mod:`model.parallel`): parallel state passing (:meth:`_kda_context_parallel`) and the
     convolution history of rank r-1, both through all-gathers.
     ``cu_seqlens`` (packed documents, ``b == 1``, no CP) restarts state and convolution at each
-    document start.
+    document start. ``layout`` (:class:`model.parallel.ParallelLayout`, default one process) gives
+    the TP size and the CP group.
     """
 
-    def __init__(self, config: Glm5NextConfig, layer_number: int = 1):
+    def __init__(self, config: Glm5NextConfig, layer_number: int = 1, layout: ParallelLayout | None = None):
         super().__init__(config)
-        tp = _tp_size()
+        self.layout = layout or ParallelLayout()
+        tp = self.layout.tp_size
         h, d = config.hidden_size, config.linear_head_dim
         self.head_dim = d
         self.heads = _divide(config.linear_num_heads, tp, "linear_num_heads")
         self.dim = self.heads * d
         full = config.linear_num_heads * d
-        init = _init_normal(config.init_method_std)
+        init = init_normal(config.init_method_std)
         col = dict(config=config, init_method=init, bias=False, gather_output=False)
         self.q_proj = ColumnParallelLinear(h, full, **col)
         self.k_proj = ColumnParallelLinear(h, full, **col)
@@ -231,7 +218,7 @@ class KDAMixer(MegatronModule):
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """``x [s, b, h]`` -> ``[s, b, h]``."""
-        cp = _cp_context()
+        cp = self.layout.cp
         xb = x.transpose(0, 1)  # [b, s, h]
         b, s, _ = xb.shape
         qkv_pre = [p(xb)[0] for p in (self.q_proj, self.k_proj, self.v_proj)]
@@ -262,7 +249,7 @@ class KDAMixer(MegatronModule):
             o, _ = self._kda(_depthwise_causal_conv(pre, weight, None), g, beta, None)
         gate, _ = self.g_b_proj(self.g_a_proj(xb))
         # Replicated weight, local heads: its gradient is summed over TP ranks by the copy region.
-        w = copy_to_tensor_model_parallel_region(self.o_norm_weight) if _tp_size() > 1 else self.o_norm_weight
+        w = copy_to_tensor_model_parallel_region(self.o_norm_weight) if self.layout.tp_size > 1 else self.o_norm_weight
         gate = gate.unflatten(-1, (self.heads, self.head_dim))
         # recomputed in backward: saves o and gate in their dtypes, not four float32 [s, b, KD] steps
         o = recompute(lambda o, gate, w: self._gated_norm(o, gate, w).to(x.dtype), o, gate, w)
@@ -329,10 +316,28 @@ class Indexer(torch.nn.Module):
         self.weights_proj = torch.nn.Linear(h, nh, bias=False)
         self.kpool_compress_ape = torch.nn.Parameter(torch.zeros(config.index_kpool, d))
         self.kpool_compress_gate = torch.nn.Parameter(torch.ones(d, h))
-        init = _init_normal(config.init_method_std)
+        init = init_normal(config.init_method_std)
         with torch.no_grad():
             for w in (self.wq_b.weight, self.wk.weight, self.weights_proj.weight):
                 init(w)
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5
+
+    def score_inputs(self, x: torch.Tensor, q_resid: torch.Tensor, cp: CPContext):
+        """What the k-pool scores are computed from, for ``x [b, s, h]`` and ``q_resid [b, s, q_lora]``.
+
+        Returns:
+            (queries ``[b, s, H_i, D_i]``, keys ``[b, s_all, D_i]`` and k-pool gate inputs
+            ``[b, s_all, D_i]`` gathered over CP, head weights float32 ``[b, s, H_i]``
+            scaled by ``H_i ** -0.5``).
+        """
+        q = self.wq_b(q_resid).unflatten(-1, (self.n_heads, self.head_dim))
+        k = all_gather_seq(self.k_norm(self.wk(x)), 1, cp)
+        gate = all_gather_seq(F.linear(x, self.kpool_compress_gate), 1, cp)
+        weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        return q, k, gate, weights
 
 
 class DSAMixer(MegatronModule):
@@ -353,16 +358,19 @@ class DSAMixer(MegatronModule):
 
     TP splits heads (``q_b``, ``kv_b`` column-parallel, ``o_proj`` row-parallel); ``q_a``,
     ``kv_a`` and the indexer are replicated. CP all-gathers the latent and the indexer keys
-    (contiguous layout, queries at offset ``cp_rank * s``).
+    (contiguous layout, queries at offset ``cp_rank * s``). ``layout``
+    (:class:`model.parallel.ParallelLayout`, default one process) gives the TP size and the CP group.
     """
 
-    def __init__(self, config: Glm5NextConfig, layer_number: int = 1, shared_indexer: bool = False):
+    def __init__(self, config: Glm5NextConfig, layer_number: int = 1, shared_indexer: bool = False,
+                 layout: ParallelLayout | None = None):
         super().__init__(config)
-        tp = _tp_size()
+        self.layout = layout or ParallelLayout()
+        tp = self.layout.tp_size
         h = config.hidden_size
         self.heads = _divide(config.num_attention_heads, tp, "num_attention_heads")
         self.nope, self.v_dim, self.kv_lora = config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
-        init = _init_normal(config.init_method_std)
+        init = init_normal(config.init_method_std)
         col = dict(config=config, init_method=init, bias=False, gather_output=False)
         self.q_a_proj = torch.nn.Linear(h, config.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.layernorm_epsilon)
@@ -379,50 +387,58 @@ class DSAMixer(MegatronModule):
         self.indexer = None if shared_indexer else Indexer(config)
         self.cfg = config
 
+    def absorbed_queries(self, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q_resid [b, s, q_lora], q_abs [b, s, H, kv_lora])`` of ``xb [b, s, h]``: the normed low-rank
+        query (the indexer's query input) and the query absorbed into the latent space, ``q W_UK``."""
+        q_resid = self.q_a_layernorm(self.q_a_proj(xb))
+        q = self.q_b_proj(q_resid)[0].unflatten(-1, (self.heads, self.nope))
+        w_uk = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.kv_lora)[:, : self.nope]
+        return q_resid, torch.einsum("bshd,hdc->bshc", q, w_uk)
+
+    def latent(self, xb: torch.Tensor) -> torch.Tensor:
+        """This rank's normed KV latent ``[b, s, kv_lora]`` of ``xb [b, s, h]`` (before the CP gather)."""
+        return self.kv_a_layernorm(self.kv_a_proj_with_mqa(xb))
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.nope**-0.5
+
     @torch.no_grad()
     def select(self, x: torch.Tensor, q_resid: torch.Tensor, cp: CPContext, cu_seqlens=None) -> torch.Tensor:
         """Indexer top-k: ``x [b, s, h]``, ``q_resid [b, s, q_lora]`` -> int32 ``[b, s, W]`` global key indices."""
         from kernels.dsa import lightning_indexer_topk
 
         ix, c = self.indexer, self.cfg
-        b, s, _ = x.shape
-        q = ix.wq_b(q_resid).unflatten(-1, (ix.n_heads, ix.head_dim))
-        k = ix.k_norm(ix.wk(x))
-        gate = F.linear(x, ix.kpool_compress_gate)
-        weights = ix.weights_proj(x).float() * ix.n_heads**-0.5
-        k, gate = all_gather_seq(k, 1, cp), all_gather_seq(gate, 1, cp)
+        q, k, gate, weights = ix.score_inputs(x, q_resid, cp)
         return lightning_indexer_topk(
             q, k, gate, ix.kpool_compress_ape, weights, kpool=c.index_kpool, topk=c.index_topk,
-            select_tail=c.index_kpool_always_select_tail, softmax_scale=ix.head_dim**-0.5,
-            q_offset=cp.rank * s, cu_seqlens=cu_seqlens, block_size=c.dsa_query_block,
+            select_tail=c.index_kpool_always_select_tail, softmax_scale=ix.softmax_scale,
+            q_offset=cp.rank * x.shape[1], cu_seqlens=cu_seqlens, block_size=c.dsa_query_block,
         )
 
     def forward(self, x: torch.Tensor, prev_topk: torch.Tensor | None = None, cu_seqlens=None, **kwargs):
         """``x [s, b, h]`` -> ``(out [s, b, h], topk [b, s, W] int32)``."""
         from kernels.dsa import sparse_mla_attention
 
-        cp = _cp_context()
+        cp = self.layout.cp
         if cu_seqlens is not None and cp.size > 1:
             raise ValueError("cu_seqlens packing with context parallelism is not implemented")
         xb = x.transpose(0, 1)
-        q_resid = self.q_a_layernorm(self.q_a_proj(xb))
-        q = self.q_b_proj(q_resid)[0].unflatten(-1, (self.heads, self.nope))
-        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(xb))
+        q_resid, q_abs = self.absorbed_queries(xb)
+        latent = self.latent(xb)
         if self.indexer is not None:
             topk = self.select(xb, q_resid, cp, cu_seqlens)
         elif prev_topk is None:
             raise ValueError("a shared-indexer DSA layer needs the top-k indices of the full DSA layer before it")
         else:
             topk = prev_topk
-        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.kv_lora)
-        w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]
-        q_abs = torch.einsum("bshd,hdc->bshc", q, w_uk)
-        if _tp_size() > 1:
+        w_uv = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.kv_lora)[:, self.nope:]
+        if self.layout.tp_size > 1:
             # kv_b's weight is used directly (absorbed form), so sum the latent's gradient over
             # the TP ranks' heads here, as ColumnParallelLinear does for its input.
             latent = copy_to_tensor_model_parallel_region(latent)
         latent_all = all_gather_seq(latent, 1, cp)
-        o_lat, _ = sparse_mla_attention(q_abs, latent_all, topk, self.nope**-0.5, self.kv_lora)
+        o_lat, _ = sparse_mla_attention(q_abs, latent_all, topk, self.softmax_scale, self.kv_lora)
         o = torch.einsum("bshc,hvc->bshv", o_lat, w_uv)
         out, _ = self.o_proj(o.flatten(-2))
         return out.transpose(0, 1), topk

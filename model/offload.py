@@ -6,7 +6,7 @@ recomputed maps and as ``[s, n, h]`` by the merge, the DSA latent by the attenti
 an einsum, the MoE routing map as a 64x expanded view; its pinned memory was 1.75x the distinct
 activation bytes (110.6 GiB for 63.5 GiB, ``small`` at 256k on an H200).
 :class:`OffloadActivations` copies such a tensor's storage once and rebuilds every saved view
-of it from that copy: 68.6 GiB pinned in the same run (``tasks.sft.OFFLOAD_PINNED_FACTOR``).
+of it from that copy: 68.6 GiB pinned in the same run (``tasks.memory_plan.OFFLOAD_PINNED_FACTOR``).
 
 With a copy stream (:class:`OffloadChain`) the copies leave the compute stream: device-to-host
 copies run beside the forward, and in backward the first use of a layer's saved tensors starts
@@ -185,7 +185,7 @@ class OffloadChain:
     order), linked to the previous one: in backward (reverse order) the first unpack of layer
     ``i``'s saved tensors starts the host-to-device copy of layer ``i - 1``'s on the copy stream.
     The copies of the last offloaded layer, which nothing prefetches, are reloaded when first used.
-    Extra device memory: one offloaded layer's saved tensors in flight (``tasks.sft.memory_plan``).
+    Extra device memory: one offloaded layer's saved tensors in flight (``tasks.memory_plan.memory_plan``).
     On a machine without CUDA the contexts copy on the compute stream and nothing is prefetched,
     as a plain :class:`OffloadActivations`.
     """

@@ -18,7 +18,7 @@ from tasks.atomic import atomic_output_dir
 
 
 POINTERS = ("latest", "best")
-"""The pointer files a training run keeps in its checkpoint directory (``tasks.sft.Checkpointer``)."""
+"""The pointer files a training run keeps in its checkpoint directory (``tasks.checkpoint.Checkpointer``)."""
 
 
 class ExportError(FileNotFoundError):
@@ -78,7 +78,7 @@ def export_checkpoint(checkpoint_root: str | os.PathLike, out_dir: str | os.Path
     from model.config import from_hf
     from model.convert import export_metadata, hf_state_dict, save_hf_checkpoint
     from model.glm5_next import build_model
-    from tasks.sft import _model_sharded_state_dict
+    from tasks.checkpoint import model_sharded_state_dict
 
     root, checkpoint = resolve_pointer(checkpoint_root, pointer)
     config_path = root / "model_config.json"
@@ -88,7 +88,7 @@ def export_checkpoint(checkpoint_root: str | os.PathLike, out_dir: str | os.Path
     mcfg = from_hf(hf_config, tensor_model_parallel_size=1, context_parallel_size=1, expert_model_parallel_size=1,
                    expert_tensor_parallel_size=1)
     module = build_model(mcfg)
-    loaded = dist_checkpointing.load({"model": _model_sharded_state_dict(module)}, str(checkpoint))
+    loaded = dist_checkpointing.load({"model": model_sharded_state_dict(module)}, str(checkpoint))
     module.load_state_dict(loaded["model"], strict=False)
     with atomic_output_dir(out_dir) as work:
         meta = export_metadata(preset, None) | {"megabase_checkpoint": str(checkpoint)}

@@ -2,11 +2,11 @@
 
 Continues from the SFT export (Hugging Face layout) on every rank of a torch elastic job
 (kfpytorch ``Elastic``), with SFT's trainer: megatron glm5_next in the run's TP/CP/EP layout,
-megatron DDP and the distributed Adam (``tasks.sft.build_trainer``). Each step:
+megatron DDP and the distributed Adam (:func:`tasks.trainer.build_trainer`). Each step:
 
 1. every rank samples the same ``prompts_per_step`` prompts of ``prompt_len`` bases from the
-   *training* split's shards (held-out chromosomes never reach this stage: the shards' eval
-   split is not read), each followed in the genome by ``gen_len`` bases without a document
+   *training* split's shards (:class:`tasks.windows.TrainShards`: held-out chromosomes never
+   reach this stage, the shards' eval split is not opened), each followed in the genome by ``gen_len`` bases without a document
    boundary;
 2. rank 0's engine (vLLM in production, the preset names it) generates ``group_size``
    rollouts of ``gen_len`` tokens per prompt with each sampled token's log-prob, and
@@ -76,7 +76,7 @@ class RLConfig:
         grpo: the objective's knobs.
         tensor_parallel, context_parallel, expert_parallel: the trainer's megatron layout, as
             in SFT; ``prompt_len + gen_len`` splits over the CP ranks, the rollouts over DP.
-        checkpoint_dir: directory of distributed checkpoints (``tasks.sft.Checkpointer``); a
+        checkpoint_dir: directory of distributed checkpoints (``tasks.checkpoint.Checkpointer``); a
             ``latest`` pointer there resumes the run. Empty: no checkpoints.
         checkpoint_every: save every N steps (and at the end); 0: only at the end.
         keep_checkpoints: most recent checkpoints kept.
@@ -85,7 +85,7 @@ class RLConfig:
         engine_tensor_parallel: vLLM tensor parallelism of the rollout engine on a GPU node (a
             model larger than one device: the node's GPUs, shared with the trainer ranks).
         gc_interval: Python's garbage collector is off in the step loop and collects every N steps
-            on every rank (``tasks.sft.ManualGC``); 0 leaves it on.
+            on every rank (``tasks.trainer.ManualGC``); 0 leaves it on.
     """
 
     steps: int = 4
@@ -130,14 +130,15 @@ class PromptSampler:
     """
 
     def __init__(self, shards_dir: Path, prompt_len: int, gen_len: int, seed: int):
-        from tasks.pack import shard_token_stream, verify_shards
+        from tasks.windows import TrainShards
 
-        manifest = verify_shards(shards_dir, ("train",))
+        data = TrainShards(shards_dir)
+        manifest = data.manifest
         self.window = prompt_len + gen_len
         self.prompt_len = prompt_len
         self.streams, self.starts, self.paths = [], [], []
-        for shard in manifest["splits"]["train"]["shards"]:
-            tokens, _ = shard_token_stream(shards_dir / shard["path"])
+        for i, shard in enumerate(data.shards):
+            tokens, _ = data.stream(i)
             # seps_before[i] = separators at positions < i; a window [s, s + window) is valid
             # when it holds none.
             if len(tokens) < self.window:
@@ -262,7 +263,7 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
     """Run GRPO from an SFT export on every rank of the job; write the export and per-step metrics.
 
     The trainer is SFT's: megatron glm5_next with ``cfg``'s TP/CP/EP layout, megatron DDP and
-    the distributed Adam (``tasks.sft.build_trainer``). Rank 0 holds the inference engine
+    the distributed Adam (:func:`tasks.trainer.build_trainer`). Rank 0 holds the inference engine
     (colocated with the trainer) and broadcasts the rollouts; every rank draws the same prompts.
 
     Args:
@@ -279,19 +280,16 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
         tasks.engines.EngineError: the engine cannot be built or rejects a request.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import finalize_model_grads
 
     from model.convert import export_metadata, hf_state_dict, load_hf_checkpoint, load_hf_into_model, save_hf_checkpoint
     from model.glm5_next import build_model
     from tasks.engines import SamplingConfig, make_engine
-    from tasks.sft import (
-        Checkpointer, ManualGC, _megatron_optimizer_on_cpu, build_trainer, init_parallel, restore_training_state,
-        training_state,
-    )
+    from tasks.checkpoint import Checkpointer, restore_training_state, training_state
+    from tasks.trainer import ManualGC, build_trainer, init_parallel, local_device, optimizer_step
 
-    layout = init_parallel(cfg)
+    layout = init_parallel(cfg.tensor_parallel, cfg.context_parallel, cfg.expert_parallel)
     is_main = layout.rank == 0
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = local_device()
     sft_export, shards_dir, out_dir = Path(sft_export), Path(shards_dir), Path(out_dir)
     n_rollouts = cfg.prompts_per_step * cfg.group_size
     if (cfg.prompt_len + cfg.gen_len) % cfg.context_parallel or n_rollouts % layout.dp_size:
@@ -303,9 +301,9 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
     model_cfg, text_state, vision_state = load_hf_checkpoint(
         sft_export, tensor_model_parallel_size=cfg.tensor_parallel, context_parallel_size=cfg.context_parallel,
         expert_model_parallel_size=cfg.expert_parallel, expert_tensor_parallel_size=1, calculate_per_token_loss=True)
-    policy = build_model(model_cfg, seed=cfg.seed)
+    policy = build_model(model_cfg, seed=cfg.seed, layout=layout)
     load_hf_into_model(policy, text_state)
-    reference = build_model(model_cfg, seed=cfg.seed)
+    reference = build_model(model_cfg, seed=cfg.seed, layout=layout)
     load_hf_into_model(reference, text_state)
     reference.eval().requires_grad_(False)
     del text_state
@@ -375,7 +373,7 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
                 advantages = group_advantages(rewards, cfg.grpo).flatten()
 
                 batch = LocalTokens.split(np.concatenate([repeated, generated], axis=1), cfg.gen_len, layout.dp_rank,
-                                          layout.dp_size, ps.get_context_parallel_rank(), cfg.context_parallel)
+                                          layout.dp_size, layout.cp_rank, cfg.context_parallel)
                 model.zero_grad_buffer()
                 optimizer.zero_grad()
                 policy.train()
@@ -399,10 +397,7 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
                 if not np.isfinite(loss):
                     raise RLError(f"non-finite GRPO loss {loss} at step {step + 1}; last good checkpoint: "
                                   f"{(ckpt.pointer('latest') if ckpt else None) or 'none'}")
-                finalize_model_grads([model], num_tokens=local_tokens.clone())
-                scheduler.step(1)
-                with _megatron_optimizer_on_cpu():
-                    _, grad_norm, _ = optimizer.step()
+                grad_norm = optimizer_step(model, optimizer, scheduler, local_tokens.clone())
                 hf = hf_state_dict(policy)                           # collective over TP/EP
                 if engine is not None:
                     engine.update_weights({**hf, **vision_state})

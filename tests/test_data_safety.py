@@ -303,11 +303,11 @@ def test_pack_refuses_a_fasta_changed_since_ingest_even_with_its_index_in_place(
 def _readers():
     from tasks.evaluate import eval_windows
     from tasks.rl import PromptSampler
-    from tasks.sft import WindowSampler
+    from tasks.windows import WindowSampler
 
     return {
         "evaluate": lambda d: eval_windows(d, 256, 2),
-        "sft": lambda d: WindowSampler(d, "train", 256, 0),
+        "sft": lambda d: WindowSampler(d, 256, 0),
         "rl": lambda d: PromptSampler(d, 128, 64, 0),
     }
 
@@ -350,7 +350,7 @@ def test_verify_shards_of_the_train_split_never_opens_a_held_out_shard(packed):
 
 
 def test_checkpoint_pointer_must_name_a_directory_inside_the_checkpoint_root(tmp_path):
-    from tasks.sft import Checkpointer
+    from tasks.checkpoint import Checkpointer
 
     ckpt = object.__new__(Checkpointer)    # pointer() reads files only: no process group needed
     ckpt.root = tmp_path / "ckpt"

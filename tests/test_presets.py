@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.sft import memory_plan, model_config, preset_sft_config
+from tasks.memory_plan import memory_plan
+from tasks.sft import model_config, preset_sft_config
 from tasks.presets import DEVICE_MEMORY_BYTES, get_preset
 
 UNITS = {"Gi": 2**30, "Ti": 2**40, "G": 10**9, "T": 10**12}

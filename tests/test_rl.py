@@ -181,3 +181,12 @@ def test_context_parallel_2_ranks_equals_one_process(shards, tiny_export, tmp_pa
     # two runs agree to 1% of the largest update.
     update = max((a[k] - start[k]).abs().max().item() for k in a)
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 0.01 * update
+
+
+def test_rl_never_opens_a_held_out_shard(shards, tiny_export, tmp_path, monkeypatch):
+    from held_out import record_shard_reads, without_held_out_shards
+
+    train = without_held_out_shards(shards, tmp_path / "pack")
+    opened = record_shard_reads(monkeypatch.setattr)
+    run_rl(tmp_path / "pack", tiny_export, tmp_path / "rl", steps=1, engine="transformers")
+    assert opened and set(opened) <= train, set(opened) - train

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 import os
 import signal
 import socket
@@ -24,8 +25,11 @@ import pytest
 from tasks.corpora import CORPORA
 from tasks.ingest import IngestConfig, ingest
 from tasks.pack import PackConfig, pack
-from tasks.sft import (OFFLOAD_PINNED_FACTOR, ManualGC, MemoryPlanError, SFTConfig, SFTConfigError, WindowSampler,
-                       activation_bytes_per_token, host_memory_limit_bytes, memory_plan, step_log_line)
+from tasks.memory_plan import (OFFLOAD_PINNED_FACTOR, MemoryPlanError, activation_bytes_per_token,
+                               host_memory_limit_bytes, memory_plan)
+from tasks.sft import SFTConfig, SFTConfigError, step_log_line, training_windows
+from tasks.trainer import ManualGC
+from tasks.windows import WindowSampler
 
 BASE = dict(model="tiny", seq_len=1024, eval_seq_len=1024, eval_windows=1, steps=6, warmup_steps=2, lr=3e-3,
             checkpoint_every=3)
@@ -166,7 +170,7 @@ def test_tp2_first_loss_equals_transformers_and_training_lowers_it(shards, cp1_r
                             lr=1e-3)
     _check(proc)
     tp2 = losses(records)
-    ids, _, target = WindowSampler(shards, "train", BASE["seq_len"], SFTConfig().seed).window(0)
+    ids, _, target = training_windows(shards, SFTConfig(**BASE)).window(0)
     assert tp2[0] == pytest.approx(_transformers_window_loss(cp1_run[0] / "hf", ids, target), rel=1e-5)
     evals = [r["eval_loss"] for r in records if r.get("event") == "eval"]
     assert evals[-1] < [r["eval_loss"] for r in cp1_run[1] if r.get("event") == "eval"][-1], evals
@@ -262,8 +266,10 @@ def test_planned_activation_bytes_match_what_autograd_saves(tmp_path):
     # gets a looser bound; fla's core matched to 0.1% on an H200 (kernels/NOTES.md at fee4dc9).
     script = Path(__file__).parent / "gpu" / "activation_bytes.py"
     out = tmp_path / "bytes.json"
+    # PYTHONPATH: the script imports this checkout's tasks/model, not an installed copy's
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(script.parents[2])}
     proc = subprocess.run([sys.executable, str(script), "--preset", "tiny", "--seq", "512", "--out", str(out)],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+                          capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from model.config import preset
 
@@ -335,7 +341,7 @@ def _shard_bytes(shards: Path, shard_path: str) -> tuple[np.ndarray, np.ndarray]
 
 def test_window_order_is_deterministic_resumable_and_reads_the_shard_bytes(shards):
     seq = 1024
-    first, again, other = (WindowSampler(shards, "train", seq, seed) for seed in (7, 7, 8))
+    first, again, other = (WindowSampler(shards, seq, seed) for seed in (7, 7, 8))
     n = len(first)
     manifest = json.loads((shards / "manifest.json").read_text())
     assert n == sum(s["tokens"] // seq for s in manifest["splits"]["train"]["shards"])
@@ -348,7 +354,7 @@ def test_window_order_is_deterministic_resumable_and_reads_the_shard_bytes(shard
     assert sorted(epoch1) == sorted(epoch0) and epoch1 != epoch0
     # A fresh sampler (a resumed run) reads position p without replaying the ones before it.
     for p in (0, 5, n - 1, n + 3):
-        resumed = WindowSampler(shards, "train", seq, 7)
+        resumed = WindowSampler(shards, seq, 7)
         ids, labels, target = resumed.window(p)
         shard, offset = first.index(p)
         tokens, mask = _shard_bytes(shards, manifest["splits"]["train"]["shards"][shard]["path"])
@@ -458,3 +464,58 @@ def test_step_log_line_formats_cpu_and_gpu_records():
                                          "6.6 s/step, peak 1.82 GiB memory (rank 0)")
     record.update(peak_pinned_host_gib=68.6)
     assert step_log_line(record, 24).endswith("peak 1.82 GiB memory, 68.60 GiB pinned (rank 0)")
+
+
+def test_validation_windows_are_the_training_shards_last_tokens_and_never_trained_on(shards):
+    count, length, seq = 3, 2048, 1024
+    sampler = WindowSampler(shards, seq, 0, count, length)
+    train_shards = json.loads((shards / "manifest.json").read_text())["splits"]["train"]["shards"]
+    # Expected by the documented rule: window k in shard floor(k S / count), each shard's share at its end.
+    held = {}
+    for k in range(count):
+        shard = k * len(train_shards) // count
+        held[shard] = held.get(shard, 0) + 1
+    expected = [(i, train_shards[i]["tokens"] - (m - j) * length) for i, m in held.items() for j in range(m)]
+    assert sampler.validation == expected
+    for k, (shard, offset) in enumerate(expected):
+        tokens, mask = _shard_bytes(shards, train_shards[shard]["path"])
+        ids, _, target = sampler.validation_window(k)
+        np.testing.assert_array_equal(ids, tokens[offset: offset + length])
+        np.testing.assert_array_equal(target[:-1], mask[offset + 1: offset + length].astype(bool))
+    for shard, offset in sampler.windows:
+        held_from = min((o for s, o in expected if s == shard), default=train_shards[shard]["tokens"])
+        assert offset + seq <= held_from
+    whole = WindowSampler(shards, seq, 0)
+    assert len(whole) - len(sampler) == sum(math.ceil(m * length / seq) for m in held.values())
+    assert sampler.fingerprint != whole.fingerprint   # a resume cannot mix the two splits
+
+
+HELD_OUT_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[4])
+from held_out import record_shard_reads
+from tasks.sft import SFTConfig, train
+
+opened = record_shard_reads(setattr)
+train(sys.argv[1], SFTConfig(**json.loads(sys.argv[2])), sys.argv[3])
+print("OPENED" + json.dumps(opened))
+"""
+
+
+def test_sft_validates_and_picks_best_without_opening_a_held_out_shard(shards, tmp_path):
+    from held_out import without_held_out_shards
+
+    train_paths = without_held_out_shards(shards, tmp_path / "pack")
+    cfg = dict(seq_len=1024, eval_seq_len=2048, eval_windows=2, steps=2, warmup_steps=1, eval_every=1,
+               checkpoint_every=1, checkpoint_dir=str(tmp_path / "ckpt"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", HELD_OUT_SCRIPT, str(tmp_path / "pack"), json.dumps(cfg),
+                           str(tmp_path / "out"), str(Path(__file__).parent)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    opened = set(json.loads(proc.stdout.split("OPENED", 1)[1]))
+    assert opened and opened <= train_paths, opened - train_paths
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r.get("event") == "eval"]
+    assert [r["split"] for r in evals] == ["validation", "validation"] and all(np.isfinite(r["eval_loss"]) for r in evals)
+    assert (tmp_path / "ckpt" / "best").exists()

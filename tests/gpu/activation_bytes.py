@@ -6,7 +6,7 @@ One training forward of a freshly built model (no recompute, no offload) runs un
 ``torch.autograd.graph.saved_tensors_hooks``; every tensor saved for backward is attributed to
 the innermost module running when it was saved (parameters and views of a storage already
 counted are skipped). The table prints saved bytes per token for each layer, split into the
-mHC / mixer / MLP parts, next to :func:`tasks.sft.activation_bytes_per_token`, so the plan can be checked on any machine: on CPU the mixers run the
+mHC / mixer / MLP parts, next to :func:`tasks.memory_plan.activation_bytes_per_token`, so the plan can be checked on any machine: on CPU the mixers run the
 plain-torch KDA and blockwise DSA, on CUDA fla ``chunk_kda`` and the Triton DSA kernels (their
 saved tensors differ; the mHC, norms, projections and MoE are the same code on both).
 
@@ -15,7 +15,7 @@ offloaded (one more training forward of the same model and batch each): through
 ``torch.autograd.graph.save_on_cpu`` (a copy per save) and through
 :class:`model.offload.OffloadActivations` (a copy per storage), exact and rounded up to powers of
 two as CUDA's caching host allocator allocates pinned blocks; the totals over distinct saved
-bytes calibrate ``tasks.sft.OFFLOAD_PINNED_FACTOR``. ``--recompute-mlp`` measures with every MLP
+bytes calibrate ``tasks.memory_plan.OFFLOAD_PINNED_FACTOR``. ``--recompute-mlp`` measures with every MLP
 chunk checkpointed (``recompute="selective"``, the offload runs' setting).
 """
 
@@ -116,7 +116,7 @@ def offload_host_bytes(model, ids: torch.Tensor) -> dict[str, list[int]]:
     """
     import model.glm5_next as glm5_next
     from model.offload import OffloadActivations
-    from tasks.sft import pinned_block_bytes
+    from tasks.memory_plan import pinned_block_bytes
 
     counts: dict[str, list[int]] = {}
 
@@ -178,7 +178,7 @@ def main() -> None:
     install_flytekit_stand_in()
     from model.config import preset
     from model.glm5_next import build_model
-    from tasks.sft import activation_bytes_per_token
+    from tasks.memory_plan import activation_bytes_per_token
 
     dtype = getattr(torch, args.dtype)
     recompute = dict(recompute_granularity="selective", recompute_modules=["mlp"]) if args.recompute_mlp else {}

@@ -76,7 +76,8 @@ def main() -> None:
 
     import torch
 
-    from tasks.sft import SFTConfig, memory_plan, model_config, train
+    from tasks.memory_plan import memory_plan
+    from tasks.sft import SFTConfig, model_config, train
 
     rows = []
     for name in args.configs:

@@ -1,0 +1,266 @@
+"""The training machinery SFT and RL share: parallel init, the megatron trainer, the optimizer step,
+manual garbage collection and step metrics.
+
+One process per device, launched by torch elastic (``torchrun``, or flytekitplugins-kfpytorch
+``Elastic``); :func:`init_parallel` splits the world into TP x CP x DP with megatron-core
+``parallel_state`` (EP inside the TP x CP x DP ranks for the MoE experts) and returns the one
+:class:`model.parallel.ParallelLayout` the model and the loop receive. On a machine without a
+GPU the same code runs on gloo through :mod:`model.cpu_compat`. Checkpoints:
+:mod:`tasks.checkpoint`; the memory plan: :mod:`tasks.memory_plan`.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+from model.cpu_compat import megatron_optimizer_on_cpu
+from model.parallel import ParallelLayout
+
+
+class ParallelLayoutError(ValueError):
+    """TP/CP/EP sizes that do not divide the job's ranks or the model's experts; the message names them."""
+
+
+def check_parallel_sizes(world_size: int, tensor_parallel: int, context_parallel: int, expert_parallel: int,
+                         num_experts: int | None = None) -> int:
+    """The data-parallel size of ``world_size`` ranks split into TP x CP x DP, after checking EP.
+
+    Raises:
+        ParallelLayoutError: TP x CP does not divide ``world_size``, or EP does not divide the
+            DP x CP x TP ranks or ``num_experts``.
+    """
+    tp, cp, ep = tensor_parallel, context_parallel, expert_parallel
+    if world_size % (tp * cp):
+        raise ParallelLayoutError(f"world_size={world_size} is not divisible by tensor_parallel={tp} x "
+                                  f"context_parallel={cp}")
+    dp = world_size // (tp * cp)
+    if (dp * cp * tp) % ep or (num_experts or ep) % ep:
+        raise ParallelLayoutError(f"expert_parallel={ep} must divide the DPxCPxTP ranks ({dp * cp * tp}) and the "
+                                  f"{num_experts} experts")
+    return dp
+
+
+def init_parallel(tensor_parallel: int = 1, context_parallel: int = 1, expert_parallel: int = 1) -> ParallelLayout:
+    """Initialise ``torch.distributed`` (nccl, or gloo on CPU) and megatron ``parallel_state``.
+
+    Reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (torchrun, kfpytorch
+    Elastic); without them runs as a single process (in-memory rendezvous, no port).
+
+    Returns:
+        This rank's layout, the one the model (:func:`model.glm5_next.build_model`) and the
+        training loop receive.
+
+    Raises:
+        ParallelLayoutError: TP x CP does not divide the world size.
+    """
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from model import cpu_compat
+
+    cpu_compat.enable()
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    check_parallel_sizes(world, tensor_parallel, context_parallel, 1)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    cpu_compat.init_process_group(rank, world)
+    if not ps.model_parallel_is_initialized():
+        # Experts are whole on their EP rank (expert TP = 1): the layout model.convert reads/writes.
+        ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                     context_parallel_size=context_parallel,
+                                     expert_model_parallel_size=expert_parallel,
+                                     expert_tensor_parallel_size=1)
+    return ParallelLayout.from_megatron(local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def local_device():
+    """This rank's device: its CUDA device (set by :func:`init_parallel`), else the CPU."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def build_trainer(mcfg, module, *, lr: float, min_lr: float, weight_decay: float, betas: tuple[float, float],
+                  eps: float, grad_clip: float, steps: int, warmup_steps: int, decay_style: str):
+    """Wrap ``module`` for training: megatron DDP, distributed Adam, LR schedule (SFT and RL).
+
+    Gradients reduce in float32 over the DP x CP group; the optimizer state is sharded over DP
+    (``use_distributed_optimizer``); parameters are ``mcfg.params_dtype``. The schedule warms up
+    linearly for ``warmup_steps`` then follows ``decay_style`` ("cosine", "constant") to
+    ``min_lr`` at ``steps``.
+
+    Returns:
+        (DDP-wrapped model, megatron optimizer, ``OptimizerParamScheduler``).
+    """
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    dtype = mcfg.params_dtype
+    model = DistributedDataParallel(mcfg, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True), module)
+    with megatron_optimizer_on_cpu():
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=betas[0],
+            adam_beta2=betas[1], adam_eps=eps, clip_grad=grad_clip, bf16=dtype == torch.bfloat16,
+            params_dtype=dtype, use_distributed_optimizer=True), [model])
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_steps,
+        lr_decay_steps=max(steps, 1), lr_decay_style=decay_style, start_wd=weight_decay, end_wd=weight_decay,
+        wd_incr_steps=max(steps, 1), wd_incr_style="constant",
+        # On resume the schedule comes from this config; the checkpoint restores the step count.
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+    return model, optimizer, scheduler
+
+
+
+
+def optimizer_step(model, optimizer, scheduler, num_tokens) -> float | None:
+    """Reduce the gradients of a summed per-token loss and apply one update; returns the grad norm.
+
+    megatron ``finalize_model_grads`` reduces over DP x CP, divides by the global token count
+    (the sum of ``num_tokens``, this rank's float32 count) and updates the MoE expert biases
+    (aux-loss-free balancing); then the LR schedule advances (the LR of step k is the schedule at
+    k + 1: warm-up starts above 0) and the distributed optimizer steps, with gradient clipping.
+    """
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads([model], num_tokens=num_tokens)
+    scheduler.step(1)
+    with megatron_optimizer_on_cpu():
+        _, grad_norm, _ = optimizer.step()
+    return grad_norm
+
+
+class ManualGC:
+    """Python's garbage collector off inside a training loop, with a full collection every ``interval``
+    steps, at the same step on every rank (Megatron-LM's ``--manual-gc``).
+
+    An automatic collection pauses one rank's host at a moment its own allocations choose, for tens of
+    milliseconds (a full collection: 44 ms in a process that imported torch, on an H200 host). Where the
+    device waits on the host's launches (the lightning indexer's first query blocks) the pause is device
+    time too: it made every other timing of the 1M-token indexer 5-8% slower (kernels/NOTES.md at fee4dc9, v28). And
+    the other ranks wait for that rank at the next collective.
+
+    A context manager around the loop: on entry one full collection, then the collector off (``interval``
+    > 0); :meth:`step` after each optimizer step; on exit the collector back as it was. ``interval`` 0
+    changes nothing.
+
+    Raises:
+        ValueError: ``interval < 0``.
+    """
+
+    def __init__(self, interval: int):
+        if interval < 0:
+            raise ValueError(f"gc interval must be >= 0, got {interval}")
+        self.interval = interval
+        self._was_enabled = True
+
+    def __enter__(self) -> "ManualGC":
+        self._was_enabled = gc.isenabled()
+        if self.interval:
+            gc.collect()
+            gc.disable()
+        return self
+
+    def step(self, step: int) -> None:
+        """Collect after optimizer step ``step`` (counted from 1) when it is a multiple of ``interval``."""
+        if self.interval and step % self.interval == 0:
+            gc.collect()
+
+    def __exit__(self, *exc) -> None:
+        if self.interval and self._was_enabled:
+            gc.enable()
+
+
+
+
+# ---- step metrics ---------------------------------------------------------------------------
+
+
+def model_flops_per_token(mcfg, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3 x forward) of the model at ``seq_len``.
+
+    Matmuls: ``6 x active parameters`` (routed experts counted ``topk`` times); DSA sparse MLA
+    in absorbed form: ``6 x 2 x H x W x (kv_lora + kv_lora)`` for ``W`` selected keys; lightning
+    indexer (forward only, no gradient): ``2 x H_I x D_I x (seq_len / 2) / kpool`` pool scores on
+    average under the causal mask; KDA chunked recurrence: ``6 x 4 x H x d_k x d_v`` (state update,
+    output, intra-chunk terms). Embedding lookups are not FLOPs and are excluded.
+    """
+    from model.config import parameter_count
+
+    counts = parameter_count(mcfg)
+    flops = 6.0 * (counts["active"] - counts["embedding"])
+    for kind, indexer in zip(mcfg.layer_types, mcfg.indexer_types):
+        if kind == "indexed_attention":
+            flops += 6 * 2 * mcfg.num_attention_heads * mcfg.index_width * 2 * mcfg.kv_lora_rank
+            if indexer == "full":
+                flops += 2 * mcfg.index_n_heads * mcfg.index_head_dim * (seq_len / 2) / mcfg.index_kpool
+        else:
+            flops += 6 * 4 * mcfg.linear_num_heads * mcfg.linear_head_dim ** 2
+    return flops
+
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "A100": 312.0}
+"""Dense bf16 tensor-core peak per device (vendor datasheets, without sparsity)."""
+
+
+
+
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "A100": 312.0}
+"""Dense bf16 tensor-core peak per device (vendor datasheets, without sparsity)."""
+
+
+def peak_tflops(override: float = 0.0) -> float | None:
+    """Dense bf16 peak TFLOP/s of this rank's device: ``override`` when set, else by device name
+    (None on CPU or an unknown device)."""
+    import torch
+
+    if override:
+        return override
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def peak_memory_gib() -> float:
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB on Linux
+
+
+def peak_pinned_gib() -> float | None:
+    import torch
+
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if not torch.cuda.is_available() or stats is None:
+        return None
+    return stats().get("allocated_bytes.peak", 0) / 2**30  # host allocator keys have no ".all"
+
+
+def moe_overload(module, ep: int):
+    """(busiest EP rank's routed tokens / balanced share, busiest expert / mean) over MoE layers.
+
+    Reads the routers' ``local_tokens_per_expert`` of this step summed over TP x DP x CP ranks;
+    call before ``finalize_model_grads`` (which uses and resets them).
+    """
+    import torch
+    from megatron.core import parallel_state as ps
+
+    counts = [m.local_tokens_per_expert.detach().clone().float() for m in module.modules()
+              if getattr(m, "local_tokens_per_expert", None) is not None and hasattr(m, "expert_bias")]
+    if not counts:
+        return None, None
+    stacked = torch.stack(counts)                      # [moe layers, experts]
+    torch.distributed.all_reduce(stacked, group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True))
+    mean = stacked.mean(-1).clamp_min(1e-9)
+    per_rank = stacked.unflatten(-1, (ep, -1)).sum(-1)  # [layers, ep]
+    return (float((per_rank.max(-1).values / (mean * stacked.shape[-1] / ep)).max()),
+            float((stacked.max(-1).values / mean).max()))
