@@ -87,9 +87,17 @@ class Checkpointer:
         return final
 
     def load(self, state: dict, path: Path) -> dict:
-        """Load checkpoint ``path`` into the sharded state dict ``state``; returns the loaded dict."""
+        """Load checkpoint ``path`` into the sharded state dict ``state``; returns the loaded dict.
+
+        torch's distributed checkpoint reader unpickles the checkpoint's ``.metadata``, so only a
+        checkpoint inside this run's own root is loaded (the trust boundary the README states).
+
+        Raises:
+            tasks.atomic.OutputIntegrityError: ``path`` is not inside the run's checkpoint root.
+        """
         from megatron.core import dist_checkpointing
 
+        path = resolve_inside(self.root, path)
         return dist_checkpointing.load(state, str(path))
 
 

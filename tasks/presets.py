@@ -254,7 +254,7 @@ PRESETS: dict[str, Preset] = {
         # (tests/test_presets.py recomputes it). The plan's per-token activation bytes are
         # calibrated on an H200 with the small preset (kernels/NOTES.md at fee4dc9).
         train_resources=Resources(cpu="96", mem="228Gi", gpu=8, accelerator="nvidia-b200", shared_memory="256Gi"),
-        # The memory plan (tasks.sft.memory_plan) fits 1M tokens on 180 GB B200s with CP=64 (16k
+        # The memory plan (tasks.memory_plan) fits 1M tokens on 180 GB B200s with CP=64 (16k
         # tokens per GPU), full-layer recompute and the layer inputs offloaded: 145 GiB per GPU,
         # 103 GiB of it bf16 weights + float32 grads of 18B local parameters. 288 experts: 9 per GPU.
         train_parallel=ParallelSpec(nnodes=8, nproc_per_node=8, tensor_parallel=1, context_parallel=64,

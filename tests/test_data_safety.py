@@ -409,3 +409,16 @@ def test_cli_prepare_with_a_bad_fasta_leaves_no_directory_behind(tmp_path, capsy
     assert main(["prepare", "--fasta", str(bad), "--train", "r1", "--out", str(tmp_path / "runs" / "x")]) != 0
     assert "'U' is an RNA base" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_checkpoints_load_only_from_the_runs_own_root(tmp_path):
+    from tasks.atomic import OutputIntegrityError
+    from tasks.checkpoint import Checkpointer
+
+    ckpt = object.__new__(Checkpointer)          # its constructor joins the job's process group
+    ckpt.root = tmp_path / "run"
+    (tmp_path / "elsewhere" / "step-0000001").mkdir(parents=True)
+    with pytest.raises(OutputIntegrityError, match="outside"):
+        ckpt.load({}, tmp_path / "elsewhere" / "step-0000001")
+    with pytest.raises(OutputIntegrityError, match="outside"):
+        ckpt.load({}, tmp_path / "run" / ".." / "elsewhere" / "step-0000001")
