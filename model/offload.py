@@ -12,7 +12,7 @@ With a copy stream (:class:`OffloadChain`) the copies leave the compute stream: 
 copies run beside the forward, and in backward the first use of a layer's saved tensors starts
 the host-to-device copy of the previous offloaded layer's, so it arrives while this layer's
 backward runs. Measured at 256k tokens, ``small``, 2 H200s (CP=2), 4 of 8 layers offloaded, MLP
-recompute (kernels/NOTES.md at fee4dc9):
+recompute (docs/measurements.md):
 
 * with the copies on the compute stream: 5.99 s/step, against 3.80 s without offload in the
   same run;

@@ -320,7 +320,7 @@ def shared_kernel_cache(checkpoint_dir: str, on_gpu: bool | None = None) -> str 
     """Point Triton's kernel and autotuning caches at ``<checkpoint_dir>/../triton-cache`` on GPU workers.
 
     A cold GPU worker spends minutes compiling and autotuning the fla KDA and DSA kernels before
-    its first step (242-296 s measured on an H200, 65 s with a warm cache, ``kernels/NOTES.md at fee4dc9``);
+    its first step (242-296 s measured on an H200, 65 s with a warm cache, ``docs/measurements.md``);
     an Elastic restart or the next run would pay it again. Under the checkpoint root (a shared
     mount on a cluster) every worker and every later run reuses them: Triton keys its entries
     by source, GPU architecture and versions and writes them atomically. Leaves an existing

@@ -106,7 +106,7 @@ def activation_bytes_per_token(mcfg, layer: int, tp: int, width: int, on_gpu: bo
     backward, with ``width`` bytes per activation element (2 for bf16) and float32 where the
     code keeps float32; checked against ``tests/gpu/activation_bytes.py`` (autograd's saved
     tensors, deduplicated by storage) on CPU in ``tests/test_sft.py`` and on an H200
-    (``kernels/NOTES.md at fee4dc9``: every part within 1% for the ``small`` preset). Parts:
+    (``docs/measurements.md``: every part within 1% for the ``small`` preset). Parts:
 
     * ``mhc``: the two hyper-connections' input streams (their float32 maps are recomputed);
     * ``other``: the two RMSNorms (input + float32 rstd) and the two stream merges;
@@ -165,7 +165,7 @@ def memory_plan(mcfg, cfg, world_size: int, procs_per_node: int, device_limit: i
     Workspace: 1-3.75x one layer's non-MLP activations (the backward in flight, by recompute and
     offload mode), one MLP chunk, one float32 logits chunk; plus an allocator reserve of
     ``ALLOCATOR_RESERVE``. Estimates calibrated on an H200 (table in
-    ``kernels/NOTES.md at fee4dc9``); the GPU benchmark reports the measured peak next to it.
+    ``docs/measurements.md``); the GPU benchmark reports the measured peak next to it.
 
     Args:
         mcfg: :class:`model.config.Glm5NextConfig`.
@@ -230,7 +230,7 @@ def memory_plan(mcfg, cfg, world_size: int, procs_per_node: int, device_limit: i
     chunk = min(cfg.logits_chunk_tokens, tokens)
     mlp_tokens = min(cfg.mlp_chunk_tokens, tokens) if cfg.mlp_chunk_tokens > 0 else tokens
     # Backward in flight, in units of one layer's non-MLP activations, fitted on an H200 (small
-    # preset, kernels/NOTES.md at fee4dc9): the gradients of the layer in backward (1; 1.08 measured at 64k
+    # preset, docs/measurements.md): the gradients of the layer in backward (1; 1.08 measured at 64k
     # without recompute), a reloaded offloaded layer (+0.75; 1.7 measured at 256k), a recomputed
     # layer with its gradients (+2; 2.8 measured at 256k full recompute); plus one MLP chunk and
     # one float32 logits chunk. Under full recompute an offloaded layer reloads only its inputs

@@ -97,7 +97,7 @@ class VerifySpec:
     """Trainer vs inference-engine log-prob check (``tasks.verify``) and its pass/fail gate.
 
     Thresholds are on |log p_trainer - log p_engine| in nats per token, per context length:
-    float32 on CPU agrees to ~1e-6 (FINDINGS), so 1e-4 catches any real defect; bf16 uses the
+    float32 on CPU agrees to ~1e-6 (the CPU runs of tests/test_verify.py), so 1e-4 catches any real defect; bf16 uses the
     0.05 mean bound of SkyRL's CI (the reference run saw 0.04-0.07; the project's goal is 0.02).
     The p99 bounds are first guesses, to be calibrated on the first GPU runs.
     """
@@ -252,7 +252,7 @@ PRESETS: dict[str, Preset] = {
         # Host memory from the memory plan: 8 ranks x 25.25 GiB of pinned offloaded layer inputs
         # (202 GiB per node, the host allocator's power-of-two blocks counted) plus 10%
         # (tests/test_presets.py recomputes it). The plan's per-token activation bytes are
-        # calibrated on an H200 with the small preset (kernels/NOTES.md at fee4dc9).
+        # calibrated on an H200 with the small preset (docs/measurements.md).
         train_resources=Resources(cpu="96", mem="228Gi", gpu=8, accelerator="nvidia-b200", shared_memory="256Gi"),
         # The memory plan (tasks.memory_plan) fits 1M tokens on 180 GB B200s with CP=64 (16k
         # tokens per GPU), full-layer recompute and the layer inputs offloaded: 145 GiB per GPU,

@@ -141,7 +141,7 @@ class ManualGC:
     An automatic collection pauses one rank's host at a moment its own allocations choose, for tens of
     milliseconds (a full collection: 44 ms in a process that imported torch, on an H200 host). Where the
     device waits on the host's launches (the lightning indexer's first query blocks) the pause is device
-    time too: it made every other timing of the 1M-token indexer 5-8% slower (kernels/NOTES.md at fee4dc9, v28). And
+    time too: it made every other timing of the 1M-token indexer 5-8% slower (docs/measurements.md). And
     the other ranks wait for that rank at the next collective.
 
     A context manager around the loop: on entry one full collection, then the collector off (``interval``

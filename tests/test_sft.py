@@ -263,7 +263,7 @@ def test_planned_activation_bytes_match_what_autograd_saves(tmp_path):
     # one count per storage) in a bf16 training forward, attributed to mHC / mixer / core / MLP /
     # norms; the plan's per-part formulas must agree. The KDA core is the CPU plain-torch path
     # here, planned as CPU_KDA_CORE_FACTOR x fla's (20x measured for tiny, 30x for small), so it
-    # gets a looser bound; fla's core matched to 0.1% on an H200 (kernels/NOTES.md at fee4dc9).
+    # gets a looser bound; fla's core matched to 0.1% on an H200 (docs/measurements.md).
     script = Path(__file__).parent / "gpu" / "activation_bytes.py"
     out = tmp_path / "bytes.json"
     # PYTHONPATH: the script imports this checkout's tasks/model, not an installed copy's

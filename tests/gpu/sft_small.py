@@ -42,7 +42,7 @@ CONFIGS = {
     # full-layer recompute (CP = 1 on one GPU) keeps only the layer inputs between layers (and
     # checkpoints each MLP chunk inside the layer's recompute).
     "256k-full": dict(seq_len=262_144, recompute="full"),
-    # One H200 runs out of memory at 512k (kernels/NOTES.md at fee4dc9): these need CP >= 2 (torchrun).
+    # One H200 runs out of memory at 512k (docs/measurements.md): these need CP >= 2 (torchrun).
     "512k-full": dict(seq_len=524_288, recompute="full"),
     "1m-full": dict(seq_len=1_048_576, recompute="full"),
     # Full recompute with every layer's input streams (and top-k) in pinned host memory: what
