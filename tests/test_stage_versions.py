@@ -63,9 +63,10 @@ def test_preset_setting_moves_only_its_stages(repo, change, expected):
 
 @pytest.mark.parametrize("source, expected", [
     # vocab (token ids) is read by ingest (validation), pack (tokens), and by every stage that
-    # reads shards or scores tokens; the base model is built from the model preset alone.
-    ("tasks/vocab.py", ALL - {"base_model"}),
-    ("tasks/pack.py", ALL - {"ingest", "base_model"}),
+    # reads shards or scores tokens; the base model is built from the model preset alone and the
+    # export converts a checkpoint, neither reads a shard.
+    ("tasks/vocab.py", ALL - {"base_model", "export"}),
+    ("tasks/pack.py", ALL - {"ingest", "base_model", "export"}),
     ("model/vllm_cpu/layers.py", ENGINE_STAGES),
     ("model/vllm_cpu/platform.py", ENGINE_STAGES),
     ("tasks/grpo.py", {"rl"}),
