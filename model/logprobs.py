@@ -10,10 +10,10 @@ vocabulary-parallel and megatron's ``vocab_parallel_cross_entropy`` reduces acro
 from __future__ import annotations
 
 import torch
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["chunked_token_nll", "token_logprobs"]
+__all__ = ["chunked_token_nll", "restricted_token_logprobs", "token_logprobs"]
 
 
 def _chunk_nll(model, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -41,6 +41,43 @@ def chunked_token_nll(model, hidden: torch.Tensor, labels: torch.Tensor, chunk_t
         else:
             outs.append(_chunk_nll(model, h, y))
     return torch.cat(outs, 0)
+
+
+def restricted_token_logprobs(model, hidden: torch.Tensor, labels: torch.Tensor, allowed_token_ids: tuple[int, ...],
+                              temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs of ``labels`` under the model restricted to ``allowed_token_ids`` at ``temperature``.
+
+    ``log softmax(logits[allowed] / temperature)[label]``: the distribution an inference engine
+    samples from with ``allowed_token_ids`` and ``temperature`` (vLLM's ``processed_logprobs``,
+    no top-k/top-p), so the RL trainer's ratio and importance weights compare like with like.
+    Under TP the vocabulary-parallel logits are gathered first (differentiable); only the rows
+    of ``hidden`` are scored, so callers pass the few positions that predict sampled tokens.
+
+    Args:
+        model: a :class:`model.glm5_next.Glm5NextModel`.
+        hidden: final hidden states ``[s, b, h]``.
+        labels: ``[s, b]`` int64 ids, each one of ``allowed_token_ids``.
+        allowed_token_ids: the ids sampled from (e.g. the four bases).
+        temperature: > 0.
+
+    Returns:
+        ``[s, b]`` float32 log-probs in nats.
+
+    Raises:
+        ValueError: a label outside ``allowed_token_ids``, or ``temperature <= 0``.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: the restricted log-probs need temperature > 0")
+    allowed = torch.tensor(allowed_token_ids, device=labels.device)
+    where = labels.unsqueeze(-1) == allowed                         # [s, b, len(allowed)]
+    if not bool(where.any(-1).all()):
+        bad = sorted(set(labels[~where.any(-1)].tolist()))
+        raise ValueError(f"labels {bad[:8]} are not among the allowed ids {tuple(allowed_token_ids)}")
+    logits = model.logits(hidden).float()
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+    logp = torch.log_softmax(logits[..., allowed] / temperature, dim=-1)
+    return (logp * where).sum(-1)
 
 
 @torch.no_grad()

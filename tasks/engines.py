@@ -24,10 +24,12 @@ Semantics shared by both (what a test compares):
 
 * ``prompt_logprobs(prompts)[i][t] = log p(prompt[t + 1] | prompt[: t + 1])`` in nats, float32,
   length ``len(prompt) - 1``; the model's distribution at temperature 1.
-* ``generate`` samples with the given temperature/top-k/top-p but reports the log-probs of
-  the sampled tokens under the unmodified model distribution (vLLM's default
-  ``logprobs_mode="raw_logprobs"``): the quantity the trainer recomputes for importance
-  sampling in RL.
+* ``generate`` samples with the given temperature, allowed ids and top-k/top-p, and reports
+  the log-prob of each sampled token under the distribution it was sampled from: the logits
+  restricted to ``allowed_token_ids``, divided by the temperature, then truncated by
+  top-k/top-p (vLLM's ``logprobs_mode="processed_logprobs"``). That is the behaviour policy
+  the trainer compares itself with for importance sampling in RL (it restricts and scales its
+  own logits the same way); the model's raw distribution would leave the temperature out.
 * ``update_weights(state_dict)`` takes every weight of the checkpoint under its Hugging Face
   name (the names in the export's safetensors), replaces them in place, and later calls see
   the new weights. Partial updates are refused: vLLM's layerwise reload leaves a fused layer
@@ -117,6 +119,7 @@ class SamplingConfig:
             within one engine; the two engines' random streams differ, so only greedy outputs
             are comparable across engines).
         stop_token_ids: generation ends after sampling one of these ids (it is returned).
+        allowed_token_ids: sample only among these ids (e.g. the four bases); empty: all ids.
     """
 
     max_new_tokens: int
@@ -125,6 +128,7 @@ class SamplingConfig:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -142,8 +146,9 @@ class Generation:
 
     Attributes:
         tokens: int64 ``[n]`` generated ids (prompt excluded), ``n <= max_new_tokens``.
-        logprobs: float32 ``[n]`` log-probs (nats) of those ids under the model at
-            temperature 1, each conditioned on the prompt and the tokens before it.
+        logprobs: float32 ``[n]`` log-probs (nats) of those ids under the sampling
+            distribution (allowed ids, temperature, top-k/top-p; module docstring), each
+            conditioned on the prompt and the tokens before it.
         finish_reason: "length" or "stop".
     """
 
@@ -393,6 +398,9 @@ class VLLMEngine(InferenceEngine):
                 max_model_len=max_model_len + 1,
                 enforce_eager=enforce_eager,
                 seed=seed,
+                # Rollout log-probs of the distribution that sampled (module docstring); prompt
+                # log-probs stay raw in every mode.
+                logprobs_mode="processed_logprobs",
                 **llm_kwargs,
             )
         finally:
@@ -455,6 +463,7 @@ class VLLMEngine(InferenceEngine):
             top_k=sampling.top_k,
             top_p=sampling.top_p,
             stop_token_ids=list(sampling.stop_token_ids),
+            allowed_token_ids=list(sampling.allowed_token_ids) or None,
             # The export's generation_config may name an EOS id; DNA rollouts stop only on the
             # ids the caller gives.
             ignore_eos=True,
@@ -595,10 +604,9 @@ class TransformersEngine(InferenceEngine):
                 with self._topk_rule():
                     step = self.model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 cache = step.past_key_values
-                logp = torch.log_softmax(step.logits[0, -1].float(), dim=-1)
-                token = _sample(logp, sampling, generator)
+                token, logp = _sample(step.logits[0, -1].float(), sampling, generator)
                 tokens.append(token)
-                logprobs.append(float(logp[token]))
+                logprobs.append(logp)
                 if token in sampling.stop_token_ids:
                     finish = "stop"
                     break
@@ -649,11 +657,22 @@ def _lower_index_first_topk():
         torch.Tensor.topk = original
 
 
-def _sample(logp: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
-    """One token from log-probs ``[V]`` with temperature, top-k and top-p (nucleus) filtering."""
+def _sample(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> tuple[int, float]:
+    """One token from float32 logits ``[V]``, and its log-prob under the distribution it came from.
+
+    The order is vLLM's sampler's (``vllm/v1/sample/sampler.py``): mask to the allowed ids,
+    divide by the temperature (greedy: none), top-k, top-p; the log-prob is the log-softmax
+    of the scores that remain (``processed_logprobs``).
+    """
+    scores = logits
+    if sampling.allowed_token_ids:
+        keep = torch.zeros_like(scores, dtype=torch.bool)
+        keep[list(sampling.allowed_token_ids)] = True
+        scores = scores.masked_fill(~keep, float("-inf"))
     if sampling.temperature == 0:
-        return int(logp.argmax())
-    scores = logp / sampling.temperature
+        token = int(scores.argmax())
+        return token, float(torch.log_softmax(scores, -1)[token])
+    scores = scores / sampling.temperature
     if sampling.top_k:
         kth = torch.topk(scores, min(sampling.top_k, scores.numel())).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -663,7 +682,9 @@ def _sample(logp: torch.Tensor, sampling: SamplingConfig, generator: torch.Gener
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop = cumulative - sorted_scores.softmax(-1) >= sampling.top_p
         scores = scores.scatter(0, order[drop], float("-inf"))
-    return int(torch.multinomial(scores.softmax(-1), 1, generator=generator))
+    logp = torch.log_softmax(scores, -1)
+    token = int(torch.multinomial(logp.exp(), 1, generator=generator))
+    return token, float(logp[token])
 
 
 class TrainerLogProbs:

@@ -151,7 +151,10 @@ class RLSpec:
     gen_len: int = 16                 # bases generated and scored against the genome
     lr: float = 1e-4
     temperature: float = 1.0
-    kl_coef: float = 0.01
+    kl_per_base: float = 1.0          # beta of the per-base match-vs-KL trade-off (tasks.grpo)
+    mini_batches: int = 2             # optimizer steps per pass over a step's rollouts
+    epochs: int = 2                   # passes over a step's rollouts
+    engine_dtype: str = "bfloat16"    # rollout engine dtype; the trainer's importance weights correct it
     parallel: ParallelSpec | None = None  # trainer layout (Elastic + megatron); None: train_parallel
     checkpoint_uri: str = ""          # shared directory for torch_dist checkpoints ("" = $MEGABASE_HOME)
     checkpoint_every: int = 5         # steps

@@ -11,23 +11,29 @@ megatron DDP and the distributed Adam (:func:`tasks.trainer.build_trainer`). Eac
 2. rank 0's engine (vLLM in production, the preset names it) generates ``group_size``
    rollouts of ``gen_len`` tokens per prompt with each sampled token's log-prob, and
    broadcasts them;
-3. reward against the reference continuation and group-normalized advantages (every rank);
-   the trainer recomputes log-probs of the sampled tokens under the policy, the old policy
-   (= policy before this step's update) and the frozen SFT reference; DP ranks take their
-   rollouts, CP ranks their contiguous slice of each sequence (:class:`LocalTokens`);
-4. one optimizer step on the GRPO loss (``tasks.grpo``: PPO clip, k3 KL to the reference,
-   truncated importance weight trainer/engine), summed per token on each rank and divided by
-   the token count of the DP x CP group (``finalize_model_grads``);
-5. the updated weights go to the engine (``InferenceEngine.update_weights`` with the model's
+3. reward against the reference continuation (``tasks.grpo``: why this reward) and
+   group-normalized advantages (every rank);
+4. the trainer scores the sampled tokens under the policy before this step's updates
+   (``logp_old``) and the frozen SFT reference, both restricted to A/C/G/T at the sampling
+   temperature as the engine sampled (:func:`model.logprobs.restricted_token_logprobs`);
+   DP ranks take their rollouts, CP ranks their contiguous slice of each sequence
+   (:class:`LocalTokens`);
+5. ``epochs`` passes over ``mini_batches`` mini-batches of the rollouts, one optimizer step
+   each (SkyRL's ``update_epochs_per_batch`` and policy mini-batches), on the GRPO loss
+   (``tasks.grpo``: PPO clip against ``logp_old`` -- it acts from the second update of a step
+   on -- k3 KL to the reference, truncated importance weight trainer/engine), summed per token
+   on each rank and divided by the token count of the DP x CP group (``finalize_model_grads``);
+6. the updated weights go to the engine (``InferenceEngine.update_weights`` with the model's
    HF-named state dict, gathered over TP/EP), never by restarting it.
 
 Checkpoints (``checkpoint_dir``): megatron distributed checkpoints of the policy, optimizer,
 scheduler, RNG and the prompt sampler's state, every ``checkpoint_every`` steps and at the
 end; a ``latest`` pointer resumes the run, and the engine then takes the checkpoint's weights.
 
-Metrics per step (JSON lines, ``step`` counted from 1): reward mean/std, KL, clip fraction,
-TIS weight, ``rollout_train_logprobs_abs_diff`` mean/max (trainer vs engine on the sampled
-tokens), tokens/s, step time.
+Metrics per step (JSON lines, ``step`` counted from 1): reward mean/std, KL and clip fraction
+(over the step's updates), TIS weight mean/min/max, SkyRL's ``rollout_train_logprobs_abs_diff``
+mean/max (``|logp_old - logp_rollout|`` on the sampled tokens: the trainer-vs-engine gap before
+the step's updates), tokens/s, step time.
 """
 
 from __future__ import annotations
@@ -66,8 +72,15 @@ class RLConfig:
         group_size: rollouts per prompt (the GRPO group).
         prompt_len: bases of genome context given to the policy.
         gen_len: bases the policy generates (compared with the reference continuation).
-        temperature: sampling temperature of the rollouts.
+        temperature: sampling temperature of the rollouts (> 0); the trainer's log-probs use it too.
         reward: "match_fraction" or "prefix" (``tasks.grpo.continuation_reward``).
+        mini_batches: optimizer steps per pass over a step's rollouts (the rollouts split into
+            this many mini-batches; ``prompts_per_step x group_size`` must divide by
+            ``mini_batches x DP``).
+        epochs: passes over a step's rollouts. ``mini_batches x epochs`` updates per step; with
+            one update the PPO ratio is 1 and the clip never acts.
+        engine_dtype: the rollout engine's dtype ("bfloat16" as on a cluster: the importance
+            weights then correct a real trainer/engine mismatch; "float32" for a bit-close engine).
         lr: Adam learning rate, constant (0 keeps the weights: the weight-sync drift check).
         weight_decay: Adam weight decay.
         grad_clip: max global grad norm.
@@ -95,6 +108,9 @@ class RLConfig:
     gen_len: int = 16
     temperature: float = 1.0
     reward: str = "match_fraction"
+    mini_batches: int = 2
+    epochs: int = 2
+    engine_dtype: str = "bfloat16"
     lr: float = 1e-5
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -214,14 +230,16 @@ class LocalTokens:
                    slice(p_lo, p_hi), slice(lo + p_lo - first, lo + p_hi - first))
 
 
-def _sequence_logprobs(module, batch: LocalTokens, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _sequence_logprobs(module, batch: LocalTokens, device, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Trainer log-probs ``[n, k]`` of this rank's ``k`` sampled tokens, and an anchor scalar.
 
-    Only the positions that predict sampled tokens reach the output head (chunked NLL of
-    ``model.logprobs``). The anchor (0 x the hidden states) joins ranks that hold no sampled
-    token to the backward pass, whose context-parallel collectives every CP rank must enter.
+    The distribution is the one the engine sampled from: logits restricted to A/C/G/T at
+    ``temperature`` (:func:`model.logprobs.restricted_token_logprobs`). Only the positions that
+    predict sampled tokens reach the output head. The anchor (0 x the hidden states) joins ranks
+    that hold no sampled token to the backward pass, whose context-parallel collectives every CP
+    rank must enter.
     """
-    from model.logprobs import chunked_token_nll
+    from model.logprobs import restricted_token_logprobs
 
     hidden = module.hidden_states(torch.from_numpy(batch.ids).to(device))          # [S / cp, n, h]
     labels = torch.from_numpy(batch.labels).to(device).transpose(0, 1)[batch.positions]
@@ -229,7 +247,8 @@ def _sequence_logprobs(module, batch: LocalTokens, device) -> tuple[torch.Tensor
     anchor = hidden.sum() * 0.0
     if picked.shape[0] == 0:
         return hidden.new_zeros(hidden.shape[1], 0), anchor
-    return -chunked_token_nll(module, picked, labels.contiguous(), module.logits_chunk_tokens).transpose(0, 1), anchor
+    logp = restricted_token_logprobs(module, picked, labels.contiguous(), vocab.ACGT, temperature)
+    return logp.transpose(0, 1), anchor
 
 
 def _broadcast(array: np.ndarray | None, shape: tuple[int, ...], dtype, device) -> np.ndarray:
@@ -239,6 +258,77 @@ def _broadcast(array: np.ndarray | None, shape: tuple[int, ...], dtype, device) 
     if torch.distributed.get_world_size() > 1:
         torch.distributed.broadcast(t, 0)
     return t.cpu().numpy()
+
+
+def _policy_updates(policy, reference, model, optimizer, scheduler, sequences: np.ndarray, rollout_logp: np.ndarray,
+                    advantages: torch.Tensor, cfg: RLConfig, layout, device, group, step: int):
+    """One RL step's optimizer updates: ``cfg.epochs`` passes over ``cfg.mini_batches`` mini-batches.
+
+    The mini-batches are a seeded partition of the step's rollouts (the same on every rank and
+    after a resume). ``logp_old`` and the reference log-probs of every mini-batch are taken
+    before the first update, so from the second update on the PPO ratio departs from 1 and the
+    clip acts; the truncated importance weight ``exp(logp_old - logp_rollout)`` and the gap are
+    properties of the rollouts and are the same in every pass.
+
+    Args:
+        sequences: int64 ``[n_rollouts, prompt_len + gen_len]`` prompts followed by the samples.
+        rollout_logp: float32 ``[n_rollouts, gen_len]``, the engine's log-probs of the samples.
+        advantages: float ``[n_rollouts]``.
+        group: the DP x CP process group the sums are reduced over.
+
+    Returns:
+        (sums over the group: ``objective``/``kl``/``clipped``/``updated_tokens`` over every update,
+        ``tis_weight``/``gap``/``tokens`` over the rollouts once; max gap; (min, max) TIS weight;
+        the last update's grad norm).
+    """
+    from tasks.trainer import optimizer_step
+
+    n_rollouts = len(sequences)
+    order = np.random.default_rng([cfg.seed, step]).permutation(n_rollouts)
+    policy.train()
+    parts = []
+    for rows in np.array_split(order, cfg.mini_batches):
+        batch = LocalTokens.split(sequences[np.sort(rows)], cfg.gen_len, layout.dp_rank, layout.dp_size,
+                                  layout.cp_rank, cfg.context_parallel)
+        with torch.no_grad():
+            old, _ = _sequence_logprobs(policy, batch, device, cfg.temperature)
+            ref, _ = _sequence_logprobs(reference, batch, device, cfg.temperature)
+        mine = np.sort(rows)[batch.rows]
+        engine_logp = torch.from_numpy(rollout_logp[mine][:, batch.tokens]).to(device)
+        parts.append((batch, old, ref, engine_logp, advantages[mine].to(device)))
+    keys = ("objective", "kl", "clipped", "updated_tokens", "tis_weight", "gap", "tokens")
+    local = dict.fromkeys(keys, 0.0)
+    weights = []
+    for batch, old, ref, engine_logp, adv in parts:
+        terms = grpo_token_terms(old, old, ref, engine_logp, adv, cfg.grpo)
+        local["tis_weight"] += terms["tis_weight"].sum().double()
+        local["gap"] += terms["gap"].sum().double()
+        local["tokens"] += float(terms["gap"].numel())
+        weights.append(terms["tis_weight"].flatten())
+    weights = torch.cat(weights)
+    gap_max = max([float(p[1].sub(p[3]).abs().max()) for p in parts if p[1].numel()] or [0.0])
+    grad_norm = 0.0
+    for _ in range(cfg.epochs):
+        for batch, old, ref, engine_logp, adv in parts:
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            logp, anchor = _sequence_logprobs(policy, batch, device, cfg.temperature)
+            terms = grpo_token_terms(logp, old, ref, engine_logp, adv, cfg.grpo)
+            # Sums over this rank's tokens; finalize_model_grads divides the gradients by the
+            # token count of the whole DP x CP group (calculate_per_token_loss).
+            (terms["objective"].sum() + anchor).backward()
+            tokens = torch.tensor(float(terms["objective"].numel()), device=device)
+            grad_norm = float(optimizer_step(model, optimizer, scheduler, tokens.clone()))
+            local["objective"] += terms["objective"].detach().sum().double()
+            local["kl"] += terms["kl"].sum().double()
+            local["clipped"] += terms["clipped"].sum().double()
+            local["updated_tokens"] += float(tokens)
+    sums = torch.stack([torch.as_tensor(local[k], dtype=torch.float64, device=device) for k in keys])
+    extremes = torch.tensor([gap_max, -float(weights.min()) if weights.numel() else -1.0,
+                             float(weights.max()) if weights.numel() else 1.0], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(sums, group=group)
+    torch.distributed.all_reduce(extremes, op=torch.distributed.ReduceOp.MAX, group=group)
+    return (dict(zip(keys, sums.tolist())), float(extremes[0]), (-float(extremes[1]), float(extremes[2])), grad_norm)
 
 
 def rollout_engine_options(cfg: RLConfig) -> dict:
@@ -285,7 +375,7 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
     from model.glm5_next import build_model
     from tasks.engines import SamplingConfig, make_engine
     from tasks.checkpoint import Checkpointer, restore_training_state, training_state
-    from tasks.trainer import ManualGC, build_trainer, init_parallel, local_device, optimizer_step
+    from tasks.trainer import ManualGC, build_trainer, init_parallel, local_device
 
     layout = init_parallel(cfg.tensor_parallel, cfg.context_parallel, cfg.expert_parallel)
     is_main = layout.rank == 0
@@ -297,6 +387,11 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
                       f"and prompts_per_step x group_size = {n_rollouts} over DP={layout.dp_size}")
     if cfg.gc_interval < 0:
         raise RLError(f"gc_interval={cfg.gc_interval} must be >= 0 (0: the collector stays on)")
+    if cfg.mini_batches < 1 or cfg.epochs < 1 or n_rollouts % (cfg.mini_batches * layout.dp_size):
+        raise RLError(f"prompts_per_step x group_size = {n_rollouts} rollouts must split into mini_batches="
+                      f"{cfg.mini_batches} (>= 1) x DP={layout.dp_size}, and epochs={cfg.epochs} must be >= 1")
+    if cfg.temperature <= 0:
+        raise RLError(f"temperature={cfg.temperature}: rollouts are sampled (> 0); the trainer scores them at it")
     sampler = PromptSampler(shards_dir, cfg.prompt_len, cfg.gen_len, cfg.seed)
     model_cfg, text_state, vision_state = load_hf_checkpoint(
         sft_export, tensor_model_parallel_size=cfg.tensor_parallel, context_parallel_size=cfg.context_parallel,
@@ -309,7 +404,8 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
     del text_state
     model, optimizer, scheduler = build_trainer(
         model_cfg, policy, lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8,
-        grad_clip=cfg.grad_clip, steps=cfg.steps, warmup_steps=0, decay_style="constant")
+        grad_clip=cfg.grad_clip, steps=cfg.steps * cfg.mini_batches * cfg.epochs, warmup_steps=0,
+        decay_style="constant")
 
     def checkpoint_state(is_loading: bool, step: int) -> dict:
         return training_state(policy, optimizer, scheduler, layout, is_loading,
@@ -337,7 +433,7 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
     metrics: list[dict] = []
     with contextlib.ExitStack() as stack:
         work = stack.enter_context(atomic_output_dir(out_dir)) if is_main else None
-        engine = stack.enter_context(make_engine(cfg.engine, sft_export, "float32", max_len,
+        engine = stack.enter_context(make_engine(cfg.engine, sft_export, cfg.engine_dtype, max_len,
                                                  **rollout_engine_options(cfg))) if is_main else None
         hf_now = hf_state_dict(policy) if step else None       # collective over TP/EP
         if engine is not None and hf_now is not None:
@@ -360,7 +456,7 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
                 generated = rollout_logp = None
                 if engine is not None:
                     sampling = SamplingConfig(max_new_tokens=cfg.gen_len, temperature=cfg.temperature,
-                                              seed=cfg.seed * 1_000_003 + step * 10_007)
+                                              seed=cfg.seed * 1_000_003 + step * 10_007, allowed_token_ids=vocab.ACGT)
                     rollouts = engine.generate(list(repeated), sampling)
                     generated = np.stack([r.tokens for r in rollouts]).astype(np.int64)
                     rollout_logp = np.stack([r.logprobs for r in rollouts]).astype(np.float32)
@@ -371,47 +467,29 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
                     for g, t in zip(generated, np.repeat(truth, cfg.group_size, 0))
                 ], dtype=torch.float32).view(cfg.prompts_per_step, cfg.group_size)
                 advantages = group_advantages(rewards, cfg.grpo).flatten()
-
-                batch = LocalTokens.split(np.concatenate([repeated, generated], axis=1), cfg.gen_len, layout.dp_rank,
-                                          layout.dp_size, layout.cp_rank, cfg.context_parallel)
-                model.zero_grad_buffer()
-                optimizer.zero_grad()
-                policy.train()
-                logp, anchor = _sequence_logprobs(policy, batch, device)
-                with torch.no_grad():
-                    logp_ref, _ = _sequence_logprobs(reference, batch, device)
-                terms = grpo_token_terms(logp, logp.detach(), logp_ref,
-                                         torch.from_numpy(rollout_logp[batch.rows, batch.tokens]).to(device),
-                                         advantages[batch.rows].to(device), cfg.grpo)
-                # Sums over this rank's tokens; finalize_model_grads divides the gradients by the
-                # token count of the whole DP x CP group (calculate_per_token_loss).
-                (terms["objective"].sum() + anchor).backward()
-                local_tokens = torch.tensor(float(terms["objective"].numel()), device=device)
-                sums = torch.stack([terms["objective"].detach().sum().double()] +
-                                   [terms[k].sum().double() for k in ("kl", "clipped", "tis_weight", "gap")] +
-                                   [local_tokens.double()])
-                gap_max = terms["gap"].max() if terms["gap"].numel() else torch.zeros((), device=device)
-                torch.distributed.all_reduce(sums, group=dp_cp_group)
-                torch.distributed.all_reduce(gap_max, op=torch.distributed.ReduceOp.MAX, group=dp_cp_group)
-                loss = float(sums[0] / sums[5])
+                sums, gap_max, tis_range, grad_norm = _policy_updates(
+                    policy, reference, model, optimizer, scheduler, np.concatenate([repeated, generated], axis=1),
+                    rollout_logp, advantages, cfg, layout, device, dp_cp_group, step)
+                loss = float(sums["objective"] / sums["updated_tokens"])
                 if not np.isfinite(loss):
                     raise RLError(f"non-finite GRPO loss {loss} at step {step + 1}; last good checkpoint: "
                                   f"{(ckpt.pointer('latest') if ckpt else None) or 'none'}")
-                grad_norm = optimizer_step(model, optimizer, scheduler, local_tokens.clone())
                 hf = hf_state_dict(policy)                           # collective over TP/EP
                 if engine is not None:
                     engine.update_weights({**hf, **vision_state})
                 del hf
                 step += 1
                 seconds = time.perf_counter() - t0
-                count = float(sums[5])
                 row = {
                     "step": step, "loss": loss, "reward_mean": rewards.mean().item(),
-                    "reward_std": rewards.std(unbiased=False).item(), "grad_norm": float(grad_norm),
-                    "kl": float(sums[1]) / count, "clip_fraction": float(sums[2]) / count,
-                    "tis_weight_mean": float(sums[3]) / count,
-                    "rollout_train_logprobs_abs_diff_mean": float(sums[4]) / count,
-                    "rollout_train_logprobs_abs_diff_max": float(gap_max),
+                    "reward_std": rewards.std(unbiased=False).item(), "grad_norm": grad_norm,
+                    "updates": cfg.mini_batches * cfg.epochs,
+                    "kl": float(sums["kl"] / sums["updated_tokens"]),
+                    "clip_fraction": float(sums["clipped"] / sums["updated_tokens"]),
+                    "tis_weight_mean": float(sums["tis_weight"] / sums["tokens"]),
+                    "tis_weight_min": tis_range[0], "tis_weight_max": tis_range[1],
+                    "rollout_train_logprobs_abs_diff_mean": float(sums["gap"] / sums["tokens"]),
+                    "rollout_train_logprobs_abs_diff_max": gap_max,
                     "tokens_per_s": n_rollouts * (cfg.prompt_len + cfg.gen_len) / seconds, "step_time_s": seconds,
                     "engine": engine.description if engine is not None else "",
                 }
@@ -426,9 +504,11 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
                                                 "prompt_len": cfg.prompt_len, "generated": tokens.tolist(),
                                                 "reward": reward}) + "\n")
                     gap = row["rollout_train_logprobs_abs_diff_mean"]
-                    log.info("rl step %d/%d: reward %.3f kl %.2e gap %.2e", step, cfg.steps, row["reward_mean"],
-                             row["kl"], gap)
-                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", gap=f"{gap:.1e}")
+                    log.info("rl step %d/%d: reward %.3f kl %.2e clip %.3f tis [%.3f, %.3f] gap %.2e", step, cfg.steps,
+                             row["reward_mean"], row["kl"], row["clip_fraction"], row["tis_weight_min"],
+                             row["tis_weight_max"], gap)
+                    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", clip=f"{row['clip_fraction']:.2f}",
+                                    gap=f"{gap:.1e}")
                     bar.update()
                 if ckpt and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps):
                     ckpt.save(checkpoint_state(False, step), step, False, cfg.keep_checkpoints)
@@ -467,12 +547,21 @@ def rl_parallel(preset: Preset):
     return preset.rl.parallel or preset.train_parallel
 
 
-def preset_rl_config(preset: Preset) -> RLConfig:
-    """The RL configuration a preset implies (``preset.rl``, its engine and trainer layout)."""
-    spec, par = preset.rl, rl_parallel(preset)
+def preset_rl_config(preset: Preset, **overrides) -> RLConfig:
+    """The RL configuration a preset implies (``preset.rl`` with ``overrides`` of its fields).
+
+    The GRPO loss averages over tokens and the reward is a fraction of ``gen_len`` bases, so the
+    loss's KL coefficient is ``kl_per_base / gen_len`` (``tasks.grpo``: the per-base trade-off);
+    advantages are Dr. GRPO's (centred, not divided by the group's std, which would rescale the
+    reward against the KL term group by group).
+    """
+    spec = dataclasses.replace(preset.rl, **overrides)
+    par = rl_parallel(preset)
     return RLConfig(steps=spec.steps, prompts_per_step=spec.prompts_per_step, group_size=spec.group_size,
                     prompt_len=spec.prompt_len, gen_len=spec.gen_len, temperature=spec.temperature,
-                    lr=spec.lr, engine=preset.engine, grpo=GRPOConfig(kl_coef=spec.kl_coef),
+                    mini_batches=spec.mini_batches, epochs=spec.epochs, engine_dtype=spec.engine_dtype,
+                    lr=spec.lr, engine=preset.engine,
+                    grpo=GRPOConfig(kl_coef=spec.kl_per_base / spec.gen_len, scale_by_std=False),
                     tensor_parallel=par.tensor_parallel, context_parallel=par.context_parallel,
                     expert_parallel=par.expert_parallel, checkpoint_dir=spec.checkpoint_uri,
                     checkpoint_every=spec.checkpoint_every, engine_tensor_parallel=spec.engine_tensor_parallel)

@@ -30,6 +30,8 @@ import numpy as np
 
 PAD, SEP, BOS, UNK = 0, 1, 2, 3
 A, C, G, T, N = 4, 5, 6, 7, 8
+#: the ids a policy may emit when it continues DNA (RL rollouts sample only these)
+ACGT = (A, C, G, T)
 SPECIAL_TOKENS = ("<pad>", "<sep>", "<bos>", "<unk>")
 BASE_TOKENS = ("A", "C", "G", "T", "N")
 TOKENS = SPECIAL_TOKENS + BASE_TOKENS

@@ -144,10 +144,45 @@ def test_greedy_generation_agrees_and_sampled_logprobs_match_prompt_scoring(engi
         for prompt, first, second in zip(batch, *runs):
             assert np.array_equal(first.tokens, second.tokens), engine.name
             assert len(first.tokens) == 16 and first.finish_reason == "length"
-            # Reported log-probs are the model's at temperature 1: rescoring the whole
-            # sequence must give the same numbers.
-            rescored = engine.prompt_logprobs([np.concatenate([prompt, first.tokens])])[0][len(prompt) - 1:]
-            assert np.abs(first.logprobs - rescored).max() < 5e-5, engine.name
+
+
+def processed_logprobs(model, ids: np.ndarray, start: int, sampling: SamplingConfig) -> np.ndarray:
+    """float64 log-probs of ``ids[start:]`` under the sampling distribution, from full logits:
+    allowed ids, then temperature, then top-k, then top-p (vLLM's ``processed_logprobs``)."""
+    m64 = LlamaForCausalLM(model.config).double().eval()
+    m64.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        logits = m64(torch.as_tensor(ids)[None]).logits[0, start - 1 : -1]
+    out = []
+    for row, token in zip(logits, ids[start:]):
+        allowed = torch.full_like(row, -torch.inf)
+        allowed[list(sampling.allowed_token_ids)] = row[list(sampling.allowed_token_ids)]
+        scores = allowed / sampling.temperature
+        kept = scores >= torch.sort(scores, descending=True).values[sampling.top_k - 1]
+        probs = torch.where(kept, scores, -torch.inf).softmax(-1)
+        order = torch.argsort(probs, descending=True)
+        mass_before = torch.cumsum(probs[order], 0) - probs[order]
+        kept[order[mass_before >= sampling.top_p]] = False
+        out.append(float(torch.where(kept, scores, -torch.inf).log_softmax(-1)[token]))
+    return np.asarray(out)
+
+
+def test_rollout_logprobs_are_those_of_the_sampling_distribution(checkpoint, engines):
+    """Allowed ids, temperature, top-k and top-p change the distribution sampled from; the
+    reported log-probs must be that distribution's (the behaviour policy of RL's importance
+    weights), not the raw model's."""
+    _, model = checkpoint
+    sampling = SamplingConfig(max_new_tokens=12, temperature=0.7, top_k=3, top_p=0.9, seed=3,
+                              allowed_token_ids=(4, 5, 6, 7))
+    batch = prompts(5, (60, 41))
+    for engine in engines:
+        for prompt, gen in zip(batch, engine.generate(batch, sampling)):
+            assert set(gen.tokens.tolist()) <= {4, 5, 6, 7}, engine.name
+            ids = np.concatenate([prompt, gen.tokens])
+            expected = processed_logprobs(model, ids, len(prompt), sampling)
+            assert np.abs(gen.logprobs - expected).max() < 5e-5, engine.name
+            raw = float64_logprobs(model, ids)[len(prompt) - 1:]
+            assert np.abs(gen.logprobs - raw).max() > 1e-2, f"{engine.name} reported the raw model's log-probs"
 
 
 def test_generation_stops_on_a_stop_token(engines):

@@ -52,7 +52,7 @@ def test_versions_are_reproducible(repo):
     (lambda p: dataclasses.replace(p, evaluate=dataclasses.replace(p.evaluate, context_buckets=(0, 2_048, 4_096))),
      {"evaluate"}),
     (lambda p: dataclasses.replace(p, eval_seq_len=32_768), {"evaluate", "sft"}),   # SFT validates on eval windows
-    (lambda p: dataclasses.replace(p, rl=dataclasses.replace(p.rl, kl_coef=0.5)), {"rl"}),
+    (lambda p: dataclasses.replace(p, rl=dataclasses.replace(p.rl, kl_per_base=0.5)), {"rl"}),
     (lambda p: dataclasses.replace(p, sft=dataclasses.replace(p.sft, lr=1e-4)), {"sft"}),
     (lambda p: dataclasses.replace(p, engine="transformers"), ENGINE_STAGES),
 ], ids=["verify-gate", "verify-step-tokens", "evaluate-bucket", "eval-window", "rl-kl", "sft-lr", "engine"])

@@ -137,8 +137,7 @@ def stage_configs(shard_tokens: int, train_seq_len: int, sft_steps: int, sft_lr:
     return StageConfigs(
         pack=dataclasses.replace(default_pack_config(), shard_tokens=shard_tokens),
         sft=dataclasses.replace(preset_sft_config(PRESET), seq_len=train_seq_len, steps=sft_steps, lr=sft_lr),
-        rl=dataclasses.replace(preset_rl_config(PRESET), steps=rl_steps, prompt_len=rl_prompt_len,
-                               gen_len=rl_gen_len),
+        rl=preset_rl_config(PRESET, steps=rl_steps, prompt_len=rl_prompt_len, gen_len=rl_gen_len),
     )
 
 
