@@ -13,7 +13,8 @@
 # kernel, $INDEXER_ARGS, e.g. --score-kernels triton gluon --rounds 3 --profile), stages (dsa_bench.py stages:
 # the indexer's expansion and k-pool compression kernels), bench (dsa_bench.py alone, with $BENCH_ARGS),
 # dsa (dsa_check.py + dsa_bench.py), ncu (tests/gpu/ncu_indexer.sh: Nsight Compute on single indexer kernel
-# launches, $NCU_CASES). The DSA parts need no wheels: with no .whl folder the install is skipped.
+# launches, $NCU_CASES), profile (tests/benchmarks/sft_profile.py: whole-step profile of $PROFILE_CONFIGS,
+# default 64k, with $PROFILE_ARGS). The DSA parts need no wheels: with no .whl folder the install is skipped.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -67,3 +68,5 @@ part stages "${T_STAGES:-120}" python3 tests/benchmarks/dsa_bench.py stages --ou
 part bench "${T_BENCH:-420}" python3 tests/benchmarks/dsa_bench.py ${BENCH_ARGS:-} --out "$OUT/dsa_bench.json"
 part dsa "${T_DSA:-300}" bash -c "python3 tests/gpu/dsa_check.py --out $OUT/dsa_check.json && \
   python3 tests/benchmarks/dsa_bench.py --out $OUT/dsa_bench.json"
+part profile "${T_PROFILE:-420}" python3 tests/benchmarks/sft_profile.py --pack runs/sft_gpu_pack \
+  --configs ${PROFILE_CONFIGS:-64k} --trace-dir "$OUT" ${PROFILE_ARGS:-} --out "$OUT/sft_profile.json"

@@ -52,6 +52,18 @@ CONFIGS = {
 }
 
 
+def sft_config(name: str, steps: int, context_parallel: int = 1, expert_parallel: int = 1):
+    """The :class:`tasks.sft.SFTConfig` of configuration ``name`` (:data:`CONFIGS`): ``small`` preset, bf16,
+    one warm-up step, one validation window of the training length. Import after the flytekit stand-in."""
+    from tasks.sft import SFTConfig
+
+    knobs = CONFIGS[name]
+    return SFTConfig(model="small", dtype="bfloat16", steps=steps, warmup_steps=1, lr=3e-4, min_lr=3e-5,
+                     eval_seq_len=knobs["seq_len"], eval_windows=1, mlp_chunk_tokens=65_536,
+                     logits_chunk_tokens=16_384, context_parallel=context_parallel,
+                     expert_parallel=expert_parallel, **knobs)
+
+
 def _host_allocated_gib() -> float:
     """Pinned host memory allocated now (CUDA's caching host allocator), GiB."""
     import torch
@@ -77,15 +89,12 @@ def main() -> None:
     import torch
 
     from tasks.memory_plan import memory_plan
-    from tasks.sft import SFTConfig, model_config, train
+    from tasks.sft import model_config, train
 
     rows = []
     for name in args.configs:
         knobs = CONFIGS[name]
-        cfg = SFTConfig(model="small", dtype="bfloat16", steps=args.steps, warmup_steps=1, lr=3e-4, min_lr=3e-5,
-                        eval_seq_len=knobs["seq_len"], eval_windows=1, mlp_chunk_tokens=65_536,
-                        logits_chunk_tokens=16_384, context_parallel=args.context_parallel,
-                        expert_parallel=args.expert_parallel, **knobs)
+        cfg = sft_config(name, args.steps, args.context_parallel, args.expert_parallel)
         out = Path("/tmp/sft_small") / name
         gc.collect()
         torch.cuda.empty_cache()

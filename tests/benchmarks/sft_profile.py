@@ -1,0 +1,253 @@
+"""Whole-step profile of SFT on one GPU: step time, MFU, GPU kernel time by family, host-idle share.
+
+One process, in this order: the anchor (a bf16 8192^3 matmul, median of events), then per
+configuration of ``tests/gpu/sft_small.py``'s ``CONFIGS`` (``small`` preset, bf16, real shards)
+the SFT run of :func:`tasks.sft.train_step`: ``--steps`` timed steps (the first compiles and
+autotunes: reported as the first step), then ``--profile-steps`` steps under ``torch.profiler``.
+Run on the device machine (``PARTS=profile bash tests/gpu/session.sh``)::
+
+    python tests/benchmarks/sft_profile.py --pack runs/sft_gpu_pack --configs 64k --out $OUT/sft_profile.json
+
+Printed per configuration: the median unprofiled step time after the first, tokens/s, MFU from the
+stage's own ``model_flops_per_token`` against the 989 TF/s datasheet peak and against the matmul
+rate measured in the same process, the share of GPU kernel time per family (:data:`FAMILIES`, by
+kernel name; memcpy/memset count as copy/cast) with its milliseconds per step, and the host-idle
+share: the fraction of the profiled steps' wall time (first step start to last kernel end) in which
+no kernel, copy or fill runs on the GPU. The profiler itself adds host time, so the idle share is
+an upper bound for the unprofiled steps; the profiled step time is printed next to it. ``--out``
+gets everything as JSON, with the 40 kernels of most time and their families.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import gzip
+import json
+import logging
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "gpu"))
+
+from flyte_standin import install_flytekit_stand_in  # noqa: E402
+from sft_small import CONFIGS, sft_config  # noqa: E402
+
+DATASHEET_TFLOPS = 989.0   # H100/H200 SXM dense bf16 (tasks.trainer.PEAK_BF16_TFLOPS)
+
+# Kernel families, first match wins (so the project's and fla's Triton kernels come before the
+# generic names: fla's kernels hold "reduce" or "cumsum" too). Patterns match torch's, cuBLAS's,
+# CUTLASS's, Triton's and inductor's (triton_poi_ / triton_red_ / triton_per_) kernel names.
+FAMILIES: list[tuple[str, str]] = [
+    ("sparse MLA fwd", r"sparse_mla_fwd"),
+    ("sparse MLA bwd", r"sparse_mla_bwd"),
+    ("DSA indexer", r"pool_scores|select_kernel|expand_kernel|compress_kernel|sparse_mla_mass"),
+    ("KDA/fla", r"chunk_|kda|delta_rule|solve_tril|cumsum_|l2norm|wy_|causal_conv1d|recompute_w_u|kkt"),
+    ("GEMM", r"gemm|gemv|cutlass|wmma|xmma|cublas|nvjet|matmul|_mm_|grouped_mm|Kernel2|splitK"),
+    ("copy/cast", r"copy|Memcpy|Memset|CatArrayBatched|cat_|memcpy|memset"),
+    ("gather/scatter", r"index|gather|scatter|embedding|Embedding|sort|radix|topk|take|put_|masked_select"),
+    ("reduce", r"reduce|Reduce|softmax|SoftMax|norm|Norm|nll|cross_entropy|triton_red_|triton_per_|sum_|mean_"),
+    ("elementwise", r"elementwise|vectorized|unrolled|multi_tensor_apply|fill|triton_poi_|foreach"),
+]
+_COMPILED = [(name, re.compile(pattern)) for name, pattern in FAMILIES]
+FAMILY_NAMES = [name for name, _ in FAMILIES] + ["other"]
+
+
+def kernel_family(name: str) -> str:
+    """The family of a GPU kernel (or ``Memcpy``/``Memset`` activity) from its name."""
+    return next((family for family, pattern in _COMPILED if pattern.search(name)), "other")
+
+
+def matmul_tflops(size: int = 8192, reps: int = 20) -> float:
+    """bf16 ``size^3`` matmul rate, TFLOP/s: median over ``reps`` event-timed products on random data."""
+    import torch
+
+    a, b = (torch.randn(size, size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * size**3 / statistics.median(times) / 1e12
+
+
+def _union_length(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of the union of ``[start, end)`` intervals clipped to ``[lo, hi)`` (same units)."""
+    total, reach = 0.0, lo
+    for start, end in sorted(intervals):
+        start, end = max(start, reach), min(end, hi)
+        if end > start:
+            total += end - start
+            reach = end
+    return total
+
+
+def trace_summary(trace: dict, steps: int) -> dict:
+    """Kernel time by family and the host-idle share of a chrome trace of ``steps`` profiled steps.
+
+    ``trace``: ``torch.profiler`` chrome-trace JSON whose steps are ``record_function("sft_step")``
+    ranges (timestamps in microseconds, GPU activity on the host clock).
+    """
+    events = trace["traceEvents"]
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    marks = [e for e in events if e.get("ph") == "X" and e.get("name") == "sft_step"
+             and e.get("cat") in ("user_annotation", "cpu_op")]
+    if not gpu or not marks:
+        raise RuntimeError(f"trace holds {len(gpu)} GPU activities and {len(marks)} sft_step ranges; need both")
+    lo = min(e["ts"] for e in marks)
+    hi = max(max(e["ts"] + e["dur"] for e in marks), max(e["ts"] + e["dur"] for e in gpu))
+    busy = _union_length([(e["ts"], e["ts"] + e["dur"]) for e in gpu], lo, hi)
+    by_family = dict.fromkeys(FAMILY_NAMES, 0.0)
+    by_kernel: dict[str, list] = {}
+    for e in gpu:
+        name = e["name"]
+        by_family[kernel_family(name)] += e["dur"]
+        slot = by_kernel.setdefault(name, [0.0, 0])
+        slot[0] += e["dur"]
+        slot[1] += 1
+    kernel_total = sum(by_family.values())
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:40]
+    return {
+        "profiled_step_s": (hi - lo) / 1e6 / steps,
+        "gpu_busy_s_per_step": busy / 1e6 / steps,
+        "host_idle_share": 1 - busy / (hi - lo),
+        "kernel_s_per_step": kernel_total / 1e6 / steps,
+        "launches_per_step": len(gpu) / steps,
+        "families": {f: {"share": t / kernel_total, "ms_per_step": t / 1e3 / steps} for f, t in by_family.items()},
+        "top_kernels": [{"name": n[:200], "family": kernel_family(n), "ms_per_step": t / 1e3 / steps,
+                         "calls_per_step": c / steps} for n, (t, c) in top],
+    }
+
+
+def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor: float,
+                   trace_out: Path | None = None) -> dict:
+    """Timed and profiled SFT steps of configuration ``name``; the chrome trace gzipped to ``trace_out``
+    when it is under 15 MiB compressed (what the device machine sends back)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from tasks.sft import SFTRun, train_step
+    from tasks.trainer import ManualGC
+
+    cfg = sft_config(name, steps + profile_steps)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    run = SFTRun.start(pack, cfg, Path(tempfile.mkdtemp(prefix=f"sft_profile_{name}_")))
+    records = []
+    with ManualGC(cfg.gc_interval) as collector:
+        for _ in range(steps):
+            records.append(train_step(run))
+            run.emit(records[-1])
+            collector.step(run.step)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(profile_steps):
+                with record_function("sft_step"):
+                    records.append(train_step(run))
+                collector.step(run.step)
+            torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        text = Path(f.name).read_bytes()
+        summary = trace_summary(json.loads(text), profile_steps)
+    if trace_out is not None:
+        packed = gzip.compress(text, 6)
+        if len(packed) < 15 * 2**20:
+            trace_out.write_bytes(packed)
+    # Device time per aten op (kernels attributed to the op that launched them): which op an
+    # fp32 GEMM or a cast comes from, which the kernel names do not say.
+    ops = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+                 key=lambda e: -e.self_device_time_total)[:30]
+    summary["top_ops"] = [{"op": e.key, "ms_per_step": e.self_device_time_total / 1e3 / profile_steps,
+                           "calls_per_step": e.count / profile_steps} for e in ops]
+    timed = [r["step_time_s"] for r in records[1:steps]] or [records[0]["step_time_s"]]
+    step_s = statistics.median(timed)
+    tokens_per_s = cfg.seq_len / step_s
+    flops_per_token = run.flops_per_token
+    row = {
+        "config": name, "seq_len": cfg.seq_len, "step_s": step_s,
+        "step_times_s": [r["step_time_s"] for r in records], "first_step_s": records[0]["step_time_s"],
+        "tokens_per_s": tokens_per_s, "flops_per_token": flops_per_token,
+        "model_tflops": flops_per_token * tokens_per_s / 1e12,
+        "mfu_datasheet": flops_per_token * tokens_per_s / (DATASHEET_TFLOPS * 1e12),
+        "mfu_matmul": flops_per_token * tokens_per_s / (anchor * 1e12),
+        "losses": [r["loss"] for r in records], "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        **summary,
+    }
+    del run, prof
+    return row
+
+
+def table(anchor: float, rows: list[dict]) -> str:
+    """The printed table: one column per profiled run."""
+    heads = [r["config"] for r in rows]
+    lines = [f"matmul anchor (bf16 8192^3, this process): {anchor:.0f} TF/s; datasheet {DATASHEET_TFLOPS:.0f} TF/s",
+             "| | " + " | ".join(heads) + " |", "|---|" + "---|" * len(rows)]
+
+    def add(label, fmt):
+        lines.append(f"| {label} | " + " | ".join(fmt(r) for r in rows) + " |")
+
+    add("step time (s, median unprofiled)", lambda r: f"{r['step_s']:.3f}")
+    add("first step (s)", lambda r: f"{r['first_step_s']:.1f}")
+    add("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}")
+    add("model TF/s", lambda r: f"{r['model_tflops']:.1f}")
+    add("MFU vs 989 TF/s", lambda r: f"{100 * r['mfu_datasheet']:.1f}%")
+    add("MFU vs matmul anchor", lambda r: f"{100 * r['mfu_matmul']:.1f}%")
+    add("profiled step (s)", lambda r: f"{r['profiled_step_s']:.3f}")
+    add("GPU busy per step (s)", lambda r: f"{r['gpu_busy_s_per_step']:.3f}")
+    add("host-idle share", lambda r: f"{100 * r['host_idle_share']:.1f}%")
+    add("kernel launches per step", lambda r: f"{r['launches_per_step']:,.0f}")
+    for family in FAMILY_NAMES:
+        add(f"{family}", lambda r, f=family: f"{100 * r['families'][f]['share']:.1f}% "
+                                            f"({r['families'][f]['ms_per_step']:.0f} ms)")
+    add("peak GiB", lambda r: f"{r['peak_gib']:.1f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pack", required=True, help="pack output directory (python -m tasks prepare)")
+    parser.add_argument("--configs", nargs="+", default=["64k"], choices=sorted(CONFIGS))
+    parser.add_argument("--steps", type=int, default=4, help="unprofiled steps (the first compiles)")
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--out", required=True, help="JSON file")
+    parser.add_argument("--trace-dir", default="", help="write each run's gzipped chrome trace here")
+    args = parser.parse_args()
+    install_flytekit_stand_in()
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
+    anchor = matmul_tflops()
+    print(f"matmul anchor: {anchor:.0f} TF/s", flush=True)
+    rows = []
+    for name in args.configs:
+        started = time.perf_counter()
+        trace = Path(args.trace_dir, f"trace_{name}.json.gz") if args.trace_dir else None
+        rows.append(profile_config(name, args.pack, args.steps, args.profile_steps, anchor, trace))
+        rows[-1]["wall_s"] = time.perf_counter() - started
+        Path(args.out).write_text(json.dumps({"matmul_tflops": anchor, "runs": rows}, indent=1))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("top_kernels", "families", "top_ops")}),
+              flush=True)
+    for r in rows:
+        print(f"\ntop kernels, {r['config']} (ms per step, calls per step, family):")
+        for k in r["top_kernels"][:15]:
+            print(f"  {k['ms_per_step']:8.1f} {k['calls_per_step']:7.0f}  {k['family']:<15} {k['name'][:110]}")
+        print(f"top ops by device time, {r['config']} (ms per step, calls per step):")
+        for o in r["top_ops"][:15]:
+            print(f"  {o['ms_per_step']:8.1f} {o['calls_per_step']:7.0f}  {o['op'][:110]}")
+    print()
+    print(table(anchor, rows))
+
+
+if __name__ == "__main__":   # dist-checkpoint saves start a spawn Manager: the guard is required
+    main()
