@@ -17,7 +17,7 @@ from pathlib import Path
 CHECKPOINTS = ("base", "sft", "rl")
 CHECKPOINT_LINE = re.compile(r"^\s*(?P<label>\w+)\s+overall (?P<bits>\d+\.\d+)\b")
 BASELINE_LINE = re.compile(r"^\s*baseline (?P<name>\S+) .*overall (?P<bits>\d+\.\d+)")
-VERIFY_LINE = re.compile(r"^verify (?P<pair>.+?) @ (?P<tokens>[\d,]+) tokens: .*\((?P<verdict>passed|FAILED)\)$")
+VERIFY_LINE = re.compile(r"^verify (?P<pair>.+?) @ prior context (?P<context>\[[^)]+\)): .*\((?P<verdict>passed|FAILED)\)$")
 
 
 def problems(report: str) -> list[str]:
@@ -32,8 +32,8 @@ def problems(report: str) -> list[str]:
         found.append("no baseline line ('baseline <name> ... overall <bits>')")
     verify = [m for m in map(VERIFY_LINE.match, lines) if m]
     if not verify:
-        found.append("no verify line ('verify <pair> @ <n> tokens: ... (passed)')")
-    found += [f"verify {m['pair']} @ {m['tokens']} tokens: FAILED" for m in verify if m["verdict"] != "passed"]
+        found.append("no verify line ('verify <pair> @ prior context [lo, hi): ... (passed)')")
+    found += [f"verify {m['pair']} @ prior context {m['context']}: FAILED" for m in verify if m["verdict"] != "passed"]
     return found
 
 

@@ -5,15 +5,18 @@ trained (the trainer's forward) with importance weights; a large gap makes those
 noisy, and a gap that grows with context is a defect of one side's long-context path. This
 stage measures it before a checkpoint is served or used for RL:
 
-1. Sample ``windows_per_length`` windows at each context length ``L`` from the held-out
-   split's shards (seeded random offsets inside a shard).
+1. Sample ``windows_per_length`` windows of each length ``L`` from the held-out split's
+   shards (seeded random offsets inside a shard).
 2. Score every window with each leg: ``log p(x[t + 1] | x[: t + 1])`` for all ``t`` (every
    position, N and ``<sep>`` included: this is a numerics check, not a loss), from the
    trainer (Megatron forward, the SFT code), the engine (vLLM), and optionally a reference
    (transformers), so a mismatch is pinned on one side.
-3. Per length (bucket) and pair of legs: mean, p99 and max of ``|diff|`` over all tokens, the
-   token count, and the worst windows with the position of their largest difference
-   (on hybrid models outliers concentrate in a few sequences: the mean alone hides them).
+3. Per pair of legs and **prior-context bucket** (each token by its own prior context, the
+   number of tokens before it in its window: ``[0, 1k), [1k, 2k), [2k, 4k), ...``): mean, p99
+   and max of ``|diff|``, the token count, and the worst windows with the position of their
+   largest difference (on hybrid models outliers concentrate in a few sequences: the mean
+   alone hides them). Bucketing tokens, not windows, keeps a defect that appears only at long
+   prior context from being averaged with the window's short-context tokens.
 4. Gate: every compared bucket of every pair must have mean and p99 under the preset's
    thresholds (float32 CPU: mean 1e-4; bf16: mean 0.05, SkyRL's CI bound). A failure raises
    :class:`VerifyGateError` whose message holds the table and names the failing buckets.
@@ -50,7 +53,7 @@ SCHEMA = "megabase.verify/1"
 LEGS = ("trainer", "engine", "reference")
 PAIRS = (("trainer", "engine"), ("trainer", "reference"), ("engine", "reference"))
 
-__all__ = ["VerifyConfig", "VerifyError", "VerifyGateError", "VerifyResult", "format_table",
+__all__ = ["VerifyConfig", "VerifyError", "VerifyGateError", "VerifyResult", "context_label", "format_table",
            "sample_windows", "verify", "verify_checkpoint"]
 
 
@@ -71,8 +74,10 @@ class VerifyConfig:
     """Every verify knob.
 
     Attributes:
-        context_lengths: tokens per sampled window, one bucket each.
+        context_lengths: tokens per sampled window (window lengths; a leg cap applies to them).
         windows_per_length: windows sampled per length.
+        context_buckets: lower edges (tokens of prior context, starting at 0) of the buckets
+            every scored token falls in by its own prior context.
         mean_abs_diff_max: gate on the mean |diff| per bucket, nats/token.
         p99_abs_diff_max: gate on the 99th percentile |diff| per bucket, nats/token.
         leg_max_tokens: longest window a leg ("trainer", "engine", "reference") is run on;
@@ -84,6 +89,7 @@ class VerifyConfig:
 
     context_lengths: tuple[int, ...]
     windows_per_length: int = 2
+    context_buckets: tuple[int, ...] = (0,) + tuple(1 << k for k in range(10, 21))
     mean_abs_diff_max: float = 1e-4
     p99_abs_diff_max: float = 1e-3
     leg_max_tokens: Mapping[str, int] = field(default_factory=dict)
@@ -96,6 +102,9 @@ class VerifyConfig:
             raise VerifyError(f"context_lengths={self.context_lengths}: need lengths of at least 2 tokens")
         if self.windows_per_length < 1:
             raise VerifyError(f"windows_per_length={self.windows_per_length}: need at least 1")
+        edges = self.context_buckets
+        if not edges or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
+            raise VerifyError(f"context_buckets={edges}: need strictly increasing lower edges starting at 0")
         if unknown := set(self.leg_max_tokens) - set(LEGS):
             raise VerifyError(f"leg_max_tokens names unknown legs {sorted(unknown)}; legs are {LEGS}")
 
@@ -135,22 +144,49 @@ def _score(source: LogProbSource, leg: str, window: Window) -> np.ndarray:
     return lp
 
 
-def _pair_bucket(diffs: list[np.ndarray], windows: list[Window], cfg: VerifyConfig) -> dict:
-    flat = np.concatenate(diffs)
-    mean, p99, worst = float(flat.mean()), float(np.percentile(flat, 99)), float(flat.max())
-    ranked = sorted(range(len(diffs)), key=lambda i: -diffs[i].max())[: cfg.worst_windows]
-    return {
-        "windows": len(diffs), "tokens": int(flat.size),
-        "mean_abs_diff": mean, "p99_abs_diff": p99, "max_abs_diff": worst,
-        "passed": bool(mean <= cfg.mean_abs_diff_max and p99 <= cfg.p99_abs_diff_max),
-        "worst_windows": [{
-            **windows[i].provenance(),
-            # position of the predicted token inside the window (its prior context length)
-            "position": int(diffs[i].argmax()) + 1,
-            "max_abs_diff": float(diffs[i].max()),
-            "mean_abs_diff": float(diffs[i].mean()),
-        } for i in ranked],
-    }
+def context_label(lo: int, hi: int | None) -> str:
+    """``[1k, 2k)``-style label of a prior-context bucket (``hi`` None: unbounded)."""
+    def short(n: int) -> str:
+        return f"{n >> 20}M" if n and n % (1 << 20) == 0 else f"{n >> 10}k" if n and n % 1024 == 0 else str(n)
+    return f"[{short(lo)}, {short(hi) if hi is not None else 'inf'})"
+
+
+def _context_buckets(diffs: list[np.ndarray], windows: list[Window], cfg: VerifyConfig) -> list[dict]:
+    """Statistics of one pair's ``|diff|`` per prior-context bucket.
+
+    ``diffs[i][t]`` belongs to the prediction of token ``t + 1`` of window ``i``, whose prior
+    context is ``t + 1`` tokens. Buckets no token reaches are left out.
+    """
+    edges = list(cfg.context_buckets)
+    out = []
+    for lo, hi in zip(edges, edges[1:] + [None]):
+        parts, owners = [], []
+        for i, d in enumerate(diffs):
+            context = np.arange(1, len(d) + 1)
+            chosen = d[(context >= lo) & ((context < hi) if hi is not None else True)]
+            if chosen.size:
+                parts.append(chosen)
+                owners.append(i)
+        if not parts:
+            continue
+        flat = np.concatenate(parts)
+        mean, p99, worst = float(flat.mean()), float(np.percentile(flat, 99)), float(flat.max())
+        ranked = sorted(range(len(parts)), key=lambda j: -parts[j].max())[: cfg.worst_windows]
+        out.append({
+            "context": context_label(lo, hi), "context_lo": lo, "context_hi": hi,
+            "windows": len(parts), "tokens": int(flat.size),
+            "mean_abs_diff": mean, "p99_abs_diff": p99, "max_abs_diff": worst,
+            "passed": bool(mean <= cfg.mean_abs_diff_max and p99 <= cfg.p99_abs_diff_max),
+            "worst_windows": [{
+                **windows[owners[j]].provenance(),
+                "window_tokens": len(windows[owners[j]].tokens),
+                # position of the predicted token inside the window (its prior context length)
+                "position": max(lo, 1) + int(parts[j].argmax()),
+                "max_abs_diff": float(parts[j].max()),
+                "mean_abs_diff": float(parts[j].mean()),
+            } for j in ranked],
+        })
+    return out
 
 
 @dataclass(frozen=True)
@@ -193,7 +229,7 @@ def verify(trainer: LogProbSource, engine: LogProbSource, shards_dir: str | os.P
                          f"{[L for L in cfg.context_lengths if L > cap]} are compared without it")
     windows = sample_windows(shards_dir, cfg.context_lengths, cfg.windows_per_length, cfg.seed, cfg.split)
 
-    pairs: dict[str, list[dict]] = {}
+    pair_diffs: dict[str, tuple[list[np.ndarray], list[Window]]] = {}
     active_legs = {length: [name for name in legs if caps[name] is None or length <= caps[name]]
                    for length in cfg.context_lengths}
     bar = tqdm(total=sum(len(active_legs[n]) * len(windows[n]) for n in cfg.context_lengths), desc="verify",
@@ -211,11 +247,13 @@ def verify(trainer: LogProbSource, engine: LogProbSource, shards_dir: str | os.P
                 scores[name].append(_score(legs[name], name, w))
                 bar.update()
         for a, b in compared:
-            diffs = [np.abs(x - y) for x, y in zip(scores[a], scores[b])]
-            pairs.setdefault(f"{a} vs {b}", []).append({"context_tokens": length, **_pair_bucket(diffs, windows[length], cfg)})
-        log.info("verify %d tokens: %s", length, ", ".join(
-            f"{name} mean {pairs[name][-1]['mean_abs_diff']:.2e}" for name in pairs if pairs[name][-1]["context_tokens"] == length))
+            diffs, owners = pair_diffs.setdefault(f"{a} vs {b}", ([], []))
+            diffs += [np.abs(x - y) for x, y in zip(scores[a], scores[b])]
+            owners += windows[length]
+            log.info("verify %d-token windows, %s vs %s: mean |diff| %.2e", length, a, b,
+                     float(np.mean(np.concatenate(diffs[-len(windows[length]):]))))
     bar.close()
+    pairs = {pair: _context_buckets(diffs, owners, cfg) for pair, (diffs, owners) in pair_diffs.items()}
 
     failed = [(pair, b) for pair, buckets in pairs.items() for b in buckets if not b["passed"]]
     report = {
@@ -236,7 +274,7 @@ def verify(trainer: LogProbSource, engine: LogProbSource, shards_dir: str | os.P
             (work / "deck.html").write_text(deck_html(report, table, png))
     if failed:
         reasons = "; ".join(
-            f"bucket {b['context_tokens']:,} tokens ({pair}): mean |diff| {b['mean_abs_diff']:.3e} "
+            f"prior context {b['context']} ({pair}): mean |diff| {b['mean_abs_diff']:.3e} "
             f"(max allowed {cfg.mean_abs_diff_max:.0e}), p99 {b['p99_abs_diff']:.3e} (max allowed {cfg.p99_abs_diff_max:.0e})"
             for pair, b in failed)
         raise VerifyGateError(f"verify failed: {reasons}\n{table}", report)
@@ -245,13 +283,13 @@ def verify(trainer: LogProbSource, engine: LogProbSource, shards_dir: str | os.P
 
 def format_table(report: dict) -> str:
     """Plain-text table: one row per pair and context length, the worst window of each, notes."""
-    head = f"{'pair':<22}{'tokens/window':>14}{'windows':>8}{'tokens':>10}{'mean':>11}{'p99':>11}{'max':>11}  gate   worst window (shard@offset, position)"
+    head = f"{'pair':<22}{'prior context':>15}{'windows':>8}{'tokens':>10}{'mean':>11}{'p99':>11}{'max':>11}  gate   worst window (shard@offset, position)"
     lines = [head, "-" * len(head)]
     for pair, buckets in report["pairs"].items():
         for b in buckets:
             w = b["worst_windows"][0]
             lines.append(
-                f"{pair:<22}{b['context_tokens']:>14,}{b['windows']:>8}{b['tokens']:>10,}{b['mean_abs_diff']:>11.2e}"
+                f"{pair:<22}{b['context']:>15}{b['windows']:>8}{b['tokens']:>10,}{b['mean_abs_diff']:>11.2e}"
                 f"{b['p99_abs_diff']:>11.2e}{b['max_abs_diff']:>11.2e}  {'pass' if b['passed'] else 'FAIL'}   "
                 f"{w['shard']}@{w['offset']} pos {w['position']:,} ({w['record']}{w['strand']}{w['start']:,})")
     lines += [f"legs: {name} = {desc}" for name, desc in report["legs"].items()]
@@ -260,7 +298,7 @@ def format_table(report: dict) -> str:
 
 
 def plot_diff_by_length(report: dict, path: Path) -> Path:
-    """PNG: mean, p99 and max |diff| vs context length per pair (log-log), with the gate.
+    """PNG: mean, p99 and max |diff| vs prior context per pair (log-log; a bucket at its upper edge), with the gate.
 
     Raises:
         ImportError: matplotlib is not installed (the plot is an output, never skipped).
@@ -272,14 +310,14 @@ def plot_diff_by_length(report: dict, path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for (pair, buckets), color in zip(report["pairs"].items(), ("C0", "C1", "C2")):
-        x = [b["context_tokens"] for b in buckets]
+        x = [b["context_hi"] or 2 * b["context_lo"] for b in buckets]
         for stat, style in (("mean_abs_diff", "-o"), ("p99_abs_diff", "--^"), ("max_abs_diff", ":x")):
             ax.plot(x, [max(b[stat], 1e-12) for b in buckets], style, color=color,
                     label=f"{pair} {stat.split('_')[0]}")
     cfg = report["config"]
     ax.axhline(cfg["mean_abs_diff_max"], color="red", linewidth=0.8, label="mean gate")
     ax.axhline(cfg["p99_abs_diff_max"], color="red", linewidth=0.8, linestyle="--", label="p99 gate")
-    ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="|log p diff| (nats/token)",
+    ax.set(xscale="log", yscale="log", xlabel="prior context (tokens, bucket upper edge)", ylabel="|log p diff| (nats/token)",
            title="verify: trainer vs engine log-prob gap")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

@@ -20,8 +20,8 @@ held-out bits/base by prior-context bucket:
      rl  overall 1.997  [0, 1,024): 1.895
   baseline markov-6 (fit on the train split): overall 1.928
 verify legs: trainer = megatron; engine = vllm
-verify trainer vs engine @ 4,096 tokens: mean |diff| 1.00e-06 p99 2.00e-06 max 3.00e-06 (passed)
-verify trainer vs engine @ 16,384 tokens: mean |diff| 1.00e-06 p99 2.00e-06 max 3.00e-06 (passed)
+verify trainer vs engine @ prior context [0, 1k): mean |diff| 1.00e-06 p99 2.00e-06 max 3.00e-06 (passed)
+verify trainer vs engine @ prior context [8k, 16k): mean |diff| 1.00e-06 p99 2.00e-06 max 3.00e-06 (passed)
 """
 
 
@@ -32,9 +32,9 @@ def test_a_complete_report_passes():
 @pytest.mark.parametrize("edit, problem", [
     (lambda r: r.replace("     rl  overall 1.997  [0, 1,024): 1.895\n", ""), "one held-out line for 'rl', found 0"),
     (lambda r: r.replace("  baseline markov-6 (fit on the train split): overall 1.928\n", ""), "no baseline line"),
-    (lambda r: r.replace("16,384 tokens: mean |diff| 1.00e-06 p99 2.00e-06 max 3.00e-06 (passed)",
-                         "16,384 tokens: mean |diff| 1.00e-01 p99 2.00e-01 max 3.00e-01 (FAILED)"),
-     "verify trainer vs engine @ 16,384 tokens: FAILED"),
+    (lambda r: r.replace("[8k, 16k): mean |diff| 1.00e-06 p99 2.00e-06 max 3.00e-06 (passed)",
+                         "[8k, 16k): mean |diff| 1.00e-01 p99 2.00e-01 max 3.00e-01 (FAILED)"),
+     "verify trainer vs engine @ prior context [8k, 16k): FAILED"),
     (lambda r: "\n".join(line for line in r.splitlines() if not line.startswith("verify trainer")), "no verify line"),
     (lambda r: "", "one held-out line for 'base', found 0"),
 ])

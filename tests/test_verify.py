@@ -104,24 +104,31 @@ def test_vllm_matches_transformers_and_the_report_has_every_bucket(setup, tmp_pa
     report = result.report
     assert result.passed and report["passed"]
     buckets = report["pairs"]["trainer vs engine"]
-    assert [b["context_tokens"] for b in buckets] == list(LENGTHS)
-    for b, length in zip(buckets, LENGTHS):
-        # Recompute the bucket from the reported windows, straight from Parquet and the engines.
-        windows = sample_windows(root / "pack", LENGTHS, 2)[length]
-        diffs = [np.abs(vllm_engine.prompt_logprobs([parquet_window(root, w.shard, w.offset, length)])[0]
-                        - hf_engine.prompt_logprobs([parquet_window(root, w.shard, w.offset, length)])[0]).astype(np.float64)
-                 for w in windows]
-        flat = np.concatenate(diffs)
-        assert b["tokens"] == flat.size == 2 * (length - 1) and b["windows"] == 2
+    # Windows of 512 and 4,096 tokens: predicted tokens have 1..4,095 tokens of prior context.
+    assert [b["context"] for b in buckets] == ["[0, 1k)", "[1k, 2k)", "[2k, 4k)"]
+    # Recompute every bucket from the reported windows, straight from Parquet and the engines:
+    # the token at window index t + 1 has t + 1 tokens of prior context.
+    per_window = []
+    for length, windows in sample_windows(root / "pack", LENGTHS, 2).items():
+        for w in windows:
+            ids = parquet_window(root, w.shard, w.offset, length)
+            d = np.abs(vllm_engine.prompt_logprobs([ids])[0] - hf_engine.prompt_logprobs([ids])[0]).astype(np.float64)
+            per_window.append((w, d, np.arange(1, length)))
+    for b, (lo, hi) in zip(buckets, [(0, 1024), (1024, 2048), (2048, 4096)]):
+        members = [(w, d[(c >= lo) & (c < hi)], c[(c >= lo) & (c < hi)]) for w, d, c in per_window]
+        members = [m for m in members if m[1].size]
+        flat = np.concatenate([d for _, d, _ in members])
+        assert b["tokens"] == flat.size and b["windows"] == len(members)
         assert b["mean_abs_diff"] == pytest.approx(flat.mean(), rel=1e-6)
         assert b["max_abs_diff"] == pytest.approx(flat.max(), rel=1e-6)
         assert b["p99_abs_diff"] == pytest.approx(np.percentile(flat, 99), rel=1e-6)
         worst = b["worst_windows"][0]
-        i = int(np.argmax([d.max() for d in diffs]))
-        assert (worst["offset"], worst["position"]) == (windows[i].offset, int(diffs[i].argmax()) + 1)
+        w, d, c = max(members, key=lambda m: m[1].max())
+        assert (worst["offset"], worst["position"]) == (w.offset, int(c[d.argmax()]))
         assert b["mean_abs_diff"] < 1e-5 and b["passed"]
-        print(f"vLLM vs transformers, {length} tokens: mean {b['mean_abs_diff']:.2e} "
+        print(f"vLLM vs transformers, prior context {b['context']}: mean {b['mean_abs_diff']:.2e} "
               f"p99 {b['p99_abs_diff']:.2e} max {b['max_abs_diff']:.2e}")
+    assert buckets[0]["tokens"] == 2 * 511 + 2 * 1023
     assert report["legs"] == {"trainer": hf_engine.description, "engine": vllm_engine.description}
     out = tmp_path / "out"
     assert json.loads((out / "verify.json").read_text())["passed"]
@@ -136,9 +143,9 @@ def test_perturbed_checkpoint_fails_and_three_way_pins_the_side(setup, tmp_path)
     with pytest.raises(VerifyGateError) as err:
         verify(hf_perturbed, vllm_engine, root / "pack", cfg, reference=hf_engine, out_dir=tmp_path / "out")
     message = str(err.value)
-    for length in LENGTHS:
-        assert f"bucket {length:,} tokens (trainer vs engine)" in message
-        assert f"bucket {length:,} tokens (trainer vs reference)" in message
+    for context in ("[0, 1k)", "[1k, 2k)", "[2k, 4k)"):
+        assert f"prior context {context} (trainer vs engine)" in message
+        assert f"prior context {context} (trainer vs reference)" in message
     assert "(engine vs reference)" not in message.split("\n")[0]
     assert "FAIL" in message and "pass" in message and "mean" in message.split("\n")[1]
     pairs = err.value.report["pairs"]
@@ -151,24 +158,49 @@ def test_perturbed_checkpoint_fails_and_three_way_pins_the_side(setup, tmp_path)
 def test_gate_names_only_the_failing_bucket(setup):
     root, vllm_engine, hf_engine, _ = setup
     cfg = VerifyConfig(context_lengths=LENGTHS, windows_per_length=1)
+    # lp[t] predicts the token with t + 1 tokens of prior context: shifted from 2,048 on.
     with pytest.raises(VerifyGateError) as err:
-        verify(hf_engine, LongContextDefect(vllm_engine, 1000, 0.01), root / "pack", cfg)
+        verify(hf_engine, LongContextDefect(vllm_engine, 2047, 0.01), root / "pack", cfg)
     first_line = str(err.value).split("\n")[0]
-    assert "bucket 4,096 tokens (trainer vs engine)" in first_line and "bucket 512 " not in first_line
+    assert "prior context [2k, 4k) (trainer vs engine)" in first_line and "[1k, 2k)" not in first_line
     buckets = err.value.report["pairs"]["trainer vs engine"]
-    assert [b["passed"] for b in buckets] == [True, False]
-    # 3095 of 4095 positions shifted by 0.01: mean 0.01 * 3095 / 4095, p99 and max 0.01.
-    assert buckets[1]["mean_abs_diff"] == pytest.approx(0.01 * 3095 / 4095, rel=1e-3)
-    assert buckets[1]["worst_windows"][0]["position"] > 1000
+    assert [b["passed"] for b in buckets] == [True, True, False]
+    # Every token of the failing bucket is shifted by 0.01 (the engines agree to ~1e-6 otherwise).
+    assert buckets[2]["mean_abs_diff"] == pytest.approx(0.01, rel=1e-3)
+    assert buckets[2]["worst_windows"][0]["position"] >= 2048
+
+
+class FakeLogProbs:
+    """A deterministic log-prob source without a model: -1 - token / 100 nats per position."""
+
+    description = "fake log-probs (-1 - token / 100)"
+
+    def prompt_logprobs(self, prompts):
+        return [(-1.0 - np.asarray(p[1:], np.float32) / 100).astype(np.float32) for p in prompts]
+
+
+def test_a_shift_after_8k_of_prior_context_fails_only_the_long_buckets(setup):
+    """16k-token windows, a 0.05-nat defect on tokens with >= 8,192 tokens before them: a
+    per-window average would show 0.025 everywhere; the per-token buckets pass up to 8k and
+    fail [8k, 16k) at exactly the shift."""
+    root, *_ = setup
+    cfg = VerifyConfig(context_lengths=(16_384,), windows_per_length=2, mean_abs_diff_max=0.01, p99_abs_diff_max=0.02)
+    with pytest.raises(VerifyGateError) as err:
+        verify(FakeLogProbs(), LongContextDefect(FakeLogProbs(), 8191, 0.05), root / "pack", cfg)
+    buckets = err.value.report["pairs"]["trainer vs engine"]
+    assert [(b["context"], b["passed"]) for b in buckets] == [
+        ("[0, 1k)", True), ("[1k, 2k)", True), ("[2k, 4k)", True), ("[4k, 8k)", True), ("[8k, 16k)", False)]
+    assert buckets[-1]["mean_abs_diff"] == pytest.approx(0.05, rel=1e-5) and buckets[-1]["tokens"] == 2 * 8192
+    assert all(b["max_abs_diff"] == 0 for b in buckets[:-1])
 
 
 def test_capped_reference_leg_is_reported_and_skipped_beyond_the_cap(setup):
     root, vllm_engine, hf_engine, _ = setup
     cfg = VerifyConfig(context_lengths=LENGTHS, windows_per_length=1, leg_max_tokens={"reference": 512})
     report = verify(hf_engine, vllm_engine, root / "pack", cfg, reference=hf_engine).report
-    assert [b["context_tokens"] for b in report["pairs"]["trainer vs engine"]] == [512, 4096]
-    assert [b["context_tokens"] for b in report["pairs"]["trainer vs reference"]] == [512]
-    assert [b["context_tokens"] for b in report["pairs"]["engine vs reference"]] == [512]
+    contexts = {pair: [(b["context"], b["tokens"]) for b in buckets] for pair, buckets in report["pairs"].items()}
+    assert contexts["trainer vs engine"] == [("[0, 1k)", 511 + 1023), ("[1k, 2k)", 1024), ("[2k, 4k)", 2048)]
+    assert contexts["trainer vs reference"] == contexts["engine vs reference"] == [("[0, 1k)", 511)]
     assert any("reference leg" in n and "capped at 512 tokens" in n and "[4096]" in n for n in report["notes"])
 
 
@@ -199,7 +231,7 @@ def test_megatron_trainer_matches_transformers_on_tiny_glm5_next(setup, glm5_nex
     assert report["passed"] and report["legs"]["trainer"].startswith("megatron glm5_next forward (float32)")
     assert report["legs"]["engine"].startswith("transformers (float32)")
     for b in report["pairs"]["trainer vs engine"]:
-        print(f"megatron vs transformers glm5_next, {b['context_tokens']} tokens: mean {b['mean_abs_diff']:.2e} "
+        print(f"megatron vs transformers glm5_next, prior context {b['context']}: mean {b['mean_abs_diff']:.2e} "
               f"p99 {b['p99_abs_diff']:.2e} max {b['max_abs_diff']:.2e}")
         assert b["mean_abs_diff"] < 1e-5 and b["max_abs_diff"] < 1e-4
 
@@ -215,7 +247,7 @@ def test_ci_smoke_engine_vllm_agrees_with_trainer_and_transformers_on_tiny_glm5_
     assert report["legs"]["engine"].startswith("vllm")
     for pair, buckets in report["pairs"].items():
         for b in buckets:
-            print(f"{pair}, {b['context_tokens']} tokens: mean {b['mean_abs_diff']:.2e} max {b['max_abs_diff']:.2e}")
+            print(f"{pair}, prior context {b['context']}: mean {b['mean_abs_diff']:.2e} max {b['max_abs_diff']:.2e}")
             assert b["mean_abs_diff"] < 1e-5 and b["max_abs_diff"] < 1e-3, (pair, b)
 
 
@@ -252,7 +284,7 @@ def test_verify_gate_catches_a_cache_broken_across_prefill_steps(setup, glm5_nex
     preset = dataclasses.replace(preset, verify=dataclasses.replace(preset.verify, context_lengths=(16_384,),
                                                                     windows_per_length=1))
     if broken:
-        with pytest.raises(VerifyGateError, match="bucket 16,384 tokens"):
+        with pytest.raises(VerifyGateError, match=r"prior context \[(1|2|4|8)k, "):
             verify_checkpoint(glm5_next_export, root / "pack", preset, tmp_path / "out")
     else:
         report = verify_checkpoint(glm5_next_export, root / "pack", preset, tmp_path / "out").report

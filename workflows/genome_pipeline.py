@@ -116,7 +116,7 @@ def report(shards: HashedDir, sft: HashedDir, rl: HashedDir, verified: HashedDir
     lines.append("verify legs: " + "; ".join(f"{leg} = {what}" for leg, what in verification["legs"].items()))
     for pair, buckets in verification["pairs"].items():
         for b in buckets:
-            lines.append(f"verify {pair} @ {b['context_tokens']:,} tokens: mean |diff| {b['mean_abs_diff']:.2e} "
+            lines.append(f"verify {pair} @ prior context {b['context']}: mean |diff| {b['mean_abs_diff']:.2e} "
                          f"p99 {b['p99_abs_diff']:.2e} max {b['max_abs_diff']:.2e} "
                          f"({'passed' if b['passed'] else 'FAILED'})")
     return "\n".join(lines)
