@@ -155,6 +155,10 @@ class RLSpec:
     mini_batches: int = 2             # optimizer steps per pass over a step's rollouts
     epochs: int = 2                   # passes over a step's rollouts
     engine_dtype: str = "bfloat16"    # rollout engine dtype; the trainer's importance weights correct it
+    micro_batch_rollouts: int = 0     # rollouts per forward/backward per DP rank (0: a whole mini-batch)
+    dtype: str = "float32"            # trainer parameters: float32 | bfloat16
+    recompute: str = "none"           # none | selective (MoE) | full, as in SFT
+    mlp_chunk_tokens: int = 0         # sequence-chunked MLP/MoE
     parallel: ParallelSpec | None = None  # trainer layout (Elastic + megatron); None: train_parallel
     checkpoint_uri: str = ""          # shared directory for torch_dist checkpoints ("" = $MEGABASE_HOME)
     checkpoint_every: int = 5         # steps
@@ -240,7 +244,8 @@ PRESETS: dict[str, Preset] = {
                           dtype="bfloat16", mean_abs_diff_max=0.05, p99_abs_diff_max=0.5, engine_step_tokens=16_384),
         sft=SFTSpec(steps=80, lr=1e-4, min_lr=1e-5, warmup_steps=8, dtype="bfloat16", recompute="selective",
                     recompute_modules=("moe",), mlp_chunk_tokens=65_536, checkpoint_every=20, eval_every=20),
-        rl=RLSpec(steps=20, prompts_per_step=8, group_size=8, prompt_len=131_072, gen_len=256, lr=1e-6),
+        rl=RLSpec(steps=20, prompts_per_step=8, group_size=8, prompt_len=131_072, gen_len=256, lr=1e-6,
+                  micro_batch_rollouts=1, dtype="bfloat16", recompute="selective", mlp_chunk_tokens=65_536),
     ),
     "b200-64": Preset(
         name="b200-64",
@@ -273,7 +278,8 @@ PRESETS: dict[str, Preset] = {
                     indexer_kl_coeff=1.0, checkpoint_uri="/mnt/checkpoints/megabase", checkpoint_every=20,
                     eval_every=20, eval_windows=4),
         rl=RLSpec(steps=20, prompts_per_step=16, group_size=8, prompt_len=524_288, gen_len=1_024, lr=1e-6,
-                  checkpoint_uri="/mnt/checkpoints/megabase/rl", engine_tensor_parallel=8),
+                  checkpoint_uri="/mnt/checkpoints/megabase/rl", engine_tensor_parallel=8, micro_batch_rollouts=1,
+                  dtype="bfloat16", recompute="full", mlp_chunk_tokens=131_072),
     ),
 }
 

@@ -81,6 +81,12 @@ class RLConfig:
             one update the PPO ratio is 1 and the clip never acts.
         engine_dtype: the rollout engine's dtype ("bfloat16" as on a cluster: the importance
             weights then correct a real trainer/engine mismatch; "float32" for a bit-close engine).
+        micro_batch_rollouts: rollouts per forward/backward on each DP rank (gradients accumulate
+            over the micro-batches of a mini-batch, one optimizer step per mini-batch); 0: a whole
+            mini-batch at once. Bounds activation memory: the memory plan counts one micro-batch.
+        dtype: trainer parameters, "float32" or "bfloat16" (master weights and Adam stay float32).
+        recompute: "none" | "selective" | "full", as in SFT (``recompute_modules`` for selective).
+        mlp_chunk_tokens: sequence-chunked MLP/MoE in training (0: whole sequence), as in SFT.
         lr: Adam learning rate, constant (0 keeps the weights: the weight-sync drift check).
         weight_decay: Adam weight decay.
         grad_clip: max global grad norm.
@@ -111,6 +117,11 @@ class RLConfig:
     mini_batches: int = 2
     epochs: int = 2
     engine_dtype: str = "bfloat16"
+    micro_batch_rollouts: int = 0
+    dtype: str = "float32"
+    recompute: str = "none"
+    recompute_modules: tuple[str, ...] = ("moe",)
+    mlp_chunk_tokens: int = 0
     lr: float = 1e-5
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -230,6 +241,73 @@ class LocalTokens:
                    slice(p_lo, p_hi), slice(lo + p_lo - first, lo + p_hi - first))
 
 
+def trainer_overrides(cfg: RLConfig) -> dict:
+    """:func:`model.config.from_hf` overrides of the RL trainer: layout, dtype, recompute, MoE chunks."""
+    recompute = {
+        "none": {},
+        "selective": dict(recompute_granularity="selective", recompute_modules=list(cfg.recompute_modules)),
+        "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    }
+    if cfg.recompute not in recompute or cfg.dtype not in ("float32", "bfloat16"):
+        raise RLError(f"recompute={cfg.recompute!r}, dtype={cfg.dtype!r}: choose recompute none|selective|full "
+                      "and dtype float32|bfloat16")
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    return dict(tensor_model_parallel_size=cfg.tensor_parallel, context_parallel_size=cfg.context_parallel,
+                expert_model_parallel_size=cfg.expert_parallel, expert_tensor_parallel_size=1,
+                calculate_per_token_loss=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                mlp_chunk_tokens=cfg.mlp_chunk_tokens, **recompute[cfg.recompute])
+
+
+@dataclass(frozen=True)
+class _PlannedRun:
+    """The fields :func:`tasks.memory_plan.memory_plan` reads, for one RL micro-batch."""
+
+    model: str
+    seq_len: int
+    dtype: str
+    tensor_parallel: int
+    context_parallel: int
+    expert_parallel: int
+    recompute: str
+    recompute_modules: tuple[str, ...]
+    offload_layers: int
+    mlp_chunk_tokens: int
+    logits_chunk_tokens: int
+
+
+def rl_memory_plan(mcfg, cfg: RLConfig, world_size: int, procs_per_node: int, device_limit: int | None = None,
+                   on_gpu: bool | None = None):
+    """Per-device memory of an RL trainer rank, checked before anything is allocated.
+
+    SFT's plan (:func:`tasks.memory_plan.memory_plan`: weights, float32 grads, distributed
+    Adam, activations, workspace) for one micro-batch of ``micro_batch_rollouts`` sequences of
+    ``prompt_len + gen_len`` tokens (activations scale with the tokens in flight), on a device
+    that also holds the frozen reference policy (weights in ``cfg.dtype``) and, on rank 0's GPU,
+    the colocated engine's ``engine_gpu_memory_fraction``.
+
+    Raises:
+        tasks.memory_plan.MemoryPlanError: the plan does not fit; the message has the table.
+    """
+    from model.config import parameter_count
+    from tasks.memory_plan import host_memory_limit_bytes, memory_plan
+
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    dp = world_size // (cfg.tensor_parallel * cfg.context_parallel)
+    per_rank = (cfg.prompts_per_step * cfg.group_size) // (cfg.mini_batches * max(dp, 1))
+    micro = cfg.micro_batch_rollouts or max(per_rank, 1)
+    counts = parameter_count(mcfg)
+    local_params = (counts["total"] - counts["moe_routed"]) / cfg.tensor_parallel + counts["moe_routed"] / cfg.expert_parallel
+    reference = int(local_params * (2 if cfg.dtype == "bfloat16" else 4))
+    if device_limit is None:
+        device_limit = torch.cuda.mem_get_info()[0] if on_gpu else host_memory_limit_bytes() // procs_per_node
+    engine = int(device_limit * cfg.engine_gpu_memory_fraction) if on_gpu else 0
+    device_limit = device_limit - engine - reference
+    planned = _PlannedRun(f"RL trainer, {micro} rollouts per micro-batch", micro * (cfg.prompt_len + cfg.gen_len), cfg.dtype, cfg.tensor_parallel,
+                          cfg.context_parallel, cfg.expert_parallel, cfg.recompute, cfg.recompute_modules, 0,
+                          cfg.mlp_chunk_tokens, 4096)
+    return memory_plan(mcfg, planned, world_size, procs_per_node, device_limit=device_limit, on_gpu=on_gpu)
+
+
 def _sequence_logprobs(module, batch: LocalTokens, device, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Trainer log-probs ``[n, k]`` of this rank's ``k`` sampled tokens, and an anchor scalar.
 
@@ -285,44 +363,52 @@ def _policy_updates(policy, reference, model, optimizer, scheduler, sequences: n
 
     n_rollouts = len(sequences)
     order = np.random.default_rng([cfg.seed, step]).permutation(n_rollouts)
+    micro_rows = (cfg.micro_batch_rollouts or n_rollouts // (cfg.mini_batches * layout.dp_size)) * layout.dp_size
     policy.train()
-    parts = []
-    for rows in np.array_split(order, cfg.mini_batches):
-        batch = LocalTokens.split(sequences[np.sort(rows)], cfg.gen_len, layout.dp_rank, layout.dp_size,
-                                  layout.cp_rank, cfg.context_parallel)
-        with torch.no_grad():
-            old, _ = _sequence_logprobs(policy, batch, device, cfg.temperature)
-            ref, _ = _sequence_logprobs(reference, batch, device, cfg.temperature)
-        mine = np.sort(rows)[batch.rows]
-        engine_logp = torch.from_numpy(rollout_logp[mine][:, batch.tokens]).to(device)
-        parts.append((batch, old, ref, engine_logp, advantages[mine].to(device)))
+    mini_batches = []
+    for mini in np.array_split(order, cfg.mini_batches):
+        parts = []
+        for start in range(0, len(mini), micro_rows):
+            rows = np.sort(mini[start : start + micro_rows])
+            batch = LocalTokens.split(sequences[rows], cfg.gen_len, layout.dp_rank, layout.dp_size, layout.cp_rank,
+                                      cfg.context_parallel)
+            with torch.no_grad():
+                old, _ = _sequence_logprobs(policy, batch, device, cfg.temperature)
+                ref, _ = _sequence_logprobs(reference, batch, device, cfg.temperature)
+            mine = rows[batch.rows]
+            engine_logp = torch.from_numpy(rollout_logp[mine][:, batch.tokens]).to(device)
+            parts.append((batch, old, ref, engine_logp, advantages[mine].to(device)))
+        mini_batches.append(parts)
     keys = ("objective", "kl", "clipped", "updated_tokens", "tis_weight", "gap", "tokens")
     local = dict.fromkeys(keys, 0.0)
-    weights = []
-    for batch, old, ref, engine_logp, adv in parts:
+    weights, gap_max = [], 0.0
+    for batch, old, ref, engine_logp, adv in (p for parts in mini_batches for p in parts):
         terms = grpo_token_terms(old, old, ref, engine_logp, adv, cfg.grpo)
         local["tis_weight"] += terms["tis_weight"].sum().double()
         local["gap"] += terms["gap"].sum().double()
         local["tokens"] += float(terms["gap"].numel())
         weights.append(terms["tis_weight"].flatten())
+        if terms["gap"].numel():
+            gap_max = max(gap_max, float(terms["gap"].max()))
     weights = torch.cat(weights)
-    gap_max = max([float(p[1].sub(p[3]).abs().max()) for p in parts if p[1].numel()] or [0.0])
     grad_norm = 0.0
     for _ in range(cfg.epochs):
-        for batch, old, ref, engine_logp, adv in parts:
+        for parts in mini_batches:
             model.zero_grad_buffer()
             optimizer.zero_grad()
-            logp, anchor = _sequence_logprobs(policy, batch, device, cfg.temperature)
-            terms = grpo_token_terms(logp, old, ref, engine_logp, adv, cfg.grpo)
-            # Sums over this rank's tokens; finalize_model_grads divides the gradients by the
-            # token count of the whole DP x CP group (calculate_per_token_loss).
-            (terms["objective"].sum() + anchor).backward()
-            tokens = torch.tensor(float(terms["objective"].numel()), device=device)
-            grad_norm = float(optimizer_step(model, optimizer, scheduler, tokens.clone()))
-            local["objective"] += terms["objective"].detach().sum().double()
-            local["kl"] += terms["kl"].sum().double()
-            local["clipped"] += terms["clipped"].sum().double()
+            tokens = torch.zeros((), device=device)
+            for batch, old, ref, engine_logp, adv in parts:          # gradients accumulate
+                logp, anchor = _sequence_logprobs(policy, batch, device, cfg.temperature)
+                terms = grpo_token_terms(logp, old, ref, engine_logp, adv, cfg.grpo)
+                # Sums over this rank's tokens; finalize_model_grads divides the gradients by
+                # the token count of the whole DP x CP group (calculate_per_token_loss).
+                (terms["objective"].sum() + anchor).backward()
+                tokens += float(terms["objective"].numel())
+                local["objective"] += terms["objective"].detach().sum().double()
+                local["kl"] += terms["kl"].sum().double()
+                local["clipped"] += terms["clipped"].sum().double()
             local["updated_tokens"] += float(tokens)
+            grad_norm = float(optimizer_step(model, optimizer, scheduler, tokens.clone()))
     sums = torch.stack([torch.as_tensor(local[k], dtype=torch.float64, device=device) for k in keys])
     extremes = torch.tensor([gap_max, -float(weights.min()) if weights.numel() else -1.0,
                              float(weights.max()) if weights.numel() else 1.0], dtype=torch.float64, device=device)
@@ -392,10 +478,18 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
                       f"{cfg.mini_batches} (>= 1) x DP={layout.dp_size}, and epochs={cfg.epochs} must be >= 1")
     if cfg.temperature <= 0:
         raise RLError(f"temperature={cfg.temperature}: rollouts are sampled (> 0); the trainer scores them at it")
+    per_rank = n_rollouts // (cfg.mini_batches * layout.dp_size)
+    if cfg.micro_batch_rollouts < 0 or (cfg.micro_batch_rollouts and per_rank % cfg.micro_batch_rollouts):
+        raise RLError(f"micro_batch_rollouts={cfg.micro_batch_rollouts} must divide the {per_rank} rollouts of a "
+                      f"mini-batch on each DP rank (0: all at once)")
     sampler = PromptSampler(shards_dir, cfg.prompt_len, cfg.gen_len, cfg.seed)
-    model_cfg, text_state, vision_state = load_hf_checkpoint(
-        sft_export, tensor_model_parallel_size=cfg.tensor_parallel, context_parallel_size=cfg.context_parallel,
-        expert_model_parallel_size=cfg.expert_parallel, expert_tensor_parallel_size=1, calculate_per_token_loss=True)
+    from model.config import from_hf
+
+    plan = rl_memory_plan(from_hf(json.loads((sft_export / "config.json").read_text()), **trainer_overrides(cfg)), cfg,
+                          layout.world_size, layout.local_world_size)
+    if is_main:
+        log.info("rl memory plan (per device, before anything is allocated):\n%s", plan.table())
+    model_cfg, text_state, vision_state = load_hf_checkpoint(sft_export, **trainer_overrides(cfg))
     policy = build_model(model_cfg, seed=cfg.seed, layout=layout)
     load_hf_into_model(policy, text_state)
     reference = build_model(model_cfg, seed=cfg.seed, layout=layout)
@@ -560,6 +654,8 @@ def preset_rl_config(preset: Preset, **overrides) -> RLConfig:
     return RLConfig(steps=spec.steps, prompts_per_step=spec.prompts_per_step, group_size=spec.group_size,
                     prompt_len=spec.prompt_len, gen_len=spec.gen_len, temperature=spec.temperature,
                     mini_batches=spec.mini_batches, epochs=spec.epochs, engine_dtype=spec.engine_dtype,
+                    micro_batch_rollouts=spec.micro_batch_rollouts, dtype=spec.dtype, recompute=spec.recompute,
+                    mlp_chunk_tokens=spec.mlp_chunk_tokens,
                     lr=spec.lr, engine=preset.engine,
                     grpo=GRPOConfig(kl_coef=spec.kl_per_base / spec.gen_len, scale_by_std=False),
                     tensor_parallel=par.tensor_parallel, context_parallel=par.context_parallel,

@@ -213,3 +213,39 @@ def test_rl_never_opens_a_held_out_shard(shards, tiny_export, tmp_path, monkeypa
     opened = record_shard_reads(monkeypatch.setattr)
     run_rl(tmp_path / "pack", tiny_export, tmp_path / "rl", steps=1, engine="transformers")
     assert opened and set(opened) <= train, set(opened) - train
+
+
+def test_micro_batches_accumulate_to_the_same_update(shards, tiny_export, tmp_path):
+    """One rollout per forward/backward (gradients accumulated over a mini-batch) gives the
+    update of the whole mini-batch in one pass."""
+    settings = dict(steps=1, prompt_len=96, gen_len=8, engine_dtype="float32")
+    whole = run_rl(shards, tiny_export, tmp_path / "whole", **settings)
+    micro = run_rl(shards, tiny_export, tmp_path / "micro", **settings, micro_batch_rollouts=1)
+    assert micro.metrics[0]["loss"] == pytest.approx(whole.metrics[0]["loss"], abs=1e-6)
+    assert micro.metrics[0]["clip_fraction"] == whole.metrics[0]["clip_fraction"]
+    a, b, start = _weights(whole.export_dir), _weights(micro.export_dir), _weights(tiny_export)
+    update = max((a[k] - start[k]).abs().max().item() for k in a)
+    assert update > 0 and max((a[k] - b[k]).abs().max().item() for k in a) < 0.01 * update
+
+
+def test_gpu_rl_memory_plan_fits_one_h200_and_refuses_a_whole_mini_batch():
+    import dataclasses
+
+    from model.config import parameter_count, preset
+    from tasks.memory_plan import MemoryPlanError
+    from tasks.rl import preset_rl_config, rl_memory_plan, trainer_overrides
+
+    h200 = 141 * 10**9
+    cfg = preset_rl_config(get_preset("h200"))
+    assert (cfg.dtype, cfg.micro_batch_rollouts, cfg.recompute) == ("bfloat16", 1, "selective")
+    one_gpu = dataclasses.replace(cfg, context_parallel=1)
+    mcfg = preset("small", **trainer_overrides(one_gpu))
+    plan = rl_memory_plan(mcfg, one_gpu, world_size=1, procs_per_node=1, device_limit=h200, on_gpu=True)
+    counts = parameter_count(mcfg)
+    # The device left to the trainer: the engine's share and the frozen bf16 reference taken off.
+    assert plan.device_limit == h200 - int(h200 * cfg.engine_gpu_memory_fraction) - int(counts["total"] * 2)
+    print(f"h200 RL plan, one GPU, 1 x {cfg.prompt_len + cfg.gen_len} tokens per micro-batch:\n{plan.table()}")
+    # 32 rollouts of 131k tokens in one forward: refused before anything is allocated.
+    with pytest.raises(MemoryPlanError, match="does not fit"):
+        rl_memory_plan(mcfg, dataclasses.replace(one_gpu, micro_batch_rollouts=0), 1, 1, device_limit=h200,
+                       on_gpu=True)
