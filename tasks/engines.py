@@ -759,3 +759,14 @@ def make_engine(name: str, checkpoint_dir: str | os.PathLike, dtype: str = "floa
     engine = engines[name](checkpoint_dir, dtype, max_model_len, **kwargs)
     log.info("inference engine: %s", engine.description)
     return engine
+
+
+def serving_kwargs(name: str, gpus: int) -> dict:
+    """Engine options for an inference task that holds ``gpus`` GPUs (its Flyte request).
+
+    vLLM on a GPU node spreads the model over every requested GPU (``tensor_parallel_size``), so a
+    task never requests GPUs it leaves idle; on CPU, and for transformers (one device), nothing.
+    """
+    if name == "vllm" and gpus > 1 and torch.cuda.is_available():
+        return {"llm_kwargs": {"tensor_parallel_size": gpus}}
+    return {}

@@ -581,7 +581,7 @@ def evaluate_checkpoints(checkpoints: Mapping[str, str | os.PathLike], shards_di
     Raises:
         EvalError: unknown scorer, or see :func:`evaluate`.
     """
-    from tasks.engines import TrainerLogProbs, make_engine
+    from tasks.engines import TrainerLogProbs, make_engine, serving_kwargs
 
     spec = preset.evaluate
     if spec.scorer not in ("trainer", "engine"):
@@ -593,7 +593,8 @@ def evaluate_checkpoints(checkpoints: Mapping[str, str | os.PathLike], shards_di
         build = lambda path: functools.partial(TrainerLogProbs, path, preset.verify.dtype)  # noqa: E731
     else:
         build = lambda path: functools.partial(make_engine, preset.engine, path, preset.verify.dtype,  # noqa: E731
-                                               preset.eval_seq_len)
+                                               preset.eval_seq_len,
+                                               **serving_kwargs(preset.engine, preset.infer_resources.gpu))
     return evaluate({label: build(path) for label, path in checkpoints.items()}, shards_dir, cfg, out_dir)
 
 

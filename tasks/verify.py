@@ -346,7 +346,7 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike, shards_dir: str | os.Pa
     Raises:
         VerifyGateError, VerifyError: see :func:`verify`.
     """
-    from tasks.engines import make_engine
+    from tasks.engines import make_engine, serving_kwargs
 
     spec = preset.verify
     model_type = json.loads((Path(checkpoint_dir) / "config.json").read_text()).get("model_type")
@@ -359,7 +359,7 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike, shards_dir: str | os.Pa
     longest = lambda leg: min([max(spec.context_lengths)] + ([caps[leg]] if leg in caps else []))  # noqa: E731
     trainer = TrainerLogProbs(checkpoint_dir, spec.dtype)
     engine_kwargs = ({"chunked_prefill": True, "max_num_batched_tokens": spec.engine_step_tokens}
-                     if legs["engine"] == "vllm" else {})
+                     if legs["engine"] == "vllm" else {}) | serving_kwargs(legs["engine"], preset.infer_resources.gpu)
     with make_engine(legs["engine"], checkpoint_dir, spec.dtype, longest("engine"), **engine_kwargs) as engine:
         if "reference" not in legs:
             return verify(trainer, engine, shards_dir, cfg, None, out_dir)

@@ -247,3 +247,16 @@ def test_transformers_update_weights_on_glm5_next_equals_loading_the_new_export(
         after = engine.prompt_logprobs([prompt])[0]
         assert np.abs(after - before).mean() > 1e-3
         assert np.array_equal(after, reloaded.prompt_logprobs([prompt])[0])
+
+
+def test_a_gpu_inference_task_spreads_vllm_over_every_gpu_it_requests(monkeypatch):
+    from tasks.engines import serving_kwargs
+    from tasks.presets import PRESETS
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for preset in PRESETS.values():
+        gpus = preset.infer_resources.gpu
+        expected = {"llm_kwargs": {"tensor_parallel_size": gpus}} if preset.engine == "vllm" and gpus > 1 else {}
+        assert serving_kwargs(preset.engine, gpus) == expected, preset.name
+    assert serving_kwargs("vllm", 8) == {"llm_kwargs": {"tensor_parallel_size": 8}}
+    assert serving_kwargs("transformers", 8) == {}
