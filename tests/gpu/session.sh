@@ -70,3 +70,9 @@ part dsa "${T_DSA:-300}" bash -c "python3 tests/gpu/dsa_check.py --out $OUT/dsa_
   python3 tests/benchmarks/dsa_bench.py --out $OUT/dsa_bench.json"
 part profile "${T_PROFILE:-420}" python3 tests/benchmarks/sft_profile.py --pack runs/sft_gpu_pack \
   --configs ${PROFILE_CONFIGS:-64k} --trace-dir "$OUT" ${PROFILE_ARGS:-} --out "$OUT/sft_profile.json"
+# Issue-34/28 runs: lr curves (LR_RUNS "LR:WARMUP ..."), the resumable SFT science run (SCIENCE_ARGS), and RL + verify +
+# evaluate from an export (STAGES_ARGS, e.g. --init /tmp/science_64k/out/hf).
+part lr "${T_LR:-420}" python3 tests/gpu/science_small.py lr --pack runs/sft_gpu_pack --out "$OUT" \
+  --steps "${LR_STEPS:-20}" --runs ${LR_RUNS:-3e-4:1 1e-3:1 1e-3:10 3e-3:10}
+part science "${T_SCIENCE:-420}" python3 tests/gpu/science_small.py train --pack runs/sft_gpu_pack --out "$OUT" ${SCIENCE_ARGS:-}
+part after_sft "${T_AFTER_SFT:-300}" python3 tests/gpu/stages_small.py --pack runs/sft_gpu_pack --out "$OUT" ${STAGES_ARGS:-}
