@@ -132,6 +132,9 @@ class Glm5NextConfig(TransformerConfig):
     hc_sinkhorn_iters: int = 20
     # Sequence-chunked MLP/MoE: tokens per chunk (0 = whole sequence at once).
     mlp_chunk_tokens: int = 0
+    # Routed experts: "grouped" (model.moe.GroupedMLP, two grouped GEMMs for all local experts) or
+    # "sequential" (megatron's SequentialMLP, one MLP per expert); same parameters and numerics.
+    moe_experts: str = "grouped"
     # DSA plain-torch path: queries per block of the blockwise indexer / sparse attention.
     dsa_query_block: int = 1024
     # HF bookkeeping fields carried through the round trip unchanged.
@@ -152,6 +155,8 @@ class Glm5NextConfig(TransformerConfig):
                         f"layer {i} is a shared-indexer DSA layer but layer {i - 1} is not a full-indexer "
                         "DSA layer; transformers hands top-k indices only from a full layer to the next layer"
                     )
+        if self.moe_experts not in ("grouped", "sequential"):
+            raise ConfigError(f"moe_experts={self.moe_experts!r}; valid: 'grouped', 'sequential'")
         if self.index_topk % self.index_kpool:
             raise ConfigError(f"index_topk={self.index_topk} is not a multiple of index_kpool={self.index_kpool}")
 

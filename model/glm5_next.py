@@ -2,7 +2,8 @@
 
 Structure (transformers ``Glm5NextTextModel`` + ``lm_head``): token embedding copied into
 ``hc_mult`` residual streams ``[s, b, n, h]``; per layer, an mHC-wrapped token mixer (KDA or DSA,
-by ``layer_types``) and an mHC-wrapped MLP (dense SwiGLU or MoE, by ``mlp_layer_types``);
+by ``layer_types``) and an mHC-wrapped MLP (dense SwiGLU or MoE, by ``mlp_layer_types``; the MoE's
+routed experts as grouped GEMMs, :mod:`model.moe`, or megatron's SequentialMLP, by ``moe_experts``);
 the final stream mean, RMSNorm and the output head.
 
 A layer is assembled from a :class:`Glm5NextLayerSubmodules` spec: KDA and DSA layers differ in
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +51,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from model.config import DSA, Glm5NextConfig
 from model.layers import DSAMixer, HyperConnection, KDAMixer, RMSNorm, init_normal
+from model.moe import GroupedMLP
 from model.offload import OffloadChain
 from model.parallel import ParallelLayout
 
@@ -82,6 +85,12 @@ def layer_spec(config: Glm5NextConfig, layer_idx: int) -> ModuleSpec:
         mixer = ModuleSpec(module=KDAMixer)
     moe = config.mlp_layer_types[layer_idx] == "sparse"
     mlp = get_mlp_module_spec(use_te=False, num_experts=config.num_moe_experts if moe else None)
+    if moe and config.moe_experts == "grouped":
+        # megatron's local MoE spec: MoELayer with SequentialMLP experts; swap the experts' module only
+        sub = mlp.keywords["submodules"]
+        experts = functools.partial(GroupedMLP, *sub.experts.args, **sub.experts.keywords)
+        mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": dataclasses.replace(
+            sub, experts=experts)})
     return ModuleSpec(module=Glm5NextLayer, submodules=Glm5NextLayerSubmodules(mixer=mixer, mlp=mlp))
 
 

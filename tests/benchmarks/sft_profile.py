@@ -7,6 +7,7 @@ autotunes: reported as the first step), then ``--profile-steps`` steps under ``t
 Run on the device machine (``PARTS=profile bash tests/gpu/session.sh``)::
 
     python tests/benchmarks/sft_profile.py --pack runs/sft_gpu_pack --configs 64k --out $OUT/sft_profile.json
+    python tests/benchmarks/sft_profile.py ... --moe-experts sequential grouped   # both MoE expert paths, one process
 
 Printed per configuration: the median unprofiled step time after the first, tokens/s, MFU from the
 stage's own ``model_flops_per_token`` against the 989 TF/s datasheet peak and against the matmul
@@ -21,6 +22,7 @@ gets everything as JSON, with the 40 kernels of most time and their families.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import gzip
 import json
@@ -130,17 +132,18 @@ def trace_summary(trace: dict, steps: int) -> dict:
     }
 
 
-def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor: float,
+def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor: float, moe_experts: str,
                    trace_out: Path | None = None) -> dict:
-    """Timed and profiled SFT steps of configuration ``name``; the chrome trace gzipped to ``trace_out``
-    when it is under 15 MiB compressed (what the device machine sends back)."""
+    """Timed and profiled SFT steps of configuration ``name`` with the routed-expert path ``moe_experts``
+    (:mod:`model.moe`); the chrome trace gzipped to ``trace_out`` when it is under 15 MiB compressed
+    (what the device machine sends back)."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from tasks.sft import SFTRun, train_step
     from tasks.trainer import ManualGC
 
-    cfg = sft_config(name, steps + profile_steps)
+    cfg = dataclasses.replace(sft_config(name, steps + profile_steps), moe_experts=moe_experts)
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -163,7 +166,7 @@ def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor:
         text = Path(f.name).read_bytes()
         summary = trace_summary(json.loads(text), profile_steps)
     if trace_out is not None:
-        packed = gzip.compress(text, 6)
+        packed = gzip.compress(text, 1)
         if len(packed) < 15 * 2**20:
             trace_out.write_bytes(packed)
     # Device time per aten op (kernels attributed to the op that launched them): which op an
@@ -177,7 +180,7 @@ def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor:
     tokens_per_s = cfg.seq_len / step_s
     flops_per_token = run.flops_per_token
     row = {
-        "config": name, "seq_len": cfg.seq_len, "step_s": step_s,
+        "config": name, "moe_experts": moe_experts, "seq_len": cfg.seq_len, "step_s": step_s,
         "step_times_s": [r["step_time_s"] for r in records], "first_step_s": records[0]["step_time_s"],
         "tokens_per_s": tokens_per_s, "flops_per_token": flops_per_token,
         "model_tflops": flops_per_token * tokens_per_s / 1e12,
@@ -192,7 +195,7 @@ def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor:
 
 def table(anchor: float, rows: list[dict]) -> str:
     """The printed table: one column per profiled run."""
-    heads = [r["config"] for r in rows]
+    heads = [f"{r['config']} {r['moe_experts']}" for r in rows]
     lines = [f"matmul anchor (bf16 8192^3, this process): {anchor:.0f} TF/s; datasheet {DATASHEET_TFLOPS:.0f} TF/s",
              "| | " + " | ".join(heads) + " |", "|---|" + "---|" * len(rows)]
 
@@ -220,6 +223,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pack", required=True, help="pack output directory (python -m tasks prepare)")
     parser.add_argument("--configs", nargs="+", default=["64k"], choices=sorted(CONFIGS))
+    parser.add_argument("--moe-experts", nargs="+", default=["grouped"], choices=["grouped", "sequential"],
+                        help="routed-expert paths, each profiled for every configuration (model.moe)")
     parser.add_argument("--steps", type=int, default=4, help="unprofiled steps (the first compiles)")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--out", required=True, help="JSON file")
@@ -231,18 +236,19 @@ def main() -> None:
     print(f"matmul anchor: {anchor:.0f} TF/s", flush=True)
     rows = []
     for name in args.configs:
-        started = time.perf_counter()
-        trace = Path(args.trace_dir, f"trace_{name}.json.gz") if args.trace_dir else None
-        rows.append(profile_config(name, args.pack, args.steps, args.profile_steps, anchor, trace))
-        rows[-1]["wall_s"] = time.perf_counter() - started
-        Path(args.out).write_text(json.dumps({"matmul_tflops": anchor, "runs": rows}, indent=1))
-        print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("top_kernels", "families", "top_ops")}),
-              flush=True)
+        for experts in args.moe_experts:
+            started = time.perf_counter()
+            trace = Path(args.trace_dir, f"trace_{name}_{experts}.json.gz") if args.trace_dir else None
+            rows.append(profile_config(name, args.pack, args.steps, args.profile_steps, anchor, experts, trace))
+            rows[-1]["wall_s"] = time.perf_counter() - started
+            Path(args.out).write_text(json.dumps({"matmul_tflops": anchor, "runs": rows}, indent=1))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("top_kernels", "families", "top_ops")}),
+                  flush=True)
     for r in rows:
-        print(f"\ntop kernels, {r['config']} (ms per step, calls per step, family):")
+        print(f"\ntop kernels, {r['config']} {r['moe_experts']} (ms per step, calls per step, family):")
         for k in r["top_kernels"][:15]:
             print(f"  {k['ms_per_step']:8.1f} {k['calls_per_step']:7.0f}  {k['family']:<15} {k['name'][:110]}")
-        print(f"top ops by device time, {r['config']} (ms per step, calls per step):")
+        print(f"top ops by device time, {r['config']} {r['moe_experts']} (ms per step, calls per step):")
         for o in r["top_ops"][:15]:
             print(f"  {o['ms_per_step']:8.1f} {o['calls_per_step']:7.0f}  {o['op'][:110]}")
     print()
