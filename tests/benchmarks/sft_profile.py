@@ -8,6 +8,7 @@ Run on the device machine (``PARTS=profile bash tests/gpu/session.sh``)::
 
     python tests/benchmarks/sft_profile.py --pack runs/sft_gpu_pack --configs 64k --out $OUT/sft_profile.json
     python tests/benchmarks/sft_profile.py ... --moe-experts sequential grouped   # both MoE expert paths, one process
+    python tests/benchmarks/sft_profile.py --table sft_profile.json               # the table of a saved run, no GPU
 
 Printed per configuration: the median unprofiled step time after the first, tokens/s, MFU from the
 stage's own ``model_flops_per_token`` against the 989 TF/s datasheet peak and against the matmul
@@ -221,15 +222,22 @@ def table(anchor: float, rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pack", required=True, help="pack output directory (python -m tasks prepare)")
+    parser.add_argument("--pack", help="pack output directory (python -m tasks prepare)")
     parser.add_argument("--configs", nargs="+", default=["64k"], choices=sorted(CONFIGS))
     parser.add_argument("--moe-experts", nargs="+", default=["grouped"], choices=["grouped", "sequential"],
                         help="routed-expert paths, each profiled for every configuration (model.moe)")
     parser.add_argument("--steps", type=int, default=4, help="unprofiled steps (the first compiles)")
     parser.add_argument("--profile-steps", type=int, default=3)
-    parser.add_argument("--out", required=True, help="JSON file")
+    parser.add_argument("--out", help="JSON file")
+    parser.add_argument("--table", help="print the table of this saved --out JSON and exit")
     parser.add_argument("--trace-dir", default="", help="write each run's gzipped chrome trace here")
     args = parser.parse_args()
+    if args.table:
+        saved = json.loads(Path(args.table).read_text())
+        print(table(saved["matmul_tflops"], saved["runs"]))
+        return
+    if not (args.pack and args.out):
+        parser.error("--pack and --out are required to profile")
     install_flytekit_stand_in()
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
     anchor = matmul_tflops()
