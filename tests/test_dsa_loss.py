@@ -88,3 +88,26 @@ def test_gradients_reach_the_indexer_only():
     loss.backward()
     assert q.grad is None and kv.grad is None
     assert all(ind[n].grad is not None and bool(ind[n].grad.abs().sum() > 0) for n in ind)
+
+
+def test_batch_of_two_is_the_row_weighted_mean_of_each_sequence_with_its_gradients():
+    # Two sequences of one batch gather their pool keys from their own rows only.
+    cases = [_random_case(60, seed=s) for s in (3, 4)]
+    names = ("q", "k", "gate_scores", "weights")
+    ape = cases[0][0]["ape"]                                   # one ape for both, as in a batch
+    per_seq, rows = [], []
+    for ind, q, kv, lse, indices, kw in cases:
+        per_seq.append(indexer_kl_loss(ind["q"], ind["k"], ind["gate_scores"], ape, ind["weights"], q, kv, lse,
+                                       indices, **kw, block_size=16))
+        rows.append(int((indices[..., : kw["topk"]] >= 0).any(-1).sum()))
+    expected = (per_seq[0] * rows[0] + per_seq[1] * rows[1]) / sum(rows)
+    (a, qa, kva, lsea, ia, kw), (b, qb, kvb, lseb, ib, _) = cases
+    stacked = {n: torch.cat([a[n].detach(), b[n].detach()]).requires_grad_(True) for n in names}
+    batched = indexer_kl_loss(stacked["q"], stacked["k"], stacked["gate_scores"], ape, stacked["weights"],
+                              torch.cat([qa, qb]), torch.cat([kva, kvb]), torch.cat([lsea, lseb]),
+                              torch.cat([ia, ib]), **kw, block_size=16)
+    torch.testing.assert_close(batched, expected, rtol=1e-6, atol=1e-9)
+    got = torch.autograd.grad(batched, [stacked["k"], stacked["gate_scores"]])
+    want = torch.autograd.grad(expected, [a["k"], b["k"], a["gate_scores"], b["gate_scores"]])
+    torch.testing.assert_close(got[0].double(), torch.cat(want[:2]), rtol=1e-4, atol=1e-9)
+    torch.testing.assert_close(got[1].double(), torch.cat(want[2:]), rtol=1e-4, atol=1e-9)

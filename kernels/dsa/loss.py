@@ -47,8 +47,13 @@ def _pool_target(q_blk, kv, lse_blk, pool_indices, pool_ok, kpool, softmax_scale
 
 def _block_kl(q_index_blk, weights_blk, pool_keys, pool_row, pool_ok, target, index_softmax_scale):
     """``[B, t]`` KL per query row (differentiable in the indexer inputs)."""
-    batch = pool_keys.shape[0]
-    keys_sel = pool_keys[torch.arange(batch, device=pool_keys.device)[:, None, None], pool_row].float()
+    batch, pools, dim = pool_keys.shape
+    # Gathered with index_select, whose backward is index_add_ (atomic float32 adds), not advanced
+    # indexing, whose backward sorts the indices and sums each run of equal ones in one warp: the
+    # first query block of a sequence selects its few visible pools thousands of times each, and
+    # that backward took ~100 ms per such block on an H200 at 64k (docs/measurements.md, issue 35).
+    rows = (pool_row + pools * torch.arange(batch, device=pool_row.device)[:, None, None]).flatten()
+    keys_sel = pool_keys.float().flatten(0, 1).index_select(0, rows).view(*pool_row.shape, dim)
     scores = torch.einsum("bthd,btjd->bthj", q_index_blk.float(), keys_sel) * index_softmax_scale
     logits = torch.einsum("bthj,bth->btj", torch.relu(scores), weights_blk.float())
     log_pred = logits.masked_fill(~pool_ok, float("-inf")).log_softmax(-1)
