@@ -45,7 +45,7 @@ def _reset_peak() -> None:
     import torch
 
     if torch.cuda.is_available():
-        _reset_peak()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def random_init_export(path: Path, model: str) -> Path:
