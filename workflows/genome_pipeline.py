@@ -104,7 +104,13 @@ def report(shards: HashedDir, sft: HashedDir, rl: HashedDir, verified: HashedDir
                             for b in entry["buckets"] if b["bits_per_base"] is not None)
         lines.append(f"  {label:>5}  overall {entry['overall']['bits_per_base']:.3f}  {buckets}")
     for label, entry in evaluation.get("baselines", {}).items():
-        lines.append(f"  baseline {label} (fit on the train split): overall {entry['overall']['bits_per_base']:.3f}")
+        selection = entry.get("selection")
+        how = (f"; k={selection['chosen_order']} chosen on a validation split of the training chromosomes, add-one "
+               "smoothing" if selection else "")
+        lines.append(f"  baseline {label} (fit on the train split{how}): overall {entry['overall']['bits_per_base']:.3f}")
+        if selection:
+            lines.append("    its validation bits/base by k: " + ", ".join(
+                f"{k}: {bits:.3f}" for k, bits in selection["validation_bits_per_base"].items()))
     for label, entry in evaluation.get("compressors", {}).items():
         lines.append(f"  baseline {label} on the scored bases: overall {entry['bits_per_base']:.3f}")
     if (overlap := evaluation.get("held_out_kmer_overlap") or {}).get("fraction") is not None:
