@@ -33,7 +33,7 @@ def test_grouped_experts_match_a_per_expert_float64_loop_with_an_empty_expert():
     fc2 = (torch.randn(experts, h, f, generator=gen) * 0.5).requires_grad_()
     probs = torch.rand(total, generator=gen, requires_grad=True)
     clamp = 1.5                                                 # binds: fc1 rows reach |.| ~ 3
-    out = grouped_swiglu_experts(x, tokens_per_expert, fc1, fc2, probs, clamp)
+    out = grouped_swiglu_experts(x, tokens_per_expert, list(fc1.unbind(0)), list(fc2.unbind(0)), probs, clamp)
     ref = _per_expert_loop_float64(x, tokens_per_expert, fc1, fc2, probs, clamp)
     assert out.dtype == torch.float32 and out.shape == (total, h)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
