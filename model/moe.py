@@ -37,6 +37,7 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, offs, *weights = ctx.saved_tensors
+        grad = grad.contiguous()   # _grouped_mm takes row- or column-major operands; a grad may arrive expanded
         grad_x = torch._grouped_mm(grad, torch.stack(weights), offs=offs) if ctx.needs_input_grad[0] else None
         grad_w = torch._grouped_mm(grad.transpose(-2, -1), x, offs=offs).unbind(0)
         return grad_x, None, *grad_w
