@@ -243,19 +243,16 @@ class LocalTokens:
 
 def trainer_overrides(cfg: RLConfig) -> dict:
     """:func:`model.config.from_hf` overrides of the RL trainer: layout, dtype, recompute, MoE chunks."""
-    recompute = {
-        "none": {},
-        "selective": dict(recompute_granularity="selective", recompute_modules=list(cfg.recompute_modules)),
-        "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-    }
-    if cfg.recompute not in recompute or cfg.dtype not in ("float32", "bfloat16"):
+    from tasks.trainer import recompute_overrides
+
+    if cfg.recompute not in ("none", "selective", "full") or cfg.dtype not in ("float32", "bfloat16"):
         raise RLError(f"recompute={cfg.recompute!r}, dtype={cfg.dtype!r}: choose recompute none|selective|full "
                       "and dtype float32|bfloat16")
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     return dict(tensor_model_parallel_size=cfg.tensor_parallel, context_parallel_size=cfg.context_parallel,
                 expert_model_parallel_size=cfg.expert_parallel, expert_tensor_parallel_size=1,
                 calculate_per_token_loss=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
-                mlp_chunk_tokens=cfg.mlp_chunk_tokens, **recompute[cfg.recompute])
+                mlp_chunk_tokens=cfg.mlp_chunk_tokens, **recompute_overrides(cfg.recompute, cfg.recompute_modules))
 
 
 @dataclass(frozen=True)

@@ -185,11 +185,9 @@ def model_config(cfg: SFTConfig):
 
     from model.config import preset
 
-    recompute = {
-        "none": {},
-        "selective": dict(recompute_granularity="selective", recompute_modules=list(cfg.recompute_modules)),
-        "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-    }[cfg.recompute]
+    from tasks.trainer import recompute_overrides
+
+    recompute = recompute_overrides(cfg.recompute, cfg.recompute_modules)
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     overrides = dict(tensor_model_parallel_size=cfg.tensor_parallel, context_parallel_size=cfg.context_parallel,
                      expert_model_parallel_size=cfg.expert_parallel, expert_tensor_parallel_size=1, mlp_chunk_tokens=cfg.mlp_chunk_tokens,

@@ -41,6 +41,22 @@ def check_parallel_sizes(world_size: int, tensor_parallel: int, context_parallel
     return dp
 
 
+def recompute_overrides(recompute: str, modules: tuple[str, ...]) -> dict:
+    """megatron config fields of an activation-recompute mode (SFT's and RL's ``recompute`` knob).
+
+    ``"none"``; ``"selective"`` (the MLP/MoE ``modules`` of each layer recomputed in backward);
+    ``"full"`` (each whole layer, uniform, one layer per checkpoint).
+
+    Raises:
+        KeyError: an unknown mode.
+    """
+    return {
+        "none": {},
+        "selective": dict(recompute_granularity="selective", recompute_modules=list(modules)),
+        "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    }[recompute]
+
+
 def init_parallel(tensor_parallel: int = 1, context_parallel: int = 1, expert_parallel: int = 1) -> ParallelLayout:
     """Initialise ``torch.distributed`` (nccl, or gloo on CPU) and megatron ``parallel_state``.
 
