@@ -44,7 +44,9 @@ def test_report_prints_heldout_bits_per_base_and_verify_gap(runs):
     assert "held-out bits/base by prior-context bucket" in out
     for label in ("base", "sft", "rl"):
         assert f"  {label}  overall " in out
-    assert "verify trainer vs engine @ 1,024 tokens" in out and "verify trainer vs engine @ 4,096 tokens" in out
+    # ci-smoke verifies 1,024- and 4,096-token windows: tokens with 1..4,095 tokens of prior context.
+    for bucket in ("[0, 1k)", "[1k, 2k)", "[2k, 4k)"):
+        assert f"verify trainer vs engine @ prior context {bucket}: " in out, bucket
     (evaluation,) = (outputs / "outputs" / "evaluate").glob("*/evaluate.json")
     report = json.loads(evaluation.read_text())
     assert list(report["checkpoints"]) == ["base", "sft", "rl"]
