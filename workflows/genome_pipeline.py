@@ -127,7 +127,7 @@ def report(shards: HashedDir, sft: HashedDir, rl: HashedDir, verified: HashedDir
                          f"({'passed' if b['passed'] else 'FAILED'})")
     rl_rows = [json.loads(line) for line in (Path(rl.download()) / "metrics.jsonl").read_text().splitlines()]
     if rl_rows:
-        lines.append(f"rl (GRPO, {rl_rows[0]['updates']} updates per step; rollouts: {rl_rows[0]['engine']}):")
+        lines.append(f"rl (GRPO, {rl_rows[0]['updates']} updates per step; rollouts: {rl_rows[-1]['engine']}):")
         lines += [f"  rl step {r['step']}: reward {r['reward_mean']:.3f}  clip fraction {r['clip_fraction']:.3f}  "
                   f"TIS weight [{r['tis_weight_min']:.3f}, {r['tis_weight_max']:.3f}]  trainer-vs-engine gap mean "
                   f"{r['rollout_train_logprobs_abs_diff_mean']:.2e} max {r['rollout_train_logprobs_abs_diff_max']:.2e}"
