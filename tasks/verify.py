@@ -162,8 +162,7 @@ def _context_buckets(diffs: list[np.ndarray], windows: list[Window], cfg: Verify
     for lo, hi in zip(edges, edges[1:] + [None]):
         parts, owners = [], []
         for i, d in enumerate(diffs):
-            context = np.arange(1, len(d) + 1)
-            chosen = d[(context >= lo) & ((context < hi) if hi is not None else True)]
+            chosen = d[max(lo, 1) - 1 : (hi - 1 if hi is not None else None)]   # d[t]: context t + 1
             if chosen.size:
                 parts.append(chosen)
                 owners.append(i)

@@ -53,7 +53,7 @@ def _block_kl(q_index_blk, weights_blk, pool_keys, pool_row, pool_ok, target, in
     # first query block of a sequence selects its few visible pools thousands of times each, and
     # that backward took ~100 ms per such block on an H200 at 64k (docs/measurements.md, issue 35).
     rows = (pool_row + pools * torch.arange(batch, device=pool_row.device)[:, None, None]).flatten()
-    keys_sel = pool_keys.float().flatten(0, 1).index_select(0, rows).view(*pool_row.shape, dim)
+    keys_sel = pool_keys.flatten(0, 1).index_select(0, rows).view(*pool_row.shape, dim).float()
     scores = torch.einsum("bthd,btjd->bthj", q_index_blk.float(), keys_sel) * index_softmax_scale
     logits = torch.einsum("bthj,bth->btj", torch.relu(scores), weights_blk.float())
     log_pred = logits.masked_fill(~pool_ok, float("-inf")).log_softmax(-1)
