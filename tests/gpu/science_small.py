@@ -92,10 +92,26 @@ def lr_mode(args) -> None:
         plot_curves(curves, Path(args.out) / "lr_curves.png")
 
 
+def matmul_anchor() -> float | None:
+    """The bf16 8192^3 matmul rate of this process, TFLOP/s (:func:`sft_profile.matmul_tflops`); None on CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from sft_profile import matmul_tflops
+
+    return matmul_tflops()
+
+
 def train_mode(args) -> None:
+    from tasks.export import export_checkpoint
     from tasks.sft import train
 
     t0 = time.perf_counter()
+    anchor = matmul_anchor()
+    if anchor:
+        print(f"matmul anchor (bf16 8192^3, this process): {anchor:.0f} TF/s", flush=True)
     cfg = sft_config(args, args.lr, args.warmup, args.steps, args.run_dir, args.init)
     out = Path(args.run_dir) / "out"
     error = None
@@ -103,12 +119,29 @@ def train_mode(args) -> None:
         train(args.pack, cfg, out)
     except (Exception, KeyboardInterrupt) as err:   # the call's time limit: the checkpoints stay
         error = repr(err)[:400]
+    # The export is written from the latest checkpoint whether or not the planned steps all ran:
+    # a call cut by its time limit still leaves weights the stages after SFT can start from.
+    export, t_export = Path(args.run_dir) / "hf", time.perf_counter()
+    try:
+        export_checkpoint(args.run_dir, export, "latest", "h200")
+    except Exception as err:
+        export, error = None, (error or "") + f" export: {err!r}"[:400]
     history = Path(args.run_dir) / "metrics.jsonl"
     steps, evals = read_metrics(Path(args.run_dir)) if history.exists() else read_metrics(out)
+    timed = sorted(r["step_time_s"] for r in steps[1:]) or [None]
+    step_s = timed[len(timed) // 2]
+    from model.config import preset
+    from tasks.trainer import model_flops_per_token
+
+    flops = model_flops_per_token(preset(args.model), args.seq)
     row = {"run_dir": args.run_dir, "seq_len": args.seq, "lr": args.lr, "steps_planned": args.steps,
            "steps_done": steps[-1]["step"] if steps else 0, "tokens_seen": (steps[-1]["step"] if steps else 0) * args.seq,
            "losses_every_10": [(r["step"], round(r["loss"], 4)) for r in steps if r["step"] % 10 == 0],
            "validation": [(r["step"], round(r["eval_loss"], 4)) for r in evals],
+           "median_step_s": step_s, "matmul_anchor_tflops": anchor,
+           "mfu_vs_anchor": flops * args.seq / step_s / (anchor * 1e12) if flops and step_s and anchor else None,
+           "peak_gib": max((r.get("peak_memory_gib") or 0 for r in steps), default=None),
+           "export": str(export) if export else None, "export_s": round(time.perf_counter() - t_export, 1),
            "wall_s": round(time.perf_counter() - t0, 1), "error": error}
     print(json.dumps(row), flush=True)
     Path(args.out, f"science_{args.seq}.json").write_text(json.dumps(row, indent=1))

