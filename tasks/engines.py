@@ -626,13 +626,13 @@ class TransformersEngine(InferenceEngine):
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
+        # The loader materializes every converted tensor on its ``device_map`` device and installs
+        # it as the parameter; its default map is ``{"": "cpu"}``, which left a GPU model's 243
+        # parameters on the host on an H200 even when handed CUDA tensors. Map everything to the
+        # engine's device.
         config = LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(self.model),
-                                     dtype=next(self.model.parameters()).dtype)
-        # The loader installs the given tensors as the parameters: handed the trainer's host
-        # copies, a GPU model would end up with its weights on the CPU (seen on an H200: the next
-        # forward failed in the embedding). Move them to the model's device first.
-        on_device = {name: t.to(self.device) for name, t in state_dict.items()}
-        info, _ = convert_and_load_state_dict_in_model(self.model, on_device, config)
+                                     dtype=next(self.model.parameters()).dtype, device_map={"": self.device})
+        info, _ = convert_and_load_state_dict_in_model(self.model, dict(state_dict), config)
         if stray := sorted(n for n, p in self.model.named_parameters() if p.device.type != self.device.type):
             raise EngineError(f"update_weights left {len(stray)} parameters off {self.device}: {stray[:3]}")
         problems = {name: sorted(map(str, getattr(info, name, ())))[:5]
