@@ -323,19 +323,66 @@ def shared_kernel_cache(checkpoint_dir: str, on_gpu: bool | None = None) -> str 
     its first step (242-296 s measured on an H200, 65 s with a warm cache, ``docs/measurements.md``);
     an Elastic restart or the next run would pay it again. Under the checkpoint root (a shared
     mount on a cluster) every worker and every later run reuses them: Triton keys its entries
-    by source, GPU architecture and versions and writes them atomically. Leaves an existing
-    ``TRITON_CACHE_DIR`` alone; does nothing without CUDA (``on_gpu`` overrides the check).
-    Returns the cache directory set, or None.
+    by source, GPU architecture and versions and writes them atomically. The autotuning results
+    shipped for the GPU (:func:`seed_autotune_cache`) are added to the cache first. Leaves an
+    existing ``TRITON_CACHE_DIR`` where it is (and seeds it); does nothing without CUDA
+    (``on_gpu`` overrides the check). Returns the cache directory set, or None.
     """
     import torch
 
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
-    if not on_gpu or os.environ.get("TRITON_CACHE_DIR"):
+    if not on_gpu:
         return None
-    cache = str(Path(checkpoint_dir).parent / "triton-cache")
-    os.environ["TRITON_CACHE_DIR"] = cache
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
-    return cache
+    user_cache = os.environ.get("TRITON_CACHE_DIR")
+    cache = user_cache or str(Path(checkpoint_dir).parent / "triton-cache")
+    os.environ["TRITON_CACHE_DIR"] = cache
+    if torch.cuda.is_available():
+        seed_autotune_cache(cache, torch.cuda.get_device_name())
+    return None if user_cache else cache
+
+
+TUNINGS_DIR = Path(__file__).resolve().parents[1] / "kernels" / "tunings"
+
+
+def gpu_slug(device_name: str) -> str:
+    """File name stem of a GPU's shipped tunings: ``"NVIDIA H200"`` -> ``"nvidia-h200"``."""
+    return "-".join("".join(c if c.isalnum() else " " for c in device_name.lower()).split())
+
+
+def seed_autotune_cache(cache_dir: str | os.PathLike, device_name: str, tunings_dir: Path = TUNINGS_DIR) -> int:
+    """Copy the autotuning results shipped for this GPU into Triton's cache; returns how many were added.
+
+    ``kernels/tunings/<gpu_slug>.tgz`` holds the ``<key>/<kernel>.autotune.json`` files of a GPU
+    run (Triton's ``TRITON_CACHE_AUTOTUNING``: each the timings of every config of one tuned
+    kernel at one autotune key). ``<key>`` hashes the kernel source, the Triton version and the
+    GPU target, so entries of another version or kernel revision are never looked up: a stale
+    archive costs nothing but its own benchmarking. With them a cold H200 reached its first SFT
+    step in 28.4 s instead of 348.4 s (``docs/measurements.md``). Entries already in the cache
+    are kept; only regular files of that two-level shape are extracted (no links, no ``..``).
+    """
+    import tarfile
+
+    archive = tunings_dir / f"{gpu_slug(device_name)}.tgz"
+    if not archive.exists():
+        return 0
+    added = 0
+    with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            parts = Path(member.name).parts
+            parts = parts[1:] if parts[:1] == (".",) else parts
+            if not (member.isfile() and len(parts) == 2 and parts[1].endswith(".autotune.json")
+                    and all(part not in ("", "..") for part in parts)):
+                continue
+            target = Path(cache_dir, *parts)
+            if target.exists():
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+            tmp.write_bytes(tar.extractfile(member).read())
+            os.replace(tmp, target)             # Triton reads these while other workers write
+            added += 1
+    return added
 
 
 def _local_blobs(literal) -> list[tuple[str, str]]:

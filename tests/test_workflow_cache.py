@@ -111,3 +111,43 @@ def test_a_cached_output_that_is_gone_or_changed_reruns_its_stage(tmp_path, isol
     again = run(sources)
     assert calls == {"ingest": 1, "pack": 2} and again == first
     assert json.loads((again / "manifest.json").read_text()).get("note") is None
+
+
+def test_shipped_autotune_results_seed_the_cache_and_nothing_else(tmp_path):
+    import io
+    import tarfile
+
+    from tasks.caching import TUNINGS_DIR, gpu_slug, seed_autotune_cache
+
+    def add(tar, name, data=b"{}", kind=tarfile.REGTYPE):
+        info = tarfile.TarInfo(name)
+        info.type, info.size = kind, (len(data) if kind == tarfile.REGTYPE else 0)
+        if kind == tarfile.SYMTYPE:
+            info.linkname = "/etc/passwd"
+        tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+
+    tunings = tmp_path / "tunings"
+    tunings.mkdir()
+    with tarfile.open(tunings / "nvidia-h200.tgz", "w:gz") as tar:
+        add(tar, "./KEYA/kernel_a.autotune.json", b'{"new": 1}')
+        add(tar, "./KEYB/kernel_b.autotune.json")
+        add(tar, "../escape.autotune.json")
+        add(tar, "KEYC/../../escape2.autotune.json")
+        add(tar, "KEYD/deep/kernel_d.autotune.json")
+        add(tar, "KEYE/kernel_e.so")
+        add(tar, "KEYF/kernel_f.autotune.json", kind=tarfile.SYMTYPE)
+    cache = tmp_path / "cache"
+    (cache / "KEYA").mkdir(parents=True)
+    (cache / "KEYA" / "kernel_a.autotune.json").write_text('{"old": 1}')
+    assert gpu_slug("NVIDIA H200") == "nvidia-h200" and gpu_slug("NVIDIA B200 (SXM)") == "nvidia-b200-sxm"
+    assert seed_autotune_cache(cache, "NVIDIA H200", tunings) == 1
+    found = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() and "tunings" not in p.parts)
+    assert found == ["cache/KEYA/kernel_a.autotune.json", "cache/KEYB/kernel_b.autotune.json"]
+    assert (cache / "KEYA" / "kernel_a.autotune.json").read_text() == '{"old": 1}'   # an existing entry stays
+    assert seed_autotune_cache(cache, "NVIDIA A100-SXM4-80GB", tunings) == 0          # no archive for that GPU
+    # The shipped H200 archive: Triton autotune entries only, each with its key and config timings.
+    with tarfile.open(TUNINGS_DIR / "nvidia-h200.tgz") as tar:
+        members = [m for m in tar.getmembers() if m.isfile()]
+        assert members and all(m.name.endswith(".autotune.json") for m in members)
+        entry = json.loads(tar.extractfile(members[0]).read())
+        assert {"key", "configs_timings"} <= set(entry)
