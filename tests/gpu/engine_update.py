@@ -17,10 +17,8 @@ from pathlib import Path
 import numpy as np
 
 
-DEVICE = "cuda" if __import__("torch").cuda.is_available() else "cpu"   # cpu: a dry run
-
-
 def main() -> None:
+    import torch
     from safetensors.torch import load_file, save_file
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -28,6 +26,7 @@ def main() -> None:
 
     from tasks.engines import TransformersEngine
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"   # cpu: a dry run
     work = Path(tempfile.mkdtemp(prefix="engine_update_"))
     old = random_init_export(work / "old", "tiny")
     (weights,) = old.glob("*.safetensors")
@@ -40,12 +39,12 @@ def main() -> None:
         (new / f.name).write_bytes(f.read_bytes())
     save_file(new_state, new / weights.name, metadata={"format": "pt"})
     prompt = np.random.default_rng(0).integers(4, 8, 2048)
-    engine = TransformersEngine(old, "bfloat16", 4096, device=DEVICE)
+    engine = TransformersEngine(old, "bfloat16", 4096, device=device)
     before = engine.prompt_logprobs([prompt])[0]
     engine.update_weights(new_state)                   # host tensors, as RL hands them over
-    stray = [n for n, p in engine.model.named_parameters() if p.device.type != DEVICE]
+    stray = [n for n, p in engine.model.named_parameters() if p.device.type != device]
     after = engine.prompt_logprobs([prompt])[0]
-    fresh = TransformersEngine(new, "bfloat16", 4096, device=DEVICE).prompt_logprobs([prompt])[0]
+    fresh = TransformersEngine(new, "bfloat16", 4096, device=device).prompt_logprobs([prompt])[0]
     print(f"parameters off the GPU after update_weights: {len(stray)}; mean |after - before| "
           f"{np.abs(after - before).mean():.3e}; max |after - fresh| {np.abs(after - fresh).max():.3e}")
     assert not stray

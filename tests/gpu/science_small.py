@@ -105,8 +105,10 @@ def matmul_anchor() -> float | None:
 
 
 def train_mode(args) -> None:
+    from model.config import preset
     from tasks.export import export_checkpoint
     from tasks.sft import train
+    from tasks.trainer import model_flops_per_token
 
     t0 = time.perf_counter()
     anchor = matmul_anchor()
@@ -130,9 +132,6 @@ def train_mode(args) -> None:
     steps, evals = read_metrics(Path(args.run_dir)) if history.exists() else read_metrics(out)
     timed = sorted(r["step_time_s"] for r in steps[1:]) or [None]
     step_s = timed[len(timed) // 2]
-    from model.config import preset
-    from tasks.trainer import model_flops_per_token
-
     flops = model_flops_per_token(preset(args.model), args.seq)
     row = {"run_dir": args.run_dir, "seq_len": args.seq, "lr": args.lr, "steps_planned": args.steps,
            "steps_done": steps[-1]["step"] if steps else 0, "tokens_seen": (steps[-1]["step"] if steps else 0) * args.seq,
