@@ -219,7 +219,8 @@ class Glm5NextModel(MegatronModule):
 
 
 def build_model(config: Glm5NextConfig, *, seed: int = 0, logits_chunk_tokens: int = 4096,
-                dtype: torch.dtype | None = None, layout: ParallelLayout | None = None) -> Glm5NextModel:
+                dtype: torch.dtype | None = None, layout: ParallelLayout | None = None,
+                zero_head: bool = False) -> Glm5NextModel:
     """Build the glm5_next model for this rank in ``layout`` (TP/CP; EP through megatron's MoE).
 
     Initialises ``parallel_state`` for a single process (gloo) if no one did, enables
@@ -227,6 +228,18 @@ def build_model(config: Glm5NextConfig, *, seed: int = 0, logits_chunk_tokens: i
     ``seed``. ``dtype`` casts parameters (the router's ``expert_bias`` stays float32). ``layout``
     is the trainer's (:func:`tasks.trainer.init_parallel`); without one, the layout megatron's
     ``parallel_state`` was initialised with (:meth:`ParallelLayout.from_megatron`), read once here.
+
+    ``zero_head`` sets the output head to zero after the usual initialisation (every other weight
+    as without it): the initialisation to train from. Every logit starts at 0 and the loss at
+    ``ln(vocab_size)``, the readout of muP (Yang et al. 2022, arXiv 2203.03466, Tensor Programs V).
+    With the head at ``init_method_std`` = 0.02 over the `small` preset's 1024 final-norm
+    channels the logits start with std ~0.64 and the loss 0.15-0.4 nats above ``ln 16``; its
+    gradient (norm ~50) reaches every weight of the body in the first steps, and the loss jumped
+    to 4-8 nats at steps 3-6 at every peak lr from 3e-4 to 3e-3 on an H200, with or without
+    warm-up. With a zero head the same runs fall smoothly (``docs/measurements.md``, "Stable
+    training"). Off by default: the HF reference's ``_init_weights`` draws the head like every
+    other weight, and checks that compare two models at initialisation need a head that
+    carries the body's differences into the logits.
     """
     from model import cpu_compat
 
@@ -239,6 +252,9 @@ def build_model(config: Glm5NextConfig, *, seed: int = 0, logits_chunk_tokens: i
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     model = Glm5NextModel(config, logits_chunk_tokens=logits_chunk_tokens, layout=layout)
+    if zero_head:
+        with torch.no_grad():
+            model.output_layer.weight.zero_()
     if dtype is not None:
         model.to(dtype)
         for layer in model.layers:

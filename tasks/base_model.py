@@ -44,7 +44,8 @@ def base_model(model_preset: str, seed: int, out_dir: str | os.PathLike, init_hf
             from model.glm5_next import build_model
 
             cfg = preset(model_preset)
-            save_hf_checkpoint(hf_state_dict(build_model(cfg, seed=seed)), cfg, work, export_metadata(model_preset, None))
+            save_hf_checkpoint(hf_state_dict(build_model(cfg, seed=seed, zero_head=True)), cfg, work,
+                               export_metadata(model_preset, None))
         (work / "base_model.json").write_text(json.dumps({"model_preset": model_preset, "seed": seed, "init_hf": init_hf}))
     return Path(out_dir)
 

@@ -379,8 +379,10 @@ class SFTRun:
             log.info("memory plan (per device):\n%s", plan.table())
         data = training_windows(pack_dir, cfg)
         dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+        # From scratch the head starts at zero (build_model: the early loss spike it removes);
+        # an init_hf export overwrites every weight below.
         module = build_model(mcfg, seed=cfg.seed, logits_chunk_tokens=cfg.logits_chunk_tokens,
-                             dtype=dtype if dtype != torch.float32 else None, layout=layout)
+                             dtype=dtype if dtype != torch.float32 else None, layout=layout, zero_head=True)
         vision = (None, None)
         if cfg.init_hf:
             _, text, vision_state = load_hf_checkpoint(Path(cfg.init_hf))

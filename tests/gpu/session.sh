@@ -5,6 +5,7 @@
 #   (with an earlier call's $OUT/triton_autotune.tgz saved as .triton/autotune.tgz:
 #    command="TRITON_CACHE_TGZ=.triton/autotune.tgz bash tests/gpu/session.sh", carry += ".triton")
 # .whl holds the fla-core 0.6.0, megatron-core 0.19.2 (cp312) and transformers 5.19.0 wheels.
+# With no TRITON_CACHE_TGZ the cache is seeded from kernels/tunings/<gpu>.tgz (SEED_TUNINGS=0: cold).
 # KILL_AFTER: seconds a part has after its SIGINT (default 10; the science part exports then).
 # Parts: actbytes (saved bytes per token vs the memory plan), model (tests/gpu/model_small.py),
 # sft (tests/gpu/sft_small.py with $SFT_CONFIGS), model_check (model_small.py's bf16-vs-CPU check
@@ -36,6 +37,11 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 mkdir -p "$TRITON_CACHE_DIR"
 if [ -n "${TRITON_CACHE_TGZ:-}" ] && [ -f "$TRITON_CACHE_TGZ" ]; then
   tar -xzf "$TRITON_CACHE_TGZ" -C "$TRITON_CACHE_DIR" && echo "autotune cache: $(tar -tzf "$TRITON_CACHE_TGZ" | grep -c autotune.json) results from $TRITON_CACHE_TGZ"
+elif [ "${SEED_TUNINGS:-1}" = 1 ]; then
+  # What an SFT/RL worker does (tasks.caching.shared_kernel_cache): the package's shipped results.
+  python3 -c "import sys, torch; sys.path.insert(0, 'tests/gpu'); import flyte_standin as f; f.install_flytekit_stand_in()
+import tasks.caching as c; gpu = torch.cuda.get_device_name()
+print('autotune cache:', c.seed_autotune_cache('$TRITON_CACHE_DIR', gpu), 'results from', c.TUNINGS_DIR / (c.gpu_slug(gpu) + '.tgz'))"
 fi
 save_cache() { (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/triton_autotune.tgz" -T -) 2>/dev/null; }
 trap save_cache EXIT
@@ -71,9 +77,11 @@ part dsa "${T_DSA:-300}" bash -c "python3 tests/gpu/dsa_check.py --out $OUT/dsa_
   python3 tests/benchmarks/dsa_bench.py --out $OUT/dsa_bench.json"
 part profile "${T_PROFILE:-420}" python3 tests/benchmarks/sft_profile.py --pack runs/sft_gpu_pack \
   --configs ${PROFILE_CONFIGS:-64k} --trace-dir "$OUT" ${PROFILE_ARGS:-} --out "$OUT/sft_profile.json"
+# engine (tests/gpu/engine_update.py: the transformers engine's weight update keeps every parameter on the GPU).
 # Issue-34/28 runs: lr curves (LR_RUNS "LR:WARMUP ..."), the resumable SFT science run (SCIENCE_ARGS), and RL + verify +
 # evaluate from an export (STAGES_ARGS, e.g. --init /tmp/science_64k/out/hf).
 part lr "${T_LR:-420}" python3 tests/gpu/science_small.py lr --pack runs/sft_gpu_pack --out "$OUT" \
-  --steps "${LR_STEPS:-20}" --runs ${LR_RUNS:-3e-4:1 1e-3:1 1e-3:10 3e-3:10}
+  --steps "${LR_STEPS:-20}" --eval-every "${LR_EVAL_EVERY:-10}" --runs ${LR_RUNS:-3e-4:1 1e-3:1 1e-3:10 3e-3:10}
 part science "${T_SCIENCE:-420}" python3 tests/gpu/science_small.py train --pack runs/sft_gpu_pack --out "$OUT" ${SCIENCE_ARGS:-}
+part engine "${T_ENGINE:-120}" python3 tests/gpu/engine_update.py
 part after_sft "${T_AFTER_SFT:-300}" python3 tests/gpu/stages_small.py --pack runs/sft_gpu_pack --out "$OUT" ${STAGES_ARGS:-}

@@ -159,7 +159,7 @@ def main() -> None:
                                                          "tis_weight_max", "rollout_train_logprobs_abs_diff_mean",
                                                          "rollout_train_logprobs_abs_diff_max", "step_time_s")}))
                 print(f"rl: peak {results['rl']['peak_gib']} GiB, planned {results['rl']['plan_gib']} GiB; "
-                      f"engine: {results['rl']['metrics'][0]['engine']}")
+                      f"engine: {results['rl']['metrics'][-1]['engine']}")
             elif part == "verify":
                 results["verify"] = run_verify(export, pack, work / "verify", tuple(args.verify_lengths))
                 print(results["verify"]["table"], f"\nverify: peak {results['verify']['peak_gib']} GiB", sep="")
