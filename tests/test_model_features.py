@@ -92,3 +92,22 @@ def test_cpu_reference_runs_compiled_functions_eagerly():
         assert torch.equal(fused(torch.ones(3, dtype=torch.float64)), torch.full((3,), 3.0, dtype=torch.float64))
         assert torch.cuda.current_device() == torch.device("cpu")
     assert len(compiled) == 1
+
+
+def test_zero_head_starts_at_ln_vocab_and_leaves_every_other_weight_as_drawn():
+    import math
+
+    cfg = preset("tiny")
+    drawn = dict(build_model(cfg, seed=6).named_parameters())
+    model = build_model(cfg, seed=6, zero_head=True).eval()
+    params = dict(model.named_parameters())
+    assert float(params["output_layer.weight"].abs().max()) == 0.0
+    assert float(drawn["output_layer.weight"].abs().max()) > 0.0
+    for name, p in params.items():
+        if name != "output_layer.weight":
+            assert torch.equal(p, drawn[name]), name
+    ids = _ids(seed=5)
+    with torch.no_grad():
+        nll = model(ids[:, :-1], labels=ids[:, 1:])
+    # every logit 0: each token costs ln(vocab) nats, whatever the body computes
+    assert torch.allclose(nll, torch.full_like(nll, math.log(cfg.vocab_size)), atol=1e-6)
