@@ -16,9 +16,12 @@ initialisation) so that the reference predicts better than uniform (its validati
 base are printed; uniform over A/C/G/T is 2).
 
 Then two RL runs from that export with the same seed, hence the same prompts and the same
-rollout seeds at every step: the policy run (``--lr``) and the anchor (``lr = 0``: the weights
-never move, so its reward is the reference's, drawn on the same prompts). Step 1 of both samples
-from the same weights, so their first rows are equal. By default the two runs are concurrent
+rollout seeds at every step: the policy run (``--lr``) and the anchor (``lr = 0``: Adam leaves
+the weights where they are, so its reward is the reference's, drawn on the same prompts). Step 1
+of both samples from the same weights, so their first rows are equal. The anchor's KL is not
+exactly 0: the MoE routers' expert bias (``e_score_correction_bias``) takes its aux-loss-free
+balancing step (megatron ``moe_router_bias_update_rate``, 1e-3) at every optimizer step whatever
+the lr (measured: 0.006 after 6 updates, KL 1e-6 to 6e-6 nats per token over 30 steps). By default the two runs are concurrent
 processes of ``--threads`` torch threads each (the transformers engine generates one token of
 one rollout per forward and is bound by Python, not by cores); ``--sequential`` runs them one
 after the other. The GRPO objective is ``RLConfig``'s default (``GRPOConfig``: kl_coef 0.01,
@@ -32,7 +35,8 @@ run the mean reward of the first and last ``--window`` steps with the standard e
 (std of the step means / sqrt(window)), their difference in standard errors, and the same for
 the paired per-step difference policy - anchor (same prompts: their variance cancels).
 ``--out`` gets the rows and the summary as JSON, ``--plot`` a PNG of reward vs step (when
-matplotlib is installed). About 10-12 minutes with the defaults on a 2-core CPU::
+matplotlib is installed). With the defaults on a 2-core CPU: ~18 s per RL step with both runs
+concurrent on an idle machine; the whole script took 865 s while another test run shared the cores::
 
     .venv/bin/python tests/benchmarks/rl_reward_curve.py --out /tmp/rl_curve.json
     .venv/bin/python tests/benchmarks/rl_reward_curve.py --out /tmp/rl_curve.json --plot /tmp/rl_curve.png
