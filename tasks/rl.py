@@ -87,7 +87,22 @@ class RLConfig:
         dtype: trainer parameters, "float32" or "bfloat16" (master weights and Adam stay float32).
         recompute: "none" | "selective" | "full", as in SFT (``recompute_modules`` for selective).
         mlp_chunk_tokens: sequence-chunked MLP/MoE in training (0: whole sequence), as in SFT.
-        lr: Adam learning rate, constant (0 keeps the weights: the weight-sync drift check).
+        lr: Adam learning rate, constant (0 keeps every weight, with ``expert_bias_update_rate``
+            0: the weight-sync drift check).
+        expert_bias_update_rate: the MoE routers' aux-loss-free balancing step per update
+            (megatron ``moe_router_bias_update_rate``; it moves ``e_score_correction_bias``
+            whatever ``lr`` is). 0 by default: RL keeps the expert bias SFT balanced, as
+            DeepSeek-V3 sets the bias update speed to 0 for the last 500B tokens of its
+            training (arXiv 2412.19437, sec. 4.2), so the reference, the engine and the policy
+            route alike unless the weights themselves move.
+        val_prompts: fixed prompts (drawn once from the train split with seed ``seed + 1``, the
+            held-out chromosome never) on which every step, before its rollouts, the policy's
+            teacher-forced expected reward is measured: the mean over the ``gen_len`` reference
+            bases of the probability the policy, restricted to A/C/G/T at ``temperature``,
+            gives each base after the true bases before it (an N scores 0). That is the exact
+            expected match of the first sampled base and of every base whose predecessors
+            matched: the reward's trend without sampling noise (``val_expected_reward``;
+            ``reward="match_fraction"`` only). 0: not measured.
         weight_decay: Adam weight decay.
         grad_clip: max global grad norm.
         engine: inference engine ("vllm" | "transformers"); no fallback between them.
@@ -123,6 +138,8 @@ class RLConfig:
     recompute_modules: tuple[str, ...] = ("moe",)
     mlp_chunk_tokens: int = 0
     lr: float = 1e-5
+    expert_bias_update_rate: float = 0.0
+    val_prompts: int = 0
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     engine: str = "transformers"
@@ -252,7 +269,8 @@ def trainer_overrides(cfg: RLConfig) -> dict:
     return dict(tensor_model_parallel_size=cfg.tensor_parallel, context_parallel_size=cfg.context_parallel,
                 expert_model_parallel_size=cfg.expert_parallel, expert_tensor_parallel_size=1,
                 calculate_per_token_loss=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
-                mlp_chunk_tokens=cfg.mlp_chunk_tokens, **recompute_overrides(cfg.recompute, cfg.recompute_modules))
+                moe_router_bias_update_rate=cfg.expert_bias_update_rate, mlp_chunk_tokens=cfg.mlp_chunk_tokens,
+                **recompute_overrides(cfg.recompute, cfg.recompute_modules))
 
 
 @dataclass(frozen=True)
@@ -324,6 +342,38 @@ def _sequence_logprobs(module, batch: LocalTokens, device, temperature: float) -
         return hidden.new_zeros(hidden.shape[1], 0), anchor
     logp = restricted_token_logprobs(module, picked, labels.contiguous(), vocab.ACGT, temperature)
     return logp.transpose(0, 1), anchor
+
+
+def _expected_reward(policy, prompts: np.ndarray, truth: np.ndarray, cfg: RLConfig, layout, device, group) -> float:
+    """Teacher-forced expected match reward of ``policy`` on fixed prompts (``RLConfig.val_prompts``).
+
+    Args:
+        prompts: int64 ``[n, prompt_len]``; truth: int64 ``[n, gen_len]``, the reference bases.
+
+    Returns:
+        The mean over ``n x gen_len`` reference bases of ``p(base | prompt, true bases before
+        it)`` under the policy restricted to A/C/G/T at ``cfg.temperature``; an N (or any id
+        outside A/C/G/T) contributes 0, as it matches nothing in the reward. DP ranks split the
+        prompts, CP ranks the positions (:class:`LocalTokens`); the sums meet over ``group``.
+    """
+    acgt = np.isin(truth, vocab.ACGT)
+    labels = np.where(acgt, truth, vocab.ACGT[0])                 # scored ids must be bases; masked below
+    rows = cfg.micro_batch_rollouts * layout.dp_size if cfg.micro_batch_rollouts else len(prompts)
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    was_training = policy.training
+    policy.eval()
+    with torch.no_grad():
+        for start in range(0, len(prompts), rows):
+            part = slice(start, start + rows)
+            batch = LocalTokens.split(np.concatenate([prompts[part], labels[part]], axis=1), cfg.gen_len,
+                                      layout.dp_rank, layout.dp_size, layout.cp_rank, cfg.context_parallel)
+            logp, _ = _sequence_logprobs(policy, batch, device, cfg.temperature)
+            mask = torch.from_numpy(acgt[part][batch.rows][:, batch.tokens]).to(device)
+            total[0] += (logp.exp() * mask).sum().double()
+            total[1] += float(mask.numel())
+    policy.train(was_training)
+    torch.distributed.all_reduce(total, group=group)
+    return float(total[0] / total[1])
 
 
 def _broadcast(array: np.ndarray | None, shape: tuple[int, ...], dtype, device) -> np.ndarray:
@@ -475,11 +525,16 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
                       f"{cfg.mini_batches} (>= 1) x DP={layout.dp_size}, and epochs={cfg.epochs} must be >= 1")
     if cfg.temperature <= 0:
         raise RLError(f"temperature={cfg.temperature}: rollouts are sampled (> 0); the trainer scores them at it")
+    if cfg.val_prompts < 0 or cfg.val_prompts % layout.dp_size or (cfg.val_prompts and cfg.reward != "match_fraction"):
+        raise RLError(f"val_prompts={cfg.val_prompts} must be >= 0, divide over DP={layout.dp_size}, and goes with "
+                      f"reward='match_fraction' (got {cfg.reward!r})")
     per_rank = n_rollouts // (cfg.mini_batches * layout.dp_size)
     if cfg.micro_batch_rollouts < 0 or (cfg.micro_batch_rollouts and per_rank % cfg.micro_batch_rollouts):
         raise RLError(f"micro_batch_rollouts={cfg.micro_batch_rollouts} must divide the {per_rank} rollouts of a "
                       f"mini-batch on each DP rank (0: all at once)")
     sampler = PromptSampler(shards_dir, cfg.prompt_len, cfg.gen_len, cfg.seed)
+    val_prompts, val_truth, _ = (PromptSampler(shards_dir, cfg.prompt_len, cfg.gen_len, cfg.seed + 1)
+                                 .sample(cfg.val_prompts) if cfg.val_prompts else (None, None, None))
     from model.config import from_hf
 
     plan = rl_memory_plan(from_hf(json.loads((sft_export / "config.json").read_text()), **trainer_overrides(cfg)), cfg,
@@ -543,6 +598,9 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
         with ManualGC(cfg.gc_interval) as collector:
             while step < cfg.steps:
                 t0 = time.perf_counter()
+                # The policy that samples this step's rollouts, on the fixed prompts (as reward_mean).
+                val_reward = (_expected_reward(policy, val_prompts, val_truth, cfg, layout, device, dp_cp_group)
+                              if cfg.val_prompts else None)
                 prompts, truth, origins = sampler.sample(cfg.prompts_per_step)
                 repeated = np.repeat(prompts, cfg.group_size, axis=0)
                 generated = rollout_logp = None
@@ -585,6 +643,8 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
                     "tokens_per_s": n_rollouts * (cfg.prompt_len + cfg.gen_len) / seconds, "step_time_s": seconds,
                     "engine": engine.description if engine is not None else "",
                 }
+                if val_reward is not None:
+                    row["val_expected_reward"] = val_reward
                 if is_main:
                     metrics.append(row)
                     with (history / "metrics.jsonl").open("a") as f:
@@ -596,9 +656,10 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
                                                 "prompt_len": cfg.prompt_len, "generated": tokens.tolist(),
                                                 "reward": reward}) + "\n")
                     gap = row["rollout_train_logprobs_abs_diff_mean"]
-                    log.info("rl step %d/%d: reward %.3f kl %.2e clip %.3f tis [%.3f, %.3f] gap %.2e", step, cfg.steps,
+                    log.info("rl step %d/%d: reward %.3f kl %.2e clip %.3f tis [%.3f, %.3f] gap %.2e%s", step, cfg.steps,
                              row["reward_mean"], row["kl"], row["clip_fraction"], row["tis_weight_min"],
-                             row["tis_weight_max"], gap)
+                             row["tis_weight_max"], gap,
+                             f" val expected reward {val_reward:.4f}" if val_reward is not None else "")
                     bar.set_postfix(reward=f"{row['reward_mean']:.3f}", clip=f"{row['clip_fraction']:.2f}",
                                     gap=f"{gap:.1e}")
                     bar.update()

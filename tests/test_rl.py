@@ -112,13 +112,50 @@ def test_grpo_steps_rewards_clip_tis_and_policy_change(shards, tiny_export, tmp_
     assert not any(k.startswith("model.visual.") for k in changed)
 
 
-def test_learning_rate_zero_keeps_the_gap_within_a_bound_for_10_steps(shards, tiny_export, tmp_path):
+def _transformers_expected_match(export: Path, prompts: np.ndarray, truth: np.ndarray, temperature: float) -> float:
+    """Mean p(true base | prompt, true bases before it) under transformers' glm5_next in float64
+    logits, restricted to A/C/G/T at ``temperature``; a non-base reference id scores 0."""
+    from unittest import mock
+
+    from transformers import Glm5NextForConditionalGeneration
+
+    def lower_index_topk(self, k, dim=-1, largest=True, sorted=True):  # the project's tie rule
+        values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
+        return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+    hf = Glm5NextForConditionalGeneration.from_pretrained(str(export), dtype=torch.float32).eval()
+    bases = list(LETTERS.values())
+    probs = []
+    for prompt, cont in zip(prompts, truth):
+        ids = torch.from_numpy(np.concatenate([prompt, cont]))[None]
+        with mock.patch.object(torch.Tensor, "topk", lower_index_topk), torch.no_grad():
+            logits = hf(input_ids=ids, use_cache=False).logits[0].double()
+        for j, base in enumerate(cont):
+            p = (logits[len(prompt) - 1 + j, bases] / temperature).softmax(-1)
+            probs.append(float(p[bases.index(int(base))]) if int(base) in bases else 0.0)
+    return float(np.mean(probs))
+
+
+def test_learning_rate_zero_keeps_every_weight_and_the_gap_within_a_bound_for_10_steps(shards, tiny_export, tmp_path,
+                                                                                      plain_torch_transformers):
+    from safetensors.torch import load_file
+
+    from tasks.rl import PromptSampler
+
     result = run_rl(shards, tiny_export, tmp_path / "rl0", lr=0.0, steps=10, prompt_len=96, gen_len=8,
-                    group_size=2)
+                    group_size=2, temperature=0.8, val_prompts=4)
     gaps = [row["rollout_train_logprobs_abs_diff_mean"] for row in result.metrics]
     assert len(gaps) == 10 and max(gaps) < BF16_GAP_BOUND, gaps
     # Unchanged weights: every update's ratio is exactly 1.
     assert all(row["clip_fraction"] == 0 for row in result.metrics)
+    # Every tensor, the routers' expert bias included (its balancing step is off in RL).
+    before, after = load_file(tiny_export / "model.safetensors"), load_file(result.export_dir / "model.safetensors")
+    moved = [k for k in before if not torch.equal(before[k], after[k])]
+    assert not moved, moved
+    vals = [row["val_expected_reward"] for row in result.metrics]
+    assert len(set(vals)) == 1, vals
+    prompts, truth, _ = PromptSampler(shards, 96, 8, seed=1).sample(4)   # RLConfig seed 0: val prompts seed 1
+    assert vals[0] == pytest.approx(_transformers_expected_match(tiny_export, prompts, truth, 0.8), abs=1e-5)
 
 
 def test_a_float32_engine_matches_the_trainer(shards, tiny_export, tmp_path):

@@ -17,11 +17,12 @@ base are printed; uniform over A/C/G/T is 2).
 
 Then two RL runs from that export with the same seed, hence the same prompts and the same
 rollout seeds at every step: the policy run (``--lr``) and the anchor (``lr = 0``: Adam leaves
-the weights where they are, so its reward is the reference's, drawn on the same prompts). Step 1
-of both samples from the same weights, so their first rows are equal. The anchor's KL is not
-exactly 0: the MoE routers' expert bias (``e_score_correction_bias``) takes its aux-loss-free
-balancing step (megatron ``moe_router_bias_update_rate``, 1e-3) at every optimizer step whatever
-the lr (measured: 0.006 after 6 updates, KL 1e-6 to 6e-6 nats per token over 30 steps). By default the two runs are concurrent
+the weights where they are and RL's expert-bias balancing step is off, so its reward is the
+reference's, drawn on the same prompts). Step 1 of both samples from the same weights, so their
+first rows are equal. Both runs also measure, before every step, the policy's teacher-forced
+expected reward on ``--val-prompts`` fixed prompts (``RLConfig.val_prompts``: the mean
+probability of each true base after the true bases before it, restricted to A/C/G/T at the
+temperature; no sampling noise, and the anchor's stays exactly where it started). By default the two runs are concurrent
 processes of ``--threads`` torch threads each (the transformers engine generates one token of
 one rollout per forward and is bound by Python, not by cores); ``--sequential`` runs them one
 after the other. The GRPO objective is ``RLConfig``'s default (``GRPOConfig``: kl_coef 0.01,
@@ -59,10 +60,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-COLUMNS = ("step", "reward_mean", "reward_std", "kl", "clip_fraction", "tis_weight_min", "tis_weight_max",
-           "rollout_train_logprobs_abs_diff_mean", "rollout_train_logprobs_abs_diff_max", "step_time_s")
-HEADERS = ("step", "reward_mean", "reward_std", "kl", "clip_frac", "tis_min", "tis_max", "gap_mean", "gap_max",
-           "step_s")
+HEADERS = ("step", "reward_mean", "reward_std", "val_expected", "kl", "clip_frac", "tis_min", "tis_max", "gap_mean",
+           "gap_max", "step_s")
 
 
 def _quiet_logs() -> None:
@@ -157,7 +156,8 @@ def first_last(values: list[float], window: int) -> dict:
 def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(HEADERS) + " |", "|" + "|".join("---:" for _ in HEADERS) + "|"]
     for r in rows:
-        cells = [f"{r['step']:d}", f"{r['reward_mean']:.4f}", f"{r['reward_std']:.4f}", f"{r['kl']:.2e}",
+        cells = [f"{r['step']:d}", f"{r['reward_mean']:.4f}", f"{r['reward_std']:.4f}",
+                 f"{r['val_expected_reward']:.5f}" if "val_expected_reward" in r else "-", f"{r['kl']:.2e}",
                  f"{r['clip_fraction']:.3f}", f"{r['tis_weight_min']:.4f}", f"{r['tis_weight_max']:.4f}",
                  f"{r['rollout_train_logprobs_abs_diff_mean']:.2e}", f"{r['rollout_train_logprobs_abs_diff_max']:.2e}",
                  f"{r['step_time_s']:.1f}"]
@@ -183,9 +183,12 @@ def plot(path: str, runs: dict[str, list[dict]], title: str) -> bool:
     for name, rows in runs.items():
         steps = [r["step"] for r in rows]
         mean = [r["reward_mean"] for r in rows]
-        ax.plot(steps, mean, marker="o", ms=3, label=name)
+        line, = ax.plot(steps, mean, marker="o", ms=3, label=f"{name}: sampled reward")
+        if "val_expected_reward" in rows[0]:
+            ax.plot(steps, [r["val_expected_reward"] for r in rows], "--", color=line.get_color(),
+                    label=f"{name}: expected reward, fixed prompts")
     ax.set_xlabel("RL step")
-    ax.set_ylabel("reward mean over the step's rollouts")
+    ax.set_ylabel("match reward (0.25: chance)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -202,6 +205,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=52, help="bases of context per prompt")
     parser.add_argument("--gen-len", type=int, default=12, help="bases generated and scored")
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--val-prompts", type=int, default=64, help="fixed prompts of the teacher-forced expected "
+                        "reward, measured before every step (0: off)")
     parser.add_argument("--reward", default="match_fraction", choices=("match_fraction", "prefix"))
     parser.add_argument("--lr", type=float, default=1e-3, help="policy run's Adam lr (the anchor's is 0)")
     parser.add_argument("--mini-batches", type=int, default=2)
@@ -234,7 +239,7 @@ def main() -> None:
     elif args.kl_coef is not None:
         grpo = {"kl_coef": args.kl_coef}
     fields = dict(steps=args.steps, prompts_per_step=args.prompts, group_size=args.group, prompt_len=args.prompt_len,
-                  gen_len=args.gen_len, temperature=args.temperature, reward=args.reward,
+                  gen_len=args.gen_len, temperature=args.temperature, reward=args.reward, val_prompts=args.val_prompts,
                   mini_batches=args.mini_batches, epochs=args.epochs, engine="transformers",
                   engine_dtype="bfloat16", dtype="float32", seed=args.seed, grpo=grpo)
     runs = {"policy": {**fields, "lr": args.lr}, "anchor lr=0": {**fields, "lr": 0.0}}
@@ -302,6 +307,13 @@ def main() -> None:
           f"correlation): {statistics.fmean(r['reward_std'] for r in policy) / math.sqrt(rollouts):.4f}")
     for name, s in summary.items():
         print(summary_line(name, s, w))
+    if args.val_prompts:
+        for name in runs:
+            vals = [r["val_expected_reward"] for r in rows[name]]
+            summary[f"{name} val_expected_reward"] = {"first": vals[0], "last": vals[-1], "max": max(vals)}
+            print(f"{name}: teacher-forced expected reward on {args.val_prompts} fixed prompts x {args.gen_len} bases, "
+                  f"before step 1 {vals[0]:.5f}, before step {len(vals)} {vals[-1]:.5f} ({vals[-1] - vals[0]:+.5f}), "
+                  f"max {max(vals):.5f}")
     total = time.perf_counter() - wall
     print(f"wall {total:.0f} s (data {data_s:.0f}, policy init {init_s:.0f}, RL runs {rl_s:.0f})")
     if args.out:
