@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -240,10 +241,15 @@ def test_context_parallel_2_ranks_equals_one_process(shards, tiny_export, tmp_pa
                                                                            abs=1e-5)
         assert r["loss"] == pytest.approx(ref["loss"], abs=1e-5)
     a, b, start = _weights(one.export_dir), _weights(out / "hf"), _weights(tiny_export)
-    # Adam turns float32 reduction-order noise in near-zero gradients into visible steps: the
-    # two runs agree to 1% of the largest update.
-    update = max((a[k] - start[k]).abs().max().item() for k in a)
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 0.01 * update
+    # Adam turns float32 reduction-order noise in near-zero gradients into sign flips of single
+    # elements (up to 2% of the largest update here), so the runs are compared over the whole
+    # update: the norm of their difference within 1% of the update's norm (measured 0.08%; a
+    # context-parallel defect such as a misplaced chunk moves it by O(1)).
+    def norm(pairs):
+        return math.sqrt(sum(float((x - y).double().square().sum()) for x, y in pairs))
+
+    moved = norm((a[k], start[k]) for k in a)
+    assert moved > 0 and norm((a[k], b[k]) for k in a) < 0.01 * moved
 
 
 def test_rl_never_opens_a_held_out_shard(shards, tiny_export, tmp_path, monkeypatch):
