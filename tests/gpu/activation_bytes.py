@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import weakref
 
 import torch
 
@@ -37,7 +38,11 @@ def measure(model, ids: torch.Tensor) -> dict[str, dict[str, int]]:
     differ between CPU and CUDA), ``mlp``, ``other`` (layer norms, stream merges).
     """
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: set[int] = set()
+    # Storage pointer -> a weak reference to the tensor that was counted at it. A tensor saved
+    # by a subgraph whose output is dropped (the indexer's scores behind an integer top-k) is
+    # freed inside the forward, and the allocator may hand its address to a later saved tensor:
+    # that one is new, not a view of a counted storage.
+    seen: dict[int, weakref.ref] = {}
     stack: list[tuple[str, str]] = [("head", "other")]
     totals: dict[str, dict[str, int]] = collections.defaultdict(lambda: collections.Counter())
     hooks = []
@@ -67,8 +72,9 @@ def measure(model, ids: torch.Tensor) -> dict[str, dict[str, int]]:
 
     def pack(t: torch.Tensor):
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in seen:
-            seen.add(ptr)
+        counted = seen.get(ptr)
+        if ptr not in params and (counted is None or counted() is None):
+            seen[ptr] = weakref.ref(t)
             layer, part = stack[-1]
             totals[layer][part] += t.untyped_storage().nbytes()
         return t
