@@ -116,21 +116,12 @@ def test_grpo_steps_rewards_clip_tis_and_policy_change(shards, tiny_export, tmp_
 def _transformers_expected_match(export: Path, prompts: np.ndarray, truth: np.ndarray, temperature: float) -> float:
     """Mean p(true base | prompt, true bases before it) under transformers' glm5_next in float64
     logits, restricted to A/C/G/T at ``temperature``; a non-base reference id scores 0."""
-    from unittest import mock
+    from hf_reference import transformers_logits
 
-    from transformers import Glm5NextForConditionalGeneration
-
-    def lower_index_topk(self, k, dim=-1, largest=True, sorted=True):  # the project's tie rule
-        values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
-        return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
-
-    hf = Glm5NextForConditionalGeneration.from_pretrained(str(export), dtype=torch.float32).eval()
     bases = list(LETTERS.values())
     probs = []
-    for prompt, cont in zip(prompts, truth):
-        ids = torch.from_numpy(np.concatenate([prompt, cont]))[None]
-        with mock.patch.object(torch.Tensor, "topk", lower_index_topk), torch.no_grad():
-            logits = hf(input_ids=ids, use_cache=False).logits[0].double()
+    logits_all = transformers_logits(export, [np.concatenate([p, c]) for p, c in zip(prompts, truth)])
+    for prompt, cont, logits in zip(prompts, truth, logits_all):
         for j, base in enumerate(cont):
             p = (logits[len(prompt) - 1 + j, bases] / temperature).softmax(-1)
             probs.append(float(p[bases.index(int(base))]) if int(base) in bases else 0.0)
@@ -139,8 +130,6 @@ def _transformers_expected_match(export: Path, prompts: np.ndarray, truth: np.nd
 
 def test_learning_rate_zero_keeps_every_weight_and_the_gap_within_a_bound_for_10_steps(shards, tiny_export, tmp_path,
                                                                                       plain_torch_transformers):
-    from safetensors.torch import load_file
-
     from tasks.rl import PromptSampler
 
     result = run_rl(shards, tiny_export, tmp_path / "rl0", lr=0.0, steps=10, prompt_len=96, gen_len=8,
@@ -150,7 +139,7 @@ def test_learning_rate_zero_keeps_every_weight_and_the_gap_within_a_bound_for_10
     # Unchanged weights: every update's ratio is exactly 1.
     assert all(row["clip_fraction"] == 0 for row in result.metrics)
     # Every tensor, the routers' expert bias included (its balancing step is off in RL).
-    before, after = load_file(tiny_export / "model.safetensors"), load_file(result.export_dir / "model.safetensors")
+    before, after = _weights(tiny_export), _weights(result.export_dir)
     moved = [k for k in before if not torch.equal(before[k], after[k])]
     assert not moved, moved
     vals = [row["val_expected_reward"] for row in result.metrics]

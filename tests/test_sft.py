@@ -146,18 +146,10 @@ def test_hf_export_holds_the_trained_text_weights(cp1_run):
 
 def _transformers_window_loss(hf_dir: Path, ids: np.ndarray, target: np.ndarray) -> float:
     """Mean NLL over the target positions of one window, from transformers' glm5_next (float64 sum)."""
-    from unittest import mock
-
     import torch
-    from transformers import Glm5NextForConditionalGeneration
+    from hf_reference import transformers_logits
 
-    def lower_index_topk(self, k, dim=-1, largest=True, sorted=True):  # the project's tie rule
-        values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
-        return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
-
-    hf = Glm5NextForConditionalGeneration.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    with mock.patch.object(torch.Tensor, "topk", lower_index_topk), torch.no_grad():
-        logits = hf(input_ids=torch.from_numpy(ids)[None], use_cache=False).logits[0].double()
+    logits = transformers_logits(hf_dir, [ids])[0]
     logp = logits[:-1].log_softmax(-1).gather(-1, torch.from_numpy(ids[1:])[:, None])[:, 0]
     mask = torch.from_numpy(target[:-1])
     return float(-(logp * mask).sum() / mask.sum())
