@@ -135,6 +135,9 @@ class Glm5NextConfig(TransformerConfig):
     # Routed experts: "grouped" (model.moe.GroupedMLP, two grouped GEMMs for all local experts) or
     # "sequential" (megatron's SequentialMLP, one MLP per expert); same parameters and numerics.
     moe_experts: str = "grouped"
+    # Elementwise glue (mHC maps, stream collapse/merge, RMSNorm, KDA gate and norm, MoE SwiGLU) fused
+    # by torch.compile on CUDA tensors (model.fused); eager on CPU either way. Same function.
+    compile_glue: bool = True
     # DSA plain-torch path: queries per block of the blockwise indexer / sparse attention.
     dsa_query_block: int = 1024
     # HF bookkeeping fields carried through the round trip unchanged.

@@ -50,6 +50,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from model.config import DSA, Glm5NextConfig
+from model.fused import glue, hc_merge
 from model.layers import DSAMixer, HyperConnection, KDAMixer, RMSNorm, init_normal
 from model.moe import GroupedMLP
 from model.offload import OffloadChain
@@ -106,10 +107,10 @@ class Glm5NextLayer(MegatronModule):
         super().__init__(config)
         self.layer_number = layer_number
         self.attn_hc = HyperConnection(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, config.compile_glue)
         self.mixer = build_module(submodules.mixer, config=config, layer_number=layer_number, layout=layout)
         self.ffn_hc = HyperConnection(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, config.compile_glue)
         self.is_moe = config.mlp_layer_types[layer_number - 1] == "sparse"
         # megatron's MoELayer requires sequence parallelism under TP when training; the mixers run
         # without it, so the MoE alone sees the sequence split over TP ranks (scatter/gather below).
@@ -120,11 +121,8 @@ class Glm5NextLayer(MegatronModule):
             self.mlp.set_layer_number(layer_number)
         self.recompute_mlp = mlp_recomputed(config.recompute_granularity, config.recompute_modules, self.is_moe)
 
-    @staticmethod
-    def _merge(post, comb, out, streams):
-        dtype = streams.dtype
-        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
+    def _merge(self, post, comb, out, streams):
+        return glue(hc_merge, self.config.compile_glue, post, comb, out, streams)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.moe_sequence_parallel:
@@ -178,7 +176,7 @@ class Glm5NextModel(MegatronModule):
             [build_module(layer_spec(config, i), config=config, layer_number=i + 1, layout=layout)
              for i in range(config.num_layers)]
         )
-        self.final_norm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
+        self.final_norm = RMSNorm(config.hidden_size, config.layernorm_epsilon, config.compile_glue)
         self.output_layer = ColumnParallelLinear(config.hidden_size, config.vocab_size, config=config, init_method=init,
                                                  bias=False, gather_output=False)
         self.logits_chunk_tokens = logits_chunk_tokens

@@ -19,6 +19,7 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 from megatron.core.transformer.module import MegatronModule
 
 from model.config import Glm5NextConfig
+from model.fused import gated_rms_norm, glue, hc_collapse, hc_maps, kda_gate
 from model.norms import RMSNorm
 from model.ops.kda import chunk_kda_torch
 from model.parallel import CPContext, ParallelLayout, all_gather_seq
@@ -91,6 +92,7 @@ class HyperConnection(torch.nn.Module):
         n, h = config.hc_mult, config.hidden_size
         self.n, self.iters = n, config.hc_sinkhorn_iters
         self.hc_eps, self.norm_eps = config.hc_eps, config.layernorm_epsilon
+        self.compile_glue = config.compile_glue
         self.fn = torch.nn.Parameter(torch.empty((2 + n) * n, n * h))
         self.base = torch.nn.Parameter(torch.zeros((2 + n) * n))
         self.scale = torch.nn.Parameter(torch.ones(3))
@@ -99,29 +101,15 @@ class HyperConnection(torch.nn.Module):
     def maps(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor):
         """``(pre [s, b, n], post [s, b, n], comb [s, b, n, n])``, float32, of ``streams [s, b, n, h]``
         with the parameters ``fn``, ``base``, ``scale`` (passed in so that a recompute can
-        differentiate them)."""
-        n = self.n
-        flat = streams.flatten(-2).float()
-        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
-        mixed = F.linear(flat, fn.float())
-        pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = base.split([n, n, n * n])
-        pre_s, post_s, comb_s = scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
-        comb = comb / (comb.sum(-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(-2, keepdim=True) + self.hc_eps)
-        return pre, post, comb
+        differentiate them); :func:`model.fused.hc_maps`."""
+        return glue(hc_maps, self.compile_glue, streams, fn, base, scale, self.n, self.iters, self.hc_eps,
+                    self.norm_eps)
 
     def forward(self, streams: torch.Tensor):
         # Recomputed in backward: plain autograd would keep two float32 copies of the
         # [s, b, n*h] streams per call for a (2+n)n-wide projection (the mHC paper recomputes too).
         pre, post, comb = recompute(self.maps, streams, self.fn, self.base, self.scale)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
-        return post, comb, collapsed
+        return post, comb, glue(hc_collapse, self.compile_glue, pre, streams)
 
 
 def _depthwise_causal_conv(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor | None) -> torch.Tensor:
@@ -184,6 +172,7 @@ class KDAMixer(MegatronModule):
         self.lower_bound = config.linear_lower_bound
         self.eps = config.layernorm_epsilon
         self.chunk_size = config.kda_chunk_size
+        self.compile_glue = config.compile_glue
         with torch.no_grad():
             for w in (self.f_a_proj.weight, self.g_a_proj.weight):
                 init(w)
@@ -201,11 +190,7 @@ class KDAMixer(MegatronModule):
         return recompute(self._gate_math, f, self.dt_bias, self.A_log)  # saves f, not its float32 steps
 
     def _gate_math(self, f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor) -> torch.Tensor:
-        g = (f.float() + dt_bias.float()).unflatten(-1, (self.heads, self.head_dim))
-        a = a_log.float().exp().view(self.heads, 1)
-        if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(a * g)
-        return -a * F.softplus(g, threshold=20.0)
+        return glue(kda_gate, self.compile_glue, f, dt_bias, a_log, self.heads, self.head_dim, self.lower_bound)
 
     def _recurrence(self, q, k, v, g, beta, initial_state):
         if q.is_cuda:
@@ -252,7 +237,7 @@ class KDAMixer(MegatronModule):
         w = copy_to_tensor_model_parallel_region(self.o_norm_weight) if self.layout.tp_size > 1 else self.o_norm_weight
         gate = gate.unflatten(-1, (self.heads, self.head_dim))
         # recomputed in backward: saves o and gate in their dtypes, not four float32 [s, b, KD] steps
-        o = recompute(lambda o, gate, w: self._gated_norm(o, gate, w).to(x.dtype), o, gate, w)
+        o = recompute(lambda o, gate, w: self._gated_norm(o, gate, w, x.dtype), o, gate, w)
         out, _ = self.o_proj(o.flatten(-2))
         return out.transpose(0, 1)
 
@@ -292,10 +277,8 @@ class KDAMixer(MegatronModule):
     def _kda(self, qkv, g, beta, state0):
         return self._recurrence(*self._heads(qkv), g, beta, state0)
 
-    def _gated_norm(self, o: torch.Tensor, gate: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        o = o.float()
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
-        return w.float() * o * torch.sigmoid(gate.float())
+    def _gated_norm(self, o: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return glue(gated_rms_norm, self.compile_glue, o, gate, w, self.eps, dtype)
 
 
 class Indexer(torch.nn.Module):
@@ -373,10 +356,10 @@ class DSAMixer(MegatronModule):
         init = init_normal(config.init_method_std)
         col = dict(config=config, init_method=init, bias=False, gather_output=False)
         self.q_a_proj = torch.nn.Linear(h, config.q_lora_rank, bias=False)
-        self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.layernorm_epsilon)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.layernorm_epsilon, config.compile_glue)
         self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, config.num_attention_heads * self.nope, **col)
         self.kv_a_proj_with_mqa = torch.nn.Linear(h, self.kv_lora, bias=False)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora, config.layernorm_epsilon)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, config.layernorm_epsilon, config.compile_glue)
         kv_b_out = config.num_attention_heads * (self.nope + self.v_dim)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora, kv_b_out, **col)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.v_dim, h, config=config, init_method=init,

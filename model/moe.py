@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
+from model.fused import glue, swiglu_probs
+
 __all__ = ["GroupedMLP", "grouped_swiglu_experts"]
 
 
@@ -45,7 +47,8 @@ class _GroupedLinear(torch.autograd.Function):
 
 def grouped_swiglu_experts(x: torch.Tensor, tokens_per_expert: torch.Tensor, fc1: list[torch.Tensor],
                            fc2: list[torch.Tensor], probs: torch.Tensor, clamp: float | None,
-                           activation=torch.nn.functional.silu, linear_offset: float = 0.0) -> torch.Tensor:
+                           activation=torch.nn.functional.silu, linear_offset: float = 0.0,
+                           compile_glue: bool = False) -> torch.Tensor:
     """Every expert's gated MLP on its contiguous block of tokens, scaled by the routing probabilities.
 
     Args:
@@ -56,6 +59,8 @@ def grouped_swiglu_experts(x: torch.Tensor, tokens_per_expert: torch.Tensor, fc1
         probs: ``[T]`` routing probability of each row (float32 from the router).
         clamp: megatron's ``activation_func_clamp_value`` (gate clamped above, up on both sides), or None.
         activation: the gate's activation (SiLU for SwiGLU); linear_offset: added to the up half.
+        compile_glue: the activation glue between the GEMMs through ``torch.compile`` on CUDA
+            (:func:`model.fused.swiglu_probs`).
 
     Returns:
         ``[T, h]`` in ``x.dtype``: ``fc2_e(act(gate) * (up + offset) * p)`` per row, the product with
@@ -63,12 +68,7 @@ def grouped_swiglu_experts(x: torch.Tensor, tokens_per_expert: torch.Tensor, fc1
     """
     offs = torch.cumsum(tokens_per_expert.to(device=x.device), 0, dtype=torch.int32)
     hidden = _GroupedLinear.apply(x, offs, *fc1)
-    gate, up = torch.chunk(hidden, 2, dim=-1)
-    if clamp is not None:
-        gate = gate.clamp(min=None, max=clamp)
-        up = up.clamp(min=-clamp, max=clamp)
-    inner = activation(gate) * (up + linear_offset)
-    inner = (inner * probs.unsqueeze(-1)).to(inner.dtype)
+    inner = glue(swiglu_probs, compile_glue, hidden, probs, clamp, linear_offset, activation)
     return _GroupedLinear.apply(inner, offs, *fc2)
 
 
@@ -98,5 +98,6 @@ class GroupedMLP(SequentialMLP):
         fc1 = [e.linear_fc1.weight for e in self.local_experts]
         fc2 = [e.linear_fc2.weight for e in self.local_experts]
         out = grouped_swiglu_experts(permuted_local_hidden_states, tokens_per_expert, fc1, fc2, permuted_probs,
-                                     c.activation_func_clamp_value, c.activation_func, c.glu_linear_offset)
+                                     c.activation_func_clamp_value, c.activation_func, c.glu_linear_offset,
+                                     getattr(c, "compile_glue", False))
         return out, None

@@ -97,6 +97,8 @@ class SFTConfig:
         mlp_chunk_tokens: sequence-chunked MLP/MoE, tokens per chunk (0: whole sequence).
         moe_experts: routed-expert path, ``grouped`` (grouped GEMMs) or ``sequential`` (one MLP per
             expert; :mod:`model.moe`): the same parameters and function.
+        compile_glue: fuse the layers' elementwise glue with ``torch.compile`` on GPUs
+            (:mod:`model.fused`; the same function, CPU runs stay eager).
         logits_chunk_tokens: positions whose logits exist at once in the loss.
         indexer_kl_coeff: weight of the DSA lightning-indexer KL loss (0 disables; TP = 1 only).
         expert_bias_update_rate: MoE expert-bias step per update (aux-loss-free balancing).
@@ -138,6 +140,7 @@ class SFTConfig:
     offload_layers: int = 0
     mlp_chunk_tokens: int = 0
     moe_experts: str = "grouped"
+    compile_glue: bool = True
     logits_chunk_tokens: int = 4096
     indexer_kl_coeff: float = 0.0
     expert_bias_update_rate: float = 1e-3
@@ -191,7 +194,7 @@ def model_config(cfg: SFTConfig):
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     overrides = dict(tensor_model_parallel_size=cfg.tensor_parallel, context_parallel_size=cfg.context_parallel,
                      expert_model_parallel_size=cfg.expert_parallel, expert_tensor_parallel_size=1, mlp_chunk_tokens=cfg.mlp_chunk_tokens,
-                     moe_experts=cfg.moe_experts,
+                     moe_experts=cfg.moe_experts, compile_glue=cfg.compile_glue,
                      moe_router_bias_update_rate=cfg.expert_bias_update_rate, params_dtype=dtype,
                      bf16=dtype == torch.bfloat16, calculate_per_token_loss=True, **recompute)
     if cfg.init_hf:

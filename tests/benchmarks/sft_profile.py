@@ -8,6 +8,7 @@ Run on the device machine (``PARTS=profile bash tests/gpu/session.sh``)::
 
     python tests/benchmarks/sft_profile.py --pack runs/sft_gpu_pack --configs 64k --out $OUT/sft_profile.json
     python tests/benchmarks/sft_profile.py ... --moe-experts sequential grouped   # both MoE expert paths, one process
+    python tests/benchmarks/sft_profile.py ... --compile-glue off on              # eager vs fused glue, one process
     python tests/benchmarks/sft_profile.py --table sft_profile.json               # the table of a saved run, no GPU
 
 Printed per configuration: the median unprofiled step time after the first, tokens/s, MFU from the
@@ -134,17 +135,19 @@ def trace_summary(trace: dict, steps: int) -> dict:
 
 
 def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor: float, moe_experts: str,
-                   trace_out: Path | None = None) -> dict:
+                   compile_glue: bool = True, trace_out: Path | None = None) -> dict:
     """Timed and profiled SFT steps of configuration ``name`` with the routed-expert path ``moe_experts``
-    (:mod:`model.moe`); the chrome trace gzipped to ``trace_out`` when it is under 15 MiB compressed
-    (what the device machine sends back)."""
+    (:mod:`model.moe`) and the layers' glue fused or eager (``compile_glue``, :mod:`model.fused`); the
+    chrome trace gzipped to ``trace_out`` when it is under 15 MiB compressed (what the device machine
+    sends back)."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from tasks.sft import SFTRun, train_step
     from tasks.trainer import ManualGC
 
-    cfg = dataclasses.replace(sft_config(name, steps + profile_steps), moe_experts=moe_experts)
+    cfg = dataclasses.replace(sft_config(name, steps + profile_steps), moe_experts=moe_experts,
+                              compile_glue=compile_glue)
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -181,7 +184,7 @@ def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor:
     tokens_per_s = cfg.seq_len / step_s
     flops_per_token = run.flops_per_token
     row = {
-        "config": name, "moe_experts": moe_experts, "seq_len": cfg.seq_len, "step_s": step_s,
+        "config": name, "moe_experts": moe_experts, "compile_glue": compile_glue, "seq_len": cfg.seq_len, "step_s": step_s,
         "step_times_s": [r["step_time_s"] for r in records], "first_step_s": records[0]["step_time_s"],
         "tokens_per_s": tokens_per_s, "flops_per_token": flops_per_token,
         "model_tflops": flops_per_token * tokens_per_s / 1e12,
@@ -194,9 +197,14 @@ def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor:
     return row
 
 
+def _label(row: dict) -> str:
+    glue = {True: "fused", False: "eager"}.get(row.get("compile_glue", False))
+    return f"{row['config']} {row['moe_experts']} {glue}"
+
+
 def table(anchor: float, rows: list[dict]) -> str:
     """The printed table: one column per profiled run."""
-    heads = [f"{r['config']} {r['moe_experts']}" for r in rows]
+    heads = [_label(r) for r in rows]
     lines = [f"matmul anchor (bf16 8192^3, this process): {anchor:.0f} TF/s; datasheet {DATASHEET_TFLOPS:.0f} TF/s",
              "| | " + " | ".join(heads) + " |", "|---|" + "---|" * len(rows)]
 
@@ -226,6 +234,8 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["64k"], choices=sorted(CONFIGS))
     parser.add_argument("--moe-experts", nargs="+", default=["grouped"], choices=["grouped", "sequential"],
                         help="routed-expert paths, each profiled for every configuration (model.moe)")
+    parser.add_argument("--compile-glue", nargs="+", default=["on"], choices=["on", "off"],
+                        help="layer glue fused by torch.compile (on) or eager (off), each profiled (model.fused)")
     parser.add_argument("--steps", type=int, default=4, help="unprofiled steps (the first compiles)")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--out", help="JSON file")
@@ -244,19 +254,20 @@ def main() -> None:
     print(f"matmul anchor: {anchor:.0f} TF/s", flush=True)
     rows = []
     for name in args.configs:
-        for experts in args.moe_experts:
+        for experts, glue in [(e, g) for e in args.moe_experts for g in args.compile_glue]:
             started = time.perf_counter()
-            trace = Path(args.trace_dir, f"trace_{name}_{experts}.json.gz") if args.trace_dir else None
-            rows.append(profile_config(name, args.pack, args.steps, args.profile_steps, anchor, experts, trace))
+            trace = Path(args.trace_dir, f"trace_{name}_{experts}_{glue}.json.gz") if args.trace_dir else None
+            rows.append(profile_config(name, args.pack, args.steps, args.profile_steps, anchor, experts,
+                                       glue == "on", trace))
             rows[-1]["wall_s"] = time.perf_counter() - started
             Path(args.out).write_text(json.dumps({"matmul_tflops": anchor, "runs": rows}, indent=1))
             print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("top_kernels", "families", "top_ops")}),
                   flush=True)
     for r in rows:
-        print(f"\ntop kernels, {r['config']} {r['moe_experts']} (ms per step, calls per step, family):")
+        print(f"\ntop kernels, {_label(r)} (ms per step, calls per step, family):")
         for k in r["top_kernels"][:15]:
             print(f"  {k['ms_per_step']:8.1f} {k['calls_per_step']:7.0f}  {k['family']:<15} {k['name'][:110]}")
-        print(f"top ops by device time, {r['config']} {r['moe_experts']} (ms per step, calls per step):")
+        print(f"top ops by device time, {_label(r)} (ms per step, calls per step):")
         for o in r["top_ops"][:15]:
             print(f"  {o['ms_per_step']:8.1f} {o['calls_per_step']:7.0f}  {o['op'][:110]}")
     print()

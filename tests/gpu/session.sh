@@ -75,6 +75,8 @@ part stages "${T_STAGES:-120}" python3 tests/benchmarks/dsa_bench.py stages --ou
 part bench "${T_BENCH:-420}" python3 tests/benchmarks/dsa_bench.py ${BENCH_ARGS:-} --out "$OUT/dsa_bench.json"
 part dsa "${T_DSA:-300}" bash -c "python3 tests/gpu/dsa_check.py --out $OUT/dsa_check.json && \
   python3 tests/benchmarks/dsa_bench.py --out $OUT/dsa_bench.json"
+# fused (tests/gpu/fused_check.py: model.fused's inductor glue vs eager and float64, then each one's time at 64k).
+part fused "${T_FUSED:-150}" python3 tests/gpu/fused_check.py --tokens "${FUSED_TOKENS:-65536}" --out "$OUT/fused_check.json"
 part profile "${T_PROFILE:-420}" python3 tests/benchmarks/sft_profile.py --pack runs/sft_gpu_pack \
   --configs ${PROFILE_CONFIGS:-64k} --trace-dir "$OUT" ${PROFILE_ARGS:-} --out "$OUT/sft_profile.json"
 # engine (tests/gpu/engine_update.py: the transformers engine's weight update keeps every parameter on the GPU).

@@ -1,0 +1,166 @@
+"""Elementwise glue of the glm5_next layer, written once in plain torch and fused by ``torch.compile`` on GPUs.
+
+Between its GEMMs and attention kernels a glm5_next layer runs many small elementwise and
+reduction ops over ``[s, b, n, h]`` residual streams and ``[tokens, width]`` activations: the mHC
+maps (RMS of the flattened streams, sigmoid/softmax and ``hc_sinkhorn_iters`` Sinkhorn-Knopp
+normalisations), the stream collapse and merge, RMSNorm, the KDA gate and gated norm, and the MoE
+SwiGLU with its routing probability. Run eagerly on a GPU each op is one kernel launch and one
+round trip of its tensor through HBM, mostly in float32; a whole-step profile of the ``small``
+preset at 64k tokens put such kernels at ~45% of GPU time (``docs/measurements.md``).
+
+Each function here is the one definition of its math (pure: tensors and Python scalars in,
+tensors out, no module state, so one compiled graph serves every layer). :func:`glue` calls it
+eagerly, or, when ``compile`` is set and its first tensor argument lives on a CUDA device, through
+``torch.compile`` (inductor fuses each function and its autograd backward into a few Triton
+kernels). The CPU path stays eager: CPU presets check numerics, and inductor's CPU code generation
+needs a C++ toolchain at run time. ``Glm5NextConfig.compile_glue`` is the switch the model's
+modules pass here (a benchmark flips it per run, ``tests/benchmarks/sft_profile.py --compile-glue``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["glue", "hc_maps", "hc_collapse", "hc_merge", "rms_norm", "rms_norm_backward", "kda_gate",
+           "gated_rms_norm", "swiglu_probs"]
+
+
+@functools.cache
+def _compiled(fn):
+    # dynamic=None: the first shape compiles static, a second distinct shape compiles a dynamic graph,
+    # so evaluate's and RL's varying lengths do not exhaust dynamo's recompile limit.
+    return torch.compile(fn, fullgraph=True)
+
+
+def glue(fn, compile: bool, *args):
+    """``fn(*args)``, through ``torch.compile`` when ``compile`` and ``args[0]`` is a CUDA tensor."""
+    if compile and args[0].is_cuda:
+        return _compiled(fn)(*args)
+    return fn(*args)
+
+
+def hc_maps(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+            hc_eps: float, norm_eps: float):
+    """mHC maps of ``n`` residual streams (Xie et al. 2026; transformers ``Glm5NextTextHyperConnection``).
+
+    Args:
+        streams: ``[..., n, h]`` residual streams (any float dtype; computed in float32).
+        fn: ``[(2+n)n, n*h]`` projection; base: ``[(2+n)n]``; scale: ``[3]`` (pre, post, comb).
+        n: number of streams (``hc_mult``); iters: Sinkhorn-Knopp normalisations of ``comb``.
+        hc_eps: added to ``pre`` and ``comb`` and to Sinkhorn's denominators; norm_eps: RMS epsilon.
+
+    Returns:
+        float32 ``(pre [..., n], post [..., n], comb [..., n, n])``: ``pre`` collapses the streams
+        into the block input, ``post`` (in ``(0, 2)``) expands the block output, ``comb``
+        (doubly stochastic up to ``hc_eps``) mixes the streams.
+
+    The RMS normalisation of the flattened streams is a per-row scale, so it is applied to the
+    ``(2+n)n`` projected values rather than to the ``n*h`` inputs (same function, one float32 copy
+    of the streams fewer).
+    """
+    flat = streams.flatten(-2).float()
+    rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    mixed = F.linear(flat, fn.float()) * rstd
+    pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    pre_s, post_s, comb_s = scale.float().unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def hc_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """Block input ``sum_i pre[..., i] * streams[..., i, :]``: ``pre [..., n]`` float32, ``streams [..., n, h]``
+    -> ``[..., h]`` in the streams' dtype (accumulated in float32)."""
+    return (pre.unsqueeze(-1) * streams.float()).sum(-2).to(streams.dtype)
+
+
+def hc_merge(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """Next residual streams ``post[..., j] * out + sum_i comb[..., i, j] * streams[..., i, :]``.
+
+    Args:
+        post: ``[..., n]`` float32; comb: ``[..., n, n]`` float32; out: ``[..., h]`` block output;
+        streams: ``[..., n, h]``.
+
+    Returns:
+        ``[..., n, h]`` in the streams' dtype, accumulated in float32. The ``n x n`` mix is written
+        as ``n`` broadcast products: as a batched matmul it ran as one tiny GEMM per token on
+        GPUs (a 4x4 @ 4x1024 product per token, ~5 ms per call at 64k tokens).
+    """
+    n = streams.shape[-2]
+    s = streams.float()
+    mixed = post.unsqueeze(-1) * out.float().unsqueeze(-2)
+    for i in range(n):
+        mixed = mixed + comb[..., i, :].unsqueeze(-1) * s[..., i, :].unsqueeze(-2)
+    return mixed.to(streams.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight * (x * rstd).to(x.dtype), rstd)`` with float32 ``rstd = rsqrt(mean(x^2) + eps)`` ``[..., 1]``
+    (transformers ``Glm5NextTextRMSNorm``: normalised in float32, cast back before the weight)."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return weight * (xf * rstd).to(x.dtype), rstd
+
+
+def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
+    """``(grad_x [..., d] in x.dtype, grad_weight [d] in weight.dtype)`` of :func:`rms_norm`, from its
+    input and ``rstd``; roundings as autograd would apply them to the forward's casts."""
+    xhat = x.float() * rstd
+    g = grad.float()
+    # the forward's product saw xhat rounded to x's dtype
+    grad_weight = (g * xhat.to(x.dtype).float()).flatten(0, -2).sum(0).to(weight.dtype)
+    gxhat = (g * weight.float()).to(x.dtype).float()  # autograd rounds this grad to x's dtype
+    grad_x = (rstd * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))).to(x.dtype)
+    return grad_x, grad_weight
+
+
+def kda_gate(f: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor, heads: int, head_dim: int,
+             lower_bound: float | None) -> torch.Tensor:
+    """KDA forget gate (log space) ``[..., heads, head_dim]`` float32 of ``f [..., heads*head_dim]``.
+
+    ``lower_bound * sigmoid(exp(A_log) * (f + dt_bias))`` (in ``(lower_bound, 0)``), or
+    ``-exp(A_log) * softplus(f + dt_bias)`` with ``lower_bound`` None (Kimi Linear, arXiv:2510.26692;
+    transformers ``Glm5NextTextLinearAttention``). ``a_log [heads]``, ``dt_bias [heads*head_dim]``.
+    """
+    g = (f.float() + dt_bias.float()).unflatten(-1, (heads, head_dim))
+    a = a_log.float().exp().view(heads, 1)
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(a * g)
+    return -a * F.softplus(g, threshold=20.0)
+
+
+def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """KDA output norm ``weight * RMSNorm(o) * sigmoid(gate)`` per head, in float32, cast to ``dtype``.
+
+    ``o``, ``gate``: ``[..., head_dim]``; ``weight [head_dim]`` (``Glm5NextTextLinearAttention``'s
+    gated RMSNorm).
+    """
+    of = o.float()
+    of = of * torch.rsqrt(of.square().mean(-1, keepdim=True) + eps)
+    return (weight.float() * of * torch.sigmoid(gate.float())).to(dtype)
+
+
+def swiglu_probs(hidden: torch.Tensor, probs: torch.Tensor, clamp: float | None, linear_offset: float,
+                 activation=F.silu) -> torch.Tensor:
+    """Routed experts' gated activation ``act(gate) * (up + offset) * p`` of ``hidden [T, 2f]``.
+
+    ``gate = hidden[:, :f]`` clamped above at ``clamp``, ``up = hidden[:, f:]`` clamped to
+    ``[-clamp, clamp]`` (megatron's ``activation_func_clamp_value``); ``probs [T]`` float32, the product
+    with it formed in float32 and cast back to ``hidden``'s dtype, as megatron's MLP does. -> ``[T, f]``.
+    """
+    gate, up = torch.chunk(hidden, 2, dim=-1)
+    if clamp is not None:
+        gate = gate.clamp(min=None, max=clamp)
+        up = up.clamp(min=-clamp, max=clamp)
+    inner = activation(gate) * (up + linear_offset)
+    return (inner * probs.unsqueeze(-1)).to(inner.dtype)

@@ -1,0 +1,118 @@
+"""The layer glue of model.fused: the functions against float64 definitions written out here, and each
+traced whole by torch.compile (dynamo + AOT autograd, fullgraph) with the same values and gradients.
+
+On a GPU ``model.fused.glue`` runs these functions through inductor; here the ``aot_eager`` backend
+traces them the same way without generating code, so a graph break or an untraceable op fails on the
+CPU. ``tests/gpu/fused_check.py`` runs inductor's kernels on an H200 against the same definitions.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import fused
+
+N, H, T = 4, 32, 37
+
+
+def _rand(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+def _hc_maps_float64(streams, fn, base, scale, n, iters, hc_eps, norm_eps):
+    # transformers' order: normalise the flattened streams, then project
+    flat = streams.flatten(-2).double()
+    flat = flat / torch.sqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
+    mixed = flat @ fn.double().T
+    pre = torch.sigmoid(mixed[..., :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(mixed[..., n:2 * n] * scale[1] + base[n:2 * n])
+    comb = torch.softmax(mixed[..., 2 * n:].unflatten(-1, (n, n)) * scale[2] + base[2 * n:].view(n, n), -1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def _cases():
+    streams = _rand(T, 1, N, H, seed=1)
+    maps_args = (streams, 0.02 * _rand((2 + N) * N, N * H, seed=2), 0.1 * _rand((2 + N) * N, seed=3),
+                 1 + 0.1 * _rand(3, seed=4), N, 20, 1e-6, 1e-6)
+    post, comb = torch.rand(T, 1, N).double().float() * 2, torch.softmax(_rand(T, 1, N, N, seed=5), -1)
+    x, w = _rand(T, H, seed=6), 1 + 0.1 * _rand(H, seed=7)
+    hidden = 4 * _rand(T, 2 * H, seed=8)
+    return {
+        "hc_maps": (fused.hc_maps, maps_args, lambda *a: _hc_maps_float64(*a)),
+        "hc_collapse": (fused.hc_collapse, (torch.rand(T, 1, N), streams),
+                        lambda pre, s: (pre.double().unsqueeze(-1) * s.double()).sum(-2)),
+        "hc_merge": (fused.hc_merge, (post, comb, _rand(T, 1, H, seed=9), streams),
+                     lambda p, c, o, s: p.double().unsqueeze(-1) * o.double().unsqueeze(-2)
+                     + c.double().transpose(-1, -2) @ s.double()),
+        "rms_norm": (lambda x, w, eps: fused.rms_norm(x, w, eps)[0], (x, w, 1e-6),
+                     lambda x, w, eps: w.double() * x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)),
+        "kda_gate": (fused.kda_gate, (_rand(T, 2 * H, seed=10), _rand(2 * H, seed=11), _rand(2, seed=12), 2, H, -5.0),
+                     lambda f, b, a, h, d, lb: lb * torch.sigmoid(a.double().exp().view(h, 1)
+                                                                  * (f.double() + b.double()).unflatten(-1, (h, d)))),
+        "gated_rms_norm": (fused.gated_rms_norm, (_rand(T, 2, H, seed=13), _rand(T, 2, H, seed=14), w, 1e-6,
+                                                  torch.float32),
+                           lambda o, g, w, eps, _: w.double() * o.double() / torch.sqrt(
+                               o.double().pow(2).mean(-1, keepdim=True) + eps) * torch.sigmoid(g.double())),
+        "swiglu_probs": (fused.swiglu_probs, (hidden, torch.rand(T), 7.0, 0.0),
+                         lambda h, p, c, off: F.silu(h[:, :H].double().clamp(max=c))
+                         * (h[:, H:].double().clamp(-c, c) + off) * p.double().unsqueeze(-1)),
+    }
+
+
+def _leaves(args):
+    return [a.clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+            for a in args]
+
+
+def _outputs(out):
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_glue_function_equals_its_float64_definition(name):
+    fn, args, reference = _cases()[name]
+    got, want = _outputs(fn(*args)), _outputs(reference(*args))
+    assert len(got) == len(want)
+    for g, r in zip(got, want):
+        assert torch.allclose(g.double(), r, rtol=2e-5, atol=2e-6), (name, (g.double() - r).abs().max().item())
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_glue_function_traces_whole_and_the_traced_gradients_equal_eager(name):
+    fn, args, _ = _cases()[name]
+    torch._dynamo.reset()
+    traced = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    results = []
+    for call in (fn, traced):
+        leaves = _leaves(args)
+        outs = _outputs(call(*leaves))
+        # a fixed random cotangent per output, so every output's backward is exercised
+        loss = sum((o.float() * _rand(*o.shape, seed=20 + i)).sum() for i, o in enumerate(outs))
+        loss.backward()
+        results.append((outs, [a.grad for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]))
+    (outs_e, grads_e), (outs_t, grads_t) = results
+    for a, b in zip(outs_e + grads_e, outs_t + grads_t):
+        assert a is not None and b is not None
+        assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6), (name, (a - b).abs().max().item())
+
+
+def test_rms_norm_backward_equals_autograd_in_bfloat16():
+    x, w = _rand(T, H, dtype=torch.bfloat16, seed=15), (1 + 0.1 * _rand(H, seed=16)).to(torch.bfloat16)
+    grad = _rand(T, H, dtype=torch.bfloat16, seed=17)
+    xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    out, _ = fused.rms_norm(xl, wl, 1e-6)
+    out.backward(grad)
+    _, rstd = fused.rms_norm(x, w, 1e-6)
+    grad_x, grad_w = fused.rms_norm_backward(grad, x, w, rstd)
+    assert torch.allclose(grad_x.float(), xl.grad.float(), rtol=1e-2, atol=1e-2)
+    assert torch.allclose(grad_w.float(), wl.grad.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_glue_stays_eager_for_cpu_tensors(monkeypatch):
+    monkeypatch.setattr(fused, "_compiled", lambda fn: pytest.fail("compiled a CPU call"))
+    x = _rand(3, H)
+    assert torch.equal(fused.glue(fused.rms_norm, True, x, torch.ones(H), 1e-6)[0], fused.rms_norm(x, torch.ones(H), 1e-6)[0])
