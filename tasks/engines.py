@@ -695,53 +695,145 @@ def _sample(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Gen
 
 class TrainerLogProbs:
     """A :class:`LogProbSource` from the trainer's side: the Megatron glm5_next forward (the SFT
-    code) on an HF export; verify's trainer leg and evaluate's scorer on CPU presets.
+    code) on an HF export; verify's trainer leg and evaluate's trainer scorer.
 
     Loads the export with :func:`model.convert.load_hf_checkpoint`, builds the model with
-    :func:`model.glm5_next.build_model` (one process: ``parallel_state`` of a single rank; if
-    ``torch.distributed`` is not up, gloo on an in-memory store, no port)
-    and scores with :func:`model.logprobs.token_logprobs` (log-softmax over ``chunk_tokens``
-    positions at a time, float32). Windows longer than one device holds need the trainer's
-    context parallelism, which this single-process source does not set up.
+    :func:`model.glm5_next.build_model` and loads this rank's shard of the weights
+    (:func:`model.convert.load_hf_into_model`), as RL's trainer does; scores with
+    :func:`model.logprobs.token_logprobs` (log-softmax over ``chunk_tokens`` positions at a time,
+    float32).
+
+    Two layouts:
+
+    * one process (``WORLD_SIZE`` unset or 1: the CPU presets): ``parallel_state`` of a single
+      rank (gloo on an in-memory store, no port) and the whole window in one forward;
+    * the trainer's parallel layout (a torch elastic job of exactly ``tensor_parallel x
+      context_parallel`` ranks, :func:`tasks.trainer.init_parallel`; EP inside them): every rank
+      builds its shard of the model; rank 0 is the caller of :meth:`prompt_logprobs` and
+      broadcasts each window (a CPU tensor: gloo, whose timeout outlasts an engine's start-up
+      on rank 0), every other rank runs :meth:`serve`. Each rank scores its contiguous CP slice of
+      the window (:func:`tasks.trainer.local_window`, the SFT split; the model's CP forward
+      all-gathers what its mixers need), labels included, so the slice's last position predicts
+      the next slice's first token; the per-token log-probs are all-gathered over the CP group.
+      A window whose length CP does not divide is padded at its end with id 0: the model is
+      causal, so no scored position sees the padding, and its positions are dropped.
 
     Args:
         checkpoint_dir: HF export of a glm5_next checkpoint.
         dtype: "float32" or "bfloat16" parameters.
         chunk_tokens: positions whose logits exist at once.
+        tensor_parallel, context_parallel, expert_parallel: the layout (1, 1, 1: one process).
+        mlp_chunk_tokens: sequence-chunked MLP/MoE (0: whole sequence), as in training.
 
     Raises:
-        EngineError: unknown dtype.
+        EngineError: unknown dtype, a parallel layout without a matching elastic job
+            (``WORLD_SIZE`` must equal ``tensor_parallel x context_parallel``: data-parallel
+            replicas would score the same windows).
+        tasks.trainer.ParallelLayoutError: sizes that do not divide the ranks or the experts.
         model.convert.ConversionError: the export does not match the glm5_next layout.
     """
 
-    def __init__(self, checkpoint_dir: str | os.PathLike, dtype: str = "float32", chunk_tokens: int = 4096):
+    def __init__(self, checkpoint_dir: str | os.PathLike, dtype: str = "float32", chunk_tokens: int = 4096, *,
+                 tensor_parallel: int = 1, context_parallel: int = 1, expert_parallel: int = 1,
+                 mlp_chunk_tokens: int = 0):
         from model import cpu_compat
-        from model.convert import hf_to_megatron, load_hf_checkpoint, load_megatron_state
+        from model.convert import load_hf_checkpoint, load_hf_into_model
         from model.glm5_next import build_model
+        from tasks.trainer import init_parallel
 
         if dtype not in ("float32", "bfloat16"):
             raise EngineError(f"TrainerLogProbs dtype={dtype!r}: choose float32 or bfloat16")
-        cpu_compat.init_process_group(0, 1)
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        if world != tensor_parallel * context_parallel:
+            raise EngineError(
+                f"TrainerLogProbs with tensor_parallel={tensor_parallel} x context_parallel={context_parallel} needs "
+                f"a job of exactly {tensor_parallel * context_parallel} ranks (torchrun / kfpytorch Elastic), "
+                f"WORLD_SIZE={world}")
+        self.layout = None
+        if world > 1:
+            self.layout = init_parallel(tensor_parallel, context_parallel, expert_parallel)
+        else:
+            cpu_compat.init_process_group(0, 1)
         self.checkpoint_dir = Path(checkpoint_dir).absolute()
         self.dtype = dtype
         self.chunk_tokens = chunk_tokens
-        config, text_state, _ = load_hf_checkpoint(self.checkpoint_dir)
+        overrides = dict(tensor_model_parallel_size=tensor_parallel, context_parallel_size=context_parallel,
+                         expert_model_parallel_size=expert_parallel, expert_tensor_parallel_size=1,
+                         mlp_chunk_tokens=mlp_chunk_tokens)
+        config, text_state, _ = load_hf_checkpoint(self.checkpoint_dir, **overrides)
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-        self.model = build_model(config, dtype=torch_dtype)
-        load_megatron_state(self.model, hf_to_megatron(text_state, config))
+        self.model = build_model(config, dtype=torch_dtype, layout=self.layout)
+        load_hf_into_model(self.model, text_state)
         self.model.eval()
-        self.description = f"megatron glm5_next forward ({dtype}) on {self.checkpoint_dir}"
+        where = (f", TP={tensor_parallel} CP={context_parallel} EP={expert_parallel} over {world} ranks"
+                 if world > 1 else "")
+        self.description = f"megatron glm5_next forward ({dtype}{where}) on {self.checkpoint_dir}"
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this rank asks for log-probs (rank 0, or the only process); others :meth:`serve`."""
+        return self.layout is None or self.layout.rank == 0
 
     @torch.no_grad()
     def prompt_logprobs(self, prompts: Sequence[Sequence[int] | np.ndarray]) -> list[np.ndarray]:
-        """float32 ``[T_i - 1]`` per prompt: ``log p(x[t + 1] | x[: t + 1])`` in nats."""
+        """float32 ``[T_i - 1]`` per prompt: ``log p(x[t + 1] | x[: t + 1])`` in nats (rank 0 only).
+
+        Raises:
+            EngineError: called on a rank other than 0 of a parallel layout, or after :meth:`close`.
+        """
         from model.logprobs import token_logprobs
 
-        device = next(self.model.parameters()).device
-        return [token_logprobs(self.model, torch.as_tensor(np.asarray(p), dtype=torch.int64, device=device)[None],
-                               self.chunk_tokens)[0].float().cpu().numpy() for p in prompts]
+        if self.model is None or not self.is_main:
+            raise EngineError(f"{self.description}: prompt_logprobs is rank 0's, on an open source; the other "
+                              "ranks serve()")
+        if self.layout is None:
+            device = next(self.model.parameters()).device
+            return [token_logprobs(self.model, torch.as_tensor(np.asarray(p), dtype=torch.int64, device=device)[None],
+                                   self.chunk_tokens)[0].float().cpu().numpy() for p in prompts]
+        out = []
+        for prompt in prompts:
+            ids = np.ascontiguousarray(prompt, dtype=np.int64)
+            self._broadcast_window(ids)
+            out.append(self._score_slices(ids))
+        return out
+
+    def serve(self) -> int:
+        """On ranks other than 0: score the windows rank 0 broadcasts until it closes; returns their count."""
+        served = 0
+        while (ids := self._broadcast_window(None)) is not None:
+            self._score_slices(ids)
+            served += 1
+        return served
+
+    def _broadcast_window(self, ids: np.ndarray | None) -> np.ndarray | None:
+        """Rank 0's window (None: closed) on every rank: its length, then its ids."""
+        length = torch.tensor([len(ids) if ids is not None else -1], dtype=torch.int64)
+        torch.distributed.broadcast(length, 0)
+        if int(length) < 0:
+            return None
+        tokens = torch.from_numpy(ids) if ids is not None else torch.empty(int(length), dtype=torch.int64)
+        torch.distributed.broadcast(tokens, 0)
+        return tokens.numpy()
+
+    @torch.no_grad()
+    def _score_slices(self, ids: np.ndarray) -> np.ndarray:
+        """Every rank's CP slice of one window scored, gathered: float32 ``[T - 1]``."""
+        from model.logprobs import token_logprobs
+        from model.parallel import all_gather_seq
+        from tasks.trainer import local_device, local_window
+
+        cp = self.layout.cp_size
+        padded = -(-len(ids) // cp) * cp
+        tokens, labels = np.zeros(padded, np.int64), np.zeros(padded, np.int64)
+        tokens[: len(ids)], labels[: len(ids) - 1] = ids, ids[1:]
+        local_ids, local_labels = local_window((tokens, labels), self.layout, local_device())
+        logp = token_logprobs(self.model, local_ids, self.chunk_tokens, labels=local_labels)[0].float()
+        return all_gather_seq(logp, 0, self.layout.cp)[: len(ids) - 1].cpu().numpy()
 
     def close(self) -> None:
+        """Free the model; rank 0 of a parallel layout releases the serving ranks (once)."""
+        if self.model is not None and self.layout is not None and self.is_main:
+            self._broadcast_window(None)
         self.model = None
 
 

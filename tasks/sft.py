@@ -51,8 +51,8 @@ from model.parallel import ParallelLayout
 from tasks.atomic import keep_records_through, sha256_file
 from tasks.checkpoint import Checkpointer, restore_training_state, training_state
 from tasks.memory_plan import MemoryPlan, memory_plan
-from tasks.trainer import (ManualGC, build_trainer, init_parallel, local_device, model_flops_per_token, moe_overload,
-                           optimizer_step, peak_memory_gib, peak_pinned_gib, peak_tflops)
+from tasks.trainer import (ManualGC, build_trainer, init_parallel, local_device, local_window, model_flops_per_token,
+                           moe_overload, optimizer_step, peak_memory_gib, peak_pinned_gib, peak_tflops)
 from tasks.windows import WindowSampler
 
 log = logging.getLogger("megabase.sft")
@@ -271,15 +271,6 @@ class IndexerKL:
 
 
 # ---- the run -------------------------------------------------------------------------------
-
-
-def local_window(arrays, layout: ParallelLayout, device):
-    """This rank's CP slice of one window's ``(ids, labels, target)``: tensors ``[1, s / cp]`` each."""
-    import torch
-
-    part = len(arrays[0]) // layout.cp_size
-    cut = slice(layout.cp_rank * part, (layout.cp_rank + 1) * part)
-    return tuple(torch.from_numpy(np.ascontiguousarray(a[cut]))[None].to(device) for a in arrays)
 
 
 class Validator:

@@ -97,6 +97,17 @@ def local_device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def local_window(arrays, layout: ParallelLayout, device):
+    """This rank's contiguous CP slice of equal-length 1-D arrays (a window's ids, labels, target...):
+    int tensors ``[1, s / cp]`` on ``device``, one per array (SFT's windows, the trainer's log-probs)."""
+    import numpy as np
+    import torch
+
+    part = len(arrays[0]) // layout.cp_size
+    cut = slice(layout.cp_rank * part, (layout.cp_rank + 1) * part)
+    return tuple(torch.from_numpy(np.ascontiguousarray(a[cut]))[None].to(device) for a in arrays)
+
+
 def build_trainer(mcfg, module, *, lr: float, min_lr: float, weight_decay: float, betas: tuple[float, float],
                   eps: float, grad_clip: float, steps: int, warmup_steps: int, decay_style: str):
     """Wrap ``module`` for training: megatron DDP, distributed Adam, LR schedule (SFT and RL).

