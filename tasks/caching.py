@@ -107,9 +107,14 @@ STAGES = {
                                                      model=p.model, seq_len=(p.train_seq_len, p.eval_seq_len))),
     "rl": StageSpec(("tasks/rl.py", *_ENGINE_PLUGIN), lambda p: dict(rl=p.rl, engine=p.engine, train_parallel=p.train_parallel,
                                                    model=p.model), _LIBRARIES_ENGINE),
-    "verify": StageSpec(("tasks/verify.py", *_ENGINE_PLUGIN), lambda p: dict(verify=p.verify, engine=p.engine), _LIBRARIES_ENGINE),
+    "verify": StageSpec(("tasks/verify.py", *_ENGINE_PLUGIN), lambda p: dict(verify=p.verify, engine=p.engine,
+                                                                                infer_parallel=p.infer_parallel,
+                                                                                mlp_chunk_tokens=p.sft.mlp_chunk_tokens),
+                          _LIBRARIES_ENGINE),
     "evaluate": StageSpec(("tasks/evaluate.py", *_ENGINE_PLUGIN), lambda p: dict(evaluate=p.evaluate, window=p.eval_seq_len,
-                                                               engine=p.engine, dtype=p.verify.dtype),
+                                                               engine=p.engine, dtype=p.verify.dtype,
+                                                               infer_parallel=p.infer_parallel,
+                                                               mlp_chunk_tokens=p.sft.mlp_chunk_tokens),
                           _LIBRARIES_ENGINE),
     "export": StageSpec(("tasks/export.py",), lambda p: dict(name=p.name)),
 }
@@ -451,6 +456,17 @@ def as_output(path: Path) -> FlyteDirectory:
 def requests_for(resources: presets.Resources) -> Resources:
     """Flyte resource requests of a preset's :class:`tasks.presets.Resources`."""
     return Resources(cpu=resources.cpu, mem=resources.mem, gpu=str(resources.gpu) if resources.gpu else None)
+
+
+def elastic_kwargs(parallel: presets.ParallelSpec) -> dict:
+    """``@task`` keyword arguments of a job in ``parallel``'s layout: a kfpytorch ``Elastic`` job of
+    ``nnodes`` replicas x ``nproc_per_node`` processes, or none for a single process (a plain task)."""
+    if parallel.nnodes * parallel.nproc_per_node == 1:
+        return {}
+    from flytekitplugins.kfpytorch import Elastic
+
+    return dict(task_config=Elastic(nnodes=parallel.nnodes, nproc_per_node=parallel.nproc_per_node,
+                                    increase_shared_mem=False))
 
 
 def resource_kwargs(resources: presets.Resources) -> dict:

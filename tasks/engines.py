@@ -859,12 +859,25 @@ def make_engine(name: str, checkpoint_dir: str | os.PathLike, dtype: str = "floa
     return engine
 
 
-def serving_kwargs(name: str, gpus: int) -> dict:
+def serving_kwargs(name: str, gpus: int, gpu_memory_fraction: float | None = None) -> dict:
     """Engine options for an inference task that holds ``gpus`` GPUs (its Flyte request).
 
     vLLM on a GPU node spreads the model over every requested GPU (``tensor_parallel_size``), so a
-    task never requests GPUs it leaves idle; on CPU, and for transformers (one device), nothing.
+    task never requests GPUs it leaves idle; ``gpu_memory_fraction`` caps its share of each
+    (``gpu_memory_utilization``) where trainer ranks share the GPUs (verify). On CPU, and for
+    transformers (one device), nothing.
     """
-    if name == "vllm" and gpus > 1 and torch.cuda.is_available():
-        return {"llm_kwargs": {"tensor_parallel_size": gpus}}
-    return {}
+    if name != "vllm" or not torch.cuda.is_available():
+        return {}
+    llm_kwargs = ({"tensor_parallel_size": gpus} if gpus > 1 else {}) | (
+        {"gpu_memory_utilization": gpu_memory_fraction} if gpu_memory_fraction is not None else {})
+    return {"llm_kwargs": llm_kwargs} if llm_kwargs else {}
+
+
+def preset_trainer_logprobs(checkpoint_dir: str | os.PathLike, preset) -> TrainerLogProbs:
+    """The trainer's log-prob source of a preset: ``preset.infer_parallel``'s layout, ``preset.verify.dtype``,
+    the SFT ``mlp_chunk_tokens`` (every rank of the job builds it; see :class:`TrainerLogProbs`)."""
+    par = preset.infer_parallel
+    return TrainerLogProbs(checkpoint_dir, preset.verify.dtype, tensor_parallel=par.tensor_parallel,
+                           context_parallel=par.context_parallel, expert_parallel=par.expert_parallel,
+                           mlp_chunk_tokens=preset.sft.mlp_chunk_tokens)

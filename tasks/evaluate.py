@@ -601,20 +601,11 @@ def evaluate(sources: Mapping[str, LogProbSource | Callable[[], LogProbSource]],
     rc_windows = [w.reverse_complement() for w in windows] if cfg.reverse_complement else []
     log.info("evaluate: %d windows of %d tokens from %s/%s", len(windows), cfg.window_tokens, shards_dir, cfg.split)
 
-    all_sources = dict(sources)
-    markov_selection = None
-    if cfg.markov_orders:
-        fitted = markov_baseline(shards_dir, cfg.markov_orders, cfg.markov_validation_fraction)
-        if fitted is None:
-            log.warning("evaluate: %s has no train split (an evaluation-only pack): no Markov baseline", shards_dir)
-        else:
-            baseline, markov_selection = fitted
-            all_sources[f"markov-{markov_selection['chosen_order']}"] = baseline
-            log.info("evaluate: Markov order %d chosen; validation bits/base by order %s",
-                     markov_selection["chosen_order"], markov_selection["validation_bits_per_base"])
     results: dict[str, dict] = {}
-    bar = tqdm(total=len(all_sources) * (len(windows) + len(rc_windows)), desc="evaluate", unit="window", disable=None)
-    for label, factory in all_sources.items():
+    bar = tqdm(total=(len(sources) + bool(cfg.markov_orders)) * (len(windows) + len(rc_windows)), desc="evaluate",
+               unit="window", disable=None)
+
+    def score(label: str, factory) -> None:
         bar.set_postfix(checkpoint=label)
         with _opened(factory) as source:
             stats = _bucket_stats(windows, score_windows(source, windows, bar), edges)
@@ -626,9 +617,23 @@ def evaluate(sources: Mapping[str, LogProbSource | Callable[[], LogProbSource]],
                                            "relative_gap": (rc["bits_per_base"] - forward) / forward}
         results[label] = entry
         log.info("evaluate %s: %.4f bits/base (%s)", label, stats["overall"]["bits_per_base"], source.description)
+
+    for label, factory in sources.items():
+        score(label, factory)
+    # The Markov baseline is fitted after the checkpoints are scored: ranks that serve a
+    # distributed trainer scorer wait on rank 0 only while it scores.
+    if cfg.markov_orders:
+        fitted = markov_baseline(shards_dir, cfg.markov_orders, cfg.markov_validation_fraction)
+        if fitted is None:
+            log.warning("evaluate: %s has no train split (an evaluation-only pack): no Markov baseline", shards_dir)
+        else:
+            baseline, markov_selection = fitted
+            log.info("evaluate: Markov order %d chosen; validation bits/base by order %s",
+                     markov_selection["chosen_order"], markov_selection["validation_bits_per_base"])
+            label = f"markov-{markov_selection['chosen_order']}"
+            score(label, baseline)
+            results[label]["selection"] = markov_selection
     bar.close()
-    if markov_selection is not None:
-        results[f"markov-{markov_selection['chosen_order']}"]["selection"] = markov_selection
 
     base = results[next(iter(sources))]
     for entry in results.values():
@@ -765,8 +770,17 @@ def deck_html(report: dict, png: Path) -> str:
 
 
 def evaluate_checkpoints(checkpoints: Mapping[str, str | os.PathLike], shards_dir: str | os.PathLike, preset,
-                         out_dir: str | os.PathLike) -> EvalResult:
+                         out_dir: str | os.PathLike) -> EvalResult | None:
     """Evaluate HF exports with a preset's window, buckets and scorer (the Flyte task's body).
+
+    With ``preset.evaluate.scorer == "trainer"`` every rank of the job runs this: each checkpoint
+    in turn is built in ``preset.infer_parallel`` (:func:`tasks.engines.preset_trainer_logprobs`;
+    one process on the CPU presets, TP x CP ranks on the GPU presets), rank 0 runs
+    :func:`evaluate` and writes the report, the other ranks score their CP slices of its windows.
+    Before anything is built the scorer's forward memory plan at ``preset.eval_seq_len``
+    (:func:`tasks.memory_plan.scoring_memory_plan`) is computed, printed by rank 0 and refused when
+    it does not fit. With ``"engine"`` the preset's engine scores in one process, spread over
+    the task's GPUs.
 
     Args:
         checkpoints: label -> export directory, in report order (first = baseline).
@@ -775,10 +789,16 @@ def evaluate_checkpoints(checkpoints: Mapping[str, str | os.PathLike], shards_di
             trainer's forward or ``preset.engine``; dtype is ``preset.verify.dtype``.
         out_dir: output directory.
 
+    Returns:
+        The :class:`EvalResult` on rank 0; None on the other ranks of a trainer scorer's job.
+
     Raises:
         EvalError: unknown scorer, or see :func:`evaluate`.
+        tasks.memory_plan.MemoryPlanError: the trainer scorer does not fit the device.
     """
-    from tasks.engines import TrainerLogProbs, make_engine, serving_kwargs
+    from model.config import from_hf
+    from tasks.engines import make_engine, preset_trainer_logprobs, serving_kwargs
+    from tasks.memory_plan import scoring_memory_plan
 
     spec = preset.evaluate
     if spec.scorer not in ("trainer", "engine"):
@@ -787,13 +807,25 @@ def evaluate_checkpoints(checkpoints: Mapping[str, str | os.PathLike], shards_di
                      max_windows=spec.max_windows, markov_orders=spec.markov_orders,
                      markov_validation_fraction=spec.markov_validation_fraction,
                      reverse_complement=spec.reverse_complement)
-    if spec.scorer == "trainer":
-        build = lambda path: functools.partial(TrainerLogProbs, path, preset.verify.dtype)  # noqa: E731
-    else:
+    if spec.scorer == "engine":
         build = lambda path: functools.partial(make_engine, preset.engine, path, preset.verify.dtype,  # noqa: E731
                                                preset.eval_seq_len,
                                                **serving_kwargs(preset.engine, preset.infer_resources.gpu))
-    return evaluate({label: build(path) for label, path in checkpoints.items()}, shards_dir, cfg, out_dir)
+        return evaluate({label: build(path) for label, path in checkpoints.items()}, shards_dir, cfg, out_dir)
+    main = int(os.environ.get("RANK", 0)) == 0
+    for label, path in checkpoints.items():
+        plan = scoring_memory_plan(from_hf(json.loads((Path(path) / "config.json").read_text())), preset,
+                                   preset.eval_seq_len, with_engine=False)
+        if main:
+            log.info("evaluate %s: trainer scorer memory plan (per device, before anything is allocated):\n%s", label,
+                     plan.table())
+    if not main:
+        for path in checkpoints.values():
+            with contextlib.closing(preset_trainer_logprobs(path, preset)) as follower:
+                follower.serve()
+        return None
+    return evaluate({label: functools.partial(preset_trainer_logprobs, path, preset)
+                     for label, path in checkpoints.items()}, shards_dir, cfg, out_dir)
 
 
 # ---- Flyte task: resources only; the logic is evaluate_checkpoints() / evaluate() above -----
@@ -801,25 +833,32 @@ def evaluate_checkpoints(checkpoints: Mapping[str, str | os.PathLike], shards_di
 from flytekit import Cache, Deck, task  # noqa: E402
 
 from tasks.caching import (  # noqa: E402
-    HashedDir, as_output, stage_version, hf_export, manifest_sha256, resource_kwargs, stage_output_dir,
+    HashedDir, as_output, elastic_kwargs, stage_version, hf_export, manifest_sha256, resource_kwargs, stage_output_dir,
 )
-from tasks.presets import active_preset  # noqa: E402
+from tasks.presets import ParallelSpec, active_preset  # noqa: E402
 
 
 EVALUATE_VERSION = stage_version("evaluate", active_preset())
+# The engine scores in one process (spread over the task's GPUs); the trainer in its layout.
+_LAYOUT = active_preset().infer_parallel if active_preset().evaluate.scorer == "trainer" else ParallelSpec()
 
 
-@task(cache=Cache(version=EVALUATE_VERSION), enable_deck=True, **resource_kwargs(active_preset().infer_resources))
+@task(cache=Cache(version=EVALUATE_VERSION), enable_deck=True, **elastic_kwargs(_LAYOUT),
+      **resource_kwargs(active_preset().infer_resources))
 def evaluate_task(shards: HashedDir, checkpoints: list[HashedDir], labels: list[str]) -> HashedDir:
     """Flyte wrapper of :func:`evaluate_checkpoints` (labels name the checkpoints, first = baseline).
 
     Each checkpoint is an HF export or a stage output holding one in ``hf/`` (SFT, RL); cached on
     their content, so the nightly evaluation reruns exactly when the latest checkpoint changed.
+    With the trainer scorer on a preset whose ``infer_parallel`` has several ranks this is a
+    kfpytorch ``Elastic`` job of that layout (``infer_resources`` per replica); rank 0's output
+    comes back.
     """
     preset = active_preset()
     out = stage_output_dir("evaluate", EVALUATE_VERSION, shards=manifest_sha256(shards), labels=labels,
                            checkpoints=[manifest_sha256(c) for c in checkpoints])
     paths = {label: hf_export(ckpt.download()) for label, ckpt in zip(labels, checkpoints, strict=True)}
     result = evaluate_checkpoints(paths, shards.download(), preset, out)
-    Deck("evaluate", (result.out_dir / "deck.html").read_text())
-    return as_output(result.out_dir)
+    if result is not None:
+        Deck("evaluate", (out / "deck.html").read_text())
+    return as_output(out)

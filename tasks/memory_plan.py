@@ -270,3 +270,138 @@ def memory_plan(mcfg, cfg, world_size: int, procs_per_node: int, device_limit: i
             + plan.table()
         )
     return plan
+
+
+@dataclass(frozen=True)
+class ForwardRun:
+    """What :func:`forward_memory_plan` reads: one forward-only scoring rank (verify, evaluate).
+
+    Attributes:
+        name: what runs, for the table and the error.
+        seq_len: tokens of the longest window scored (split over ``context_parallel`` ranks).
+        dtype: "float32" or "bfloat16" parameters and activations.
+        tensor_parallel, context_parallel, expert_parallel: the layout.
+        mlp_chunk_tokens: sequence-chunked MLP/MoE (0: whole sequence).
+        logits_chunk_tokens: positions whose float32 logits exist at once.
+        engine_fraction: share of the device an inference engine on the same device takes
+            (verify's engine leg on rank 0's node); 0: none.
+    """
+
+    name: str
+    seq_len: int
+    dtype: str
+    tensor_parallel: int = 1
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    mlp_chunk_tokens: int = 0
+    logits_chunk_tokens: int = 4096
+    engine_fraction: float = 0.0
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """Expected per-device memory of one forward-only scoring rank, in bytes (see :func:`forward_memory_plan`)."""
+
+    weights: int
+    layer_in_flight: int
+    gathered: int
+    logits: int
+    reserve: int
+    engine: int
+    device_total: int
+    device_limit: int
+
+    def table(self) -> str:
+        g = 1 << 30
+        rows = [("weights", self.weights), ("one layer's forward in flight", self.layer_in_flight),
+                ("CP-gathered keys (DSA latent, indexer)", self.gathered), ("logits chunk (float32)", self.logits),
+                (f"allocator reserve ({ALLOCATOR_RESERVE:.0%})", self.reserve),
+                ("inference engine on the device", self.engine)]
+        lines = [f"  {name:<40s}{v / g:10.2f} GiB" for name, v in rows]
+        lines.append(f"  {'= per device':<40s}{self.device_total / g:10.2f} GiB of {self.device_limit / g:.2f} GiB")
+        return "\n".join(lines)
+
+
+def forward_memory_plan(mcfg, run: ForwardRun, world_size: int, procs_per_node: int = 1,
+                        device_limit: int | None = None, on_gpu: bool | None = None) -> ForwardPlan:
+    """Per-device memory of a forward-only scoring rank (no autograd), checked against the device.
+
+    Weights in ``run.dtype`` (experts divided by EP, TP-split matrices by TP). Without autograd a
+    layer's activations are freed when the next layer starts, so the activations are one
+    layer's: the largest layer's saved bytes per token (:func:`activation_bytes_per_token`, the
+    training plan's count of what a layer allocates, CP state pass included) for the
+    ``seq_len / context_parallel`` local tokens, its MLP/MoE part for one ``mlp_chunk_tokens``
+    chunk, and the residual streams entering and leaving it. Under CP a DSA layer all-gathers the
+    whole window's latent keys and its indexer's keys and gates (``kv_lora_rank + 2 x
+    index_head_dim`` elements per token of the window). One float32 logits chunk (with its
+    log-softmax), the allocator reserve, and ``engine_fraction`` of the device when an engine
+    shares it.
+
+    Args:
+        mcfg: :class:`model.config.Glm5NextConfig`.
+        run: the scoring rank's :class:`ForwardRun`.
+        world_size: ranks of the job (TP x CP: one replica); procs_per_node: ranks sharing a host
+            (on CPU they share its memory).
+        device_limit: bytes of one device (default: free CUDA memory, or on CPU the host limit
+            shared by the node's ranks); on_gpu: plan for GPUs (default: whether CUDA is available
+            here; pass True to plan a GPU preset from another machine).
+
+    Raises:
+        ParallelLayoutError: the parallel sizes do not divide the world size or the experts.
+        MemoryPlanError: the device cannot hold the plan; the message has the table.
+    """
+    import torch
+
+    from model.config import DSA, parameter_count
+
+    tp, cp, ep = run.tensor_parallel, run.context_parallel, run.expert_parallel
+    check_parallel_sizes(world_size, tp, cp, ep, mcfg.num_moe_experts)
+    counts = parameter_count(mcfg)
+    width = 2 if run.dtype == "bfloat16" else 4
+    weights = int(((counts["total"] - counts["moe_routed"]) / tp + counts["moe_routed"] / ep) * width)
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    tokens = -(-run.seq_len // cp)
+    mlp_tokens = min(run.mlp_chunk_tokens, tokens) if run.mlp_chunk_tokens > 0 else tokens
+    streams = 2 * mcfg.hc_mult * mcfg.hidden_size * width
+    layer = 0
+    for i in range(mcfg.num_layers):
+        part = activation_bytes_per_token(mcfg, i, tp, width, on_gpu, cp)
+        around = part["mhc"] + part["other"] + part["mixer"] + part["core"] + part["cp_state"]
+        layer = max(layer, (around + streams) * tokens + part["mlp"] * mlp_tokens)
+    has_dsa = DSA in mcfg.layer_types
+    gathered = (mcfg.kv_lora_rank + 2 * mcfg.index_head_dim) * width * run.seq_len if cp > 1 and has_dsa else 0
+    logits = min(run.logits_chunk_tokens, tokens) * mcfg.vocab_size // tp * 4 * 3
+    reserve = int(ALLOCATOR_RESERVE * (weights + layer + gathered + logits))
+    if device_limit is None:
+        device_limit = torch.cuda.mem_get_info()[1] if on_gpu else host_memory_limit_bytes() // procs_per_node
+    engine = int(device_limit * run.engine_fraction)
+    device_total = weights + layer + gathered + logits + reserve + engine
+    plan = ForwardPlan(weights, layer, gathered, logits, reserve, engine, device_total, device_limit)
+    if device_total > device_limit:
+        raise MemoryPlanError(
+            f"{run.name}: model at seq_len={run.seq_len} with TP={tp} CP={cp} EP={ep} over {world_size} ranks does "
+            f"not fit: per-device memory {device_total / 2**30:.2f} GiB exceeds the device's "
+            f"{device_limit / 2**30:.2f} GiB. Raise context_parallel (more ranks) or expert_parallel, or shorten "
+            f"the windows.\n" + plan.table())
+    return plan
+
+
+def scoring_memory_plan(mcfg, preset, seq_len: int, with_engine: bool, device_limit: int | None = None,
+                        on_gpu: bool | None = None) -> ForwardPlan:
+    """:func:`forward_memory_plan` of a preset's trainer log-prob rank (verify's trainer leg,
+    evaluate's trainer scorer): ``preset.infer_parallel``, ``preset.verify.dtype``, the SFT
+    ``mlp_chunk_tokens``; with ``with_engine`` on a GPU, verify's engine takes
+    ``preset.verify.engine_gpu_memory_fraction`` of the device (every GPU of rank 0's node).
+
+    Raises:
+        MemoryPlanError, ParallelLayoutError: as :func:`forward_memory_plan`.
+    """
+    import torch
+
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    par = preset.infer_parallel
+    run = ForwardRun(f"{preset.name} trainer log-probs", seq_len, preset.verify.dtype, par.tensor_parallel,
+                     par.context_parallel, par.expert_parallel, preset.sft.mlp_chunk_tokens,
+                     engine_fraction=preset.verify.engine_gpu_memory_fraction if with_engine and on_gpu else 0.0)
+    return forward_memory_plan(mcfg, run, par.nnodes * par.nproc_per_node, par.nproc_per_node,
+                               device_limit=device_limit, on_gpu=on_gpu)

@@ -119,6 +119,9 @@ class VerifySpec:
     # on CPUs without AMX); not a multiple of the 64-token KDA chunk, so step boundaries fall
     # inside chunks.
     engine_step_tokens: int = 1_000
+    # On a GPU: the share of each GPU of rank 0's node the engine leg may take (vLLM
+    # gpu_memory_utilization, tensor-parallel over that node's GPUs), beside the trainer leg's ranks.
+    engine_gpu_memory_fraction: float = 0.3
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,10 @@ class Preset:
     data_resources: Resources = field(default_factory=Resources)
     train_resources: Resources = field(default_factory=Resources)
     train_parallel: ParallelSpec = field(default_factory=ParallelSpec)
-    infer_resources: Resources = field(default_factory=Resources)
+    infer_resources: Resources = field(default_factory=Resources)   # per replica (node) of infer_parallel
+    # Layout of verify's trainer leg and evaluate's trainer scorer (tasks.engines.TrainerLogProbs):
+    # TP x CP ranks of one replica (no data parallelism), EP inside them; one process by default.
+    infer_parallel: ParallelSpec = field(default_factory=ParallelSpec)
     evaluate: EvalSpec = field(default_factory=EvalSpec)
     verify: VerifySpec = field(default_factory=VerifySpec)
     sft: SFTSpec = field(default_factory=SFTSpec)
@@ -241,8 +247,11 @@ PRESETS: dict[str, Preset] = {
         data_resources=Resources(cpu="4", mem="8Gi"),
         train_resources=Resources(cpu="16", mem="120Gi", gpu=4, accelerator="nvidia-h200", shared_memory="32Gi"),
         train_parallel=ParallelSpec(nproc_per_node=4, context_parallel=4),
-        infer_resources=Resources(cpu="16", mem="120Gi", gpu=1, accelerator="nvidia-h200", shared_memory="16Gi"),
-        evaluate=EvalSpec(context_buckets=(0, 1_024, 4_096, 16_384, 65_536, 262_144), max_windows=8, scorer="engine"),
+        # The trainer's CP layout for the 1M-token windows (tasks.memory_plan.forward_memory_plan:
+        # tests/test_presets.py); verify's engine takes its share of each GPU beside it.
+        infer_resources=Resources(cpu="16", mem="120Gi", gpu=4, accelerator="nvidia-h200", shared_memory="16Gi"),
+        infer_parallel=ParallelSpec(nproc_per_node=4, context_parallel=4),
+        evaluate=EvalSpec(context_buckets=(0, 1_024, 4_096, 16_384, 65_536, 262_144), max_windows=8, scorer="trainer"),
         verify=VerifySpec(context_lengths=(131_072, 262_144, 524_288, 1_048_576), windows_per_length=2,
                           dtype="bfloat16", mean_abs_diff_max=0.05, p99_abs_diff_max=0.5, engine_step_tokens=16_384),
         sft=SFTSpec(steps=80, lr=1e-4, min_lr=1e-5, warmup_steps=8, dtype="bfloat16", recompute="selective",
@@ -270,11 +279,17 @@ PRESETS: dict[str, Preset] = {
         # 103 GiB of it bf16 weights + float32 grads of 18B local parameters. 288 experts: 9 per GPU.
         train_parallel=ParallelSpec(nnodes=8, nproc_per_node=8, tensor_parallel=1, context_parallel=64,
                                     expert_parallel=32),
+        # Verify's and evaluate's trainer leg in the training layout: 64 ranks, 16k tokens of a 1M
+        # window each, 9 experts per GPU (37 GiB of bf16 weights); verify's vLLM engine takes 55% of
+        # each GPU of node 0 (627 GB of bf16 weights over TP=8 plus its cache).
         infer_resources=Resources(cpu="64", mem="1000Gi", gpu=8, accelerator="nvidia-b200", shared_memory="64Gi"),
+        infer_parallel=ParallelSpec(nnodes=8, nproc_per_node=8, tensor_parallel=1, context_parallel=64,
+                                    expert_parallel=32),
         evaluate=EvalSpec(context_buckets=(0, 1_024, 4_096, 16_384, 65_536, 262_144), max_windows=16,
-                          scorer="engine"),
+                          scorer="trainer"),
         verify=VerifySpec(context_lengths=(131_072, 262_144, 524_288, 1_048_576), windows_per_length=4,
-                          dtype="bfloat16", mean_abs_diff_max=0.05, p99_abs_diff_max=0.5, engine_step_tokens=16_384),
+                          dtype="bfloat16", mean_abs_diff_max=0.05, p99_abs_diff_max=0.5, engine_step_tokens=16_384,
+                          engine_gpu_memory_fraction=0.55),
         # 1M tokens: full recompute + offload + chunked MoE, checkpoints to the cluster's shared mount.
         sft=SFTSpec(steps=80, lr=1e-5, min_lr=1e-6, warmup_steps=8, dtype="bfloat16", recompute="full",
                     recompute_modules=("moe",), offload_layers=45, mlp_chunk_tokens=131_072,

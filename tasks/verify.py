@@ -44,7 +44,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from tasks.atomic import atomic_output_dir
-from tasks.engines import LogProbSource, TrainerLogProbs
+from tasks.engines import LogProbSource
 from tasks.evaluate import ShardStreams, Window, split_shards
 
 log = logging.getLogger("megabase.verify")
@@ -202,7 +202,7 @@ def verify(trainer: LogProbSource, engine: LogProbSource, shards_dir: str | os.P
     """Compare per-token log-probs of the trainer, the engine and optionally a reference.
 
     Args:
-        trainer: the trainer's forward (:class:`TrainerLogProbs`) or any log-prob source.
+        trainer: the trainer's forward (:class:`tasks.engines.TrainerLogProbs`) or any log-prob source.
         engine: the inference engine (``tasks.engines``).
         shards_dir: pack output directory; windows come from ``cfg.split``.
         cfg: lengths, windows, thresholds, leg caps.
@@ -334,36 +334,60 @@ def deck_html(report: dict, table: str, png: Path) -> str:
 
 
 def verify_checkpoint(checkpoint_dir: str | os.PathLike, shards_dir: str | os.PathLike, preset,
-                      out_dir: str | os.PathLike, three_way: bool = False) -> VerifyResult:
+                      out_dir: str | os.PathLike, three_way: bool = False) -> VerifyResult | None:
     """Verify one HF export with a preset's engine, lengths and thresholds (the Flyte task's body).
 
-    The trainer leg is :class:`TrainerLogProbs`; the engine is ``preset.engine``; with
-    ``three_way`` transformers is the reference leg (when the engine is not transformers
-    already). Every transformers leg on a glm5_next export is capped at
-    ``preset.verify.transformers_max_tokens`` (``T x T`` DSA masks), and the report says so.
+    The trainer leg is :func:`tasks.engines.preset_trainer_logprobs`, built on every rank of the
+    job in ``preset.infer_parallel`` (one process on the CPU presets; TP x CP ranks of an elastic
+    job on the GPU presets). Rank 0 also holds the engine leg (``preset.engine``; on a GPU
+    tensor-parallel over its node's GPUs, with ``preset.verify.engine_gpu_memory_fraction`` of
+    each), runs :func:`verify` and writes the report; the other ranks score their CP slices of
+    rank 0's windows until it is done. With ``three_way`` transformers is the reference leg (when
+    the engine is not transformers already). Every transformers leg on a glm5_next export is
+    capped at ``preset.verify.transformers_max_tokens`` (``T x T`` DSA masks), and the report says so.
+
+    Before anything is built, the trainer leg's forward memory plan at the longest window
+    (:func:`tasks.memory_plan.scoring_memory_plan`, the engine's share of the GPU included) is
+    computed on every rank, printed by rank 0, and refused when it does not fit.
+
+    Returns:
+        The :class:`VerifyResult` on rank 0; None on the other ranks.
 
     Raises:
         VerifyGateError, VerifyError: see :func:`verify`.
+        tasks.memory_plan.MemoryPlanError: the trainer leg does not fit the device.
     """
-    from tasks.engines import make_engine, serving_kwargs
+    from model.config import from_hf
+    from tasks.engines import make_engine, preset_trainer_logprobs, serving_kwargs
+    from tasks.memory_plan import scoring_memory_plan
 
     spec = preset.verify
-    model_type = json.loads((Path(checkpoint_dir) / "config.json").read_text()).get("model_type")
+    hf_config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
     legs = {"engine": preset.engine} | ({"reference": "transformers"} if three_way and preset.engine != "transformers" else {})
     caps = {leg: spec.transformers_max_tokens for leg, name in legs.items()
-            if name == "transformers" and model_type == "glm5_next"}
+            if name == "transformers" and hf_config.get("model_type") == "glm5_next"}
     cfg = VerifyConfig(context_lengths=spec.context_lengths, windows_per_length=spec.windows_per_length,
                        mean_abs_diff_max=spec.mean_abs_diff_max, p99_abs_diff_max=spec.p99_abs_diff_max,
                        leg_max_tokens=caps, worst_windows=spec.worst_windows)
     longest = lambda leg: min([max(spec.context_lengths)] + ([caps[leg]] if leg in caps else []))  # noqa: E731
-    trainer = TrainerLogProbs(checkpoint_dir, spec.dtype)
-    engine_kwargs = ({"chunked_prefill": True, "max_num_batched_tokens": spec.engine_step_tokens}
-                     if legs["engine"] == "vllm" else {}) | serving_kwargs(legs["engine"], preset.infer_resources.gpu)
-    with make_engine(legs["engine"], checkpoint_dir, spec.dtype, longest("engine"), **engine_kwargs) as engine:
-        if "reference" not in legs:
-            return verify(trainer, engine, shards_dir, cfg, None, out_dir)
-        with make_engine("transformers", checkpoint_dir, spec.dtype, longest("reference")) as reference:
-            return verify(trainer, engine, shards_dir, cfg, reference, out_dir)
+    plan = scoring_memory_plan(from_hf(hf_config), preset, longest("trainer"), with_engine=True)
+    if int(os.environ.get("RANK", 0)) == 0:
+        log.info("verify trainer leg memory plan (per device, before anything is allocated):\n%s", plan.table())
+    trainer = preset_trainer_logprobs(checkpoint_dir, preset)
+    try:
+        if not trainer.is_main:
+            trainer.serve()
+            return None
+        engine_kwargs = ({"chunked_prefill": True, "max_num_batched_tokens": spec.engine_step_tokens}
+                         if legs["engine"] == "vllm" else {}) | serving_kwargs(
+            legs["engine"], preset.infer_resources.gpu, spec.engine_gpu_memory_fraction)
+        with make_engine(legs["engine"], checkpoint_dir, spec.dtype, longest("engine"), **engine_kwargs) as engine:
+            if "reference" not in legs:
+                return verify(trainer, engine, shards_dir, cfg, None, out_dir)
+            with make_engine("transformers", checkpoint_dir, spec.dtype, longest("reference")) as reference:
+                return verify(trainer, engine, shards_dir, cfg, reference, out_dir)
+    finally:
+        trainer.close()
 
 
 # ---- Flyte task: resources only; the logic is verify_checkpoint() / verify() above ----------
@@ -371,7 +395,7 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike, shards_dir: str | os.Pa
 from flytekit import Cache, Deck, task  # noqa: E402
 
 from tasks.caching import (  # noqa: E402
-    HashedDir, as_output, stage_version, hf_export, manifest_sha256, resource_kwargs, stage_output_dir,
+    HashedDir, as_output, elastic_kwargs, stage_version, hf_export, manifest_sha256, resource_kwargs, stage_output_dir,
 )
 from tasks.presets import active_preset  # noqa: E402
 
@@ -379,15 +403,51 @@ from tasks.presets import active_preset  # noqa: E402
 VERIFY_VERSION = stage_version("verify", active_preset())
 
 
-@task(cache=Cache(version=VERIFY_VERSION), enable_deck=True, **resource_kwargs(active_preset().infer_resources))
+@task(cache=Cache(version=VERIFY_VERSION), enable_deck=True, **elastic_kwargs(active_preset().infer_parallel),
+      **resource_kwargs(active_preset().infer_resources))
 def verify_task(shards: HashedDir, checkpoint: HashedDir, three_way: bool = False) -> HashedDir:
     """Flyte wrapper of :func:`verify_checkpoint`; a failing gate fails the task (table in the message).
 
-    ``checkpoint`` is an HF export or a stage output holding one in ``hf/`` (SFT, RL).
+    ``checkpoint`` is an HF export or a stage output holding one in ``hf/`` (SFT, RL). On a preset
+    whose ``infer_parallel`` has several ranks this is a kfpytorch ``Elastic`` job of that layout
+    (``infer_resources`` per replica); every worker runs the trainer leg and rank 0's output
+    comes back.
     """
     preset = active_preset()
     out = stage_output_dir("verify", VERIFY_VERSION, shards=manifest_sha256(shards),
                            checkpoint=manifest_sha256(checkpoint), three_way=three_way)
     result = verify_checkpoint(hf_export(checkpoint.download()), shards.download(), preset, out, three_way)
-    Deck("verify", (out / "deck.html").read_text())
-    return as_output(result.out_dir)
+    if result is not None:
+        Deck("verify", (out / "deck.html").read_text())
+    return as_output(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``torchrun --nproc-per-node N -m tasks.verify CHECKPOINT PACK_DIR OUT_DIR [--preset NAME] [--engine NAME]
+    [--infer-parallel JSON] [--three-way]``: :func:`verify_checkpoint` outside Flyte, the trainer leg in the
+    preset's ``infer_parallel`` (or the JSON object of :class:`tasks.presets.ParallelSpec` fields given)."""
+    import argparse
+    import dataclasses
+
+    from tasks.presets import ParallelSpec, get_preset
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("pack_dir")
+    parser.add_argument("out_dir")
+    parser.add_argument("--preset", default="local-cpu")
+    parser.add_argument("--engine", default=None, help="engine leg instead of the preset's (vllm | transformers)")
+    parser.add_argument("--infer-parallel", default=None, help="JSON object of ParallelSpec fields")
+    parser.add_argument("--three-way", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    preset = get_preset(args.preset)
+    if args.engine:
+        preset = dataclasses.replace(preset, engine=args.engine)
+    if args.infer_parallel:
+        preset = dataclasses.replace(preset, infer_parallel=ParallelSpec(**json.loads(args.infer_parallel)))
+    verify_checkpoint(args.checkpoint, args.pack_dir, preset, args.out_dir, args.three_way)
+
+
+if __name__ == "__main__":
+    main()

@@ -69,10 +69,17 @@ def test_data_stages_request_no_gpu_and_are_cached(b200_package, name):
 
 
 @pytest.mark.parametrize("name", ["tasks.verify.verify_task", "tasks.evaluate.evaluate_task"])
-def test_inference_stages_request_the_full_model_gpus(b200_package, name):
+def test_inference_stages_are_elastic_jobs_of_the_trainer_layout(b200_package, name):
+    """verify's trainer leg and evaluate's trainer scorer: 8 replicas x 8 GPUs, every GPU a rank
+    (CP=64 x EP=32, tasks/presets.py infer_parallel)."""
     template = task_template(b200_package, name)
     assert requests(template)["gpu"] == "8"
     assert template.extended_resources.gpu_accelerator.device == "nvidia-b200"
+    assert template.type == "pytorch"
+    job = json_format.MessageToDict(template.custom)
+    assert job["workerReplicas"]["replicas"] == 8
+    assert job["elasticConfig"]["nprocPerNode"] == 8
+    assert job["elasticConfig"]["minReplicas"] == job["elasticConfig"]["maxReplicas"] == 8
 
 
 def test_nightly_launch_plan_carries_its_cron_schedule_and_inputs(b200_package):

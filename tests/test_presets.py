@@ -55,3 +55,40 @@ def test_main_command_help_has_one_line_per_option_and_the_run_defaults():
     for option, value in expected.items():
         (line,) = [line for line in out.splitlines() if f"--{option} " in line]
         assert f"[default: {value}]" in line, line
+
+
+@pytest.mark.parametrize("name", ["h200", "b200-64"])
+def test_verify_and_evaluate_trainer_legs_fit_the_gpus_they_request(name):
+    """The trainer's log-prob job is one replica of TP x CP ranks, as many as the task requests
+    GPUs; its forward-only plan at the longest window fits each GPU beside verify's engine."""
+    from model.config import preset as model_preset
+    from tasks.memory_plan import scoring_memory_plan
+
+    p = get_preset(name)
+    par, res = p.infer_parallel, p.infer_resources
+    assert par.nproc_per_node == res.gpu and par.tensor_parallel * par.context_parallel == par.nnodes * res.gpu
+    assert p.evaluate.scorer == "trainer" and p.verify.dtype == "bfloat16"
+    device = DEVICE_MEMORY_BYTES[res.accelerator]
+    mcfg = model_preset(p.model)
+    verify = scoring_memory_plan(mcfg, p, max(p.verify.context_lengths), with_engine=True, device_limit=device,
+                                 on_gpu=True)
+    evaluate = scoring_memory_plan(mcfg, p, p.eval_seq_len, with_engine=False, device_limit=device, on_gpu=True)
+    print(f"{name} verify trainer leg at {max(p.verify.context_lengths):,} tokens:\n{verify.table()}")
+    print(f"{name} evaluate trainer scorer at {p.eval_seq_len:,} tokens:\n{evaluate.table()}")
+    assert verify.engine == int(device * p.verify.engine_gpu_memory_fraction) and evaluate.engine == 0
+    assert verify.device_total <= device and evaluate.device_total <= device
+
+
+def test_verify_trainer_leg_of_the_full_model_on_one_node_is_refused_before_launch():
+    """One node of 8 B200s: 36 experts per GPU (87 GiB of bf16 weights) beside the engine's 55%."""
+    import dataclasses
+
+    from model.config import preset as model_preset
+    from tasks.memory_plan import MemoryPlanError, scoring_memory_plan
+
+    p = get_preset("b200-64")
+    one_node = dict(nnodes=1, nproc_per_node=8, context_parallel=8, expert_parallel=8)
+    smaller = dataclasses.replace(p, infer_parallel=dataclasses.replace(p.infer_parallel, **one_node))
+    with pytest.raises(MemoryPlanError, match=r"trainer log-probs: model at seq_len=1048576 .* does not fit"):
+        scoring_memory_plan(model_preset(p.model), smaller, 1 << 20, with_engine=True,
+                            device_limit=DEVICE_MEMORY_BYTES[p.infer_resources.accelerator], on_gpu=True)

@@ -75,3 +75,27 @@ def test_context_parallel_2_ranks_equal_one_process_on_held_out_windows(pack_dir
 def test_a_parallel_layout_without_its_ranks_is_refused(export):
     with pytest.raises(EngineError, match=r"context_parallel=2 needs a job of exactly 2 ranks .*WORLD_SIZE=1"):
         TrainerLogProbs(export, "float32", context_parallel=2)
+
+
+def test_verify_with_a_cp2_trainer_leg_writes_rank_0s_report(pack_dir, export, tmp_path):
+    """``torchrun -m tasks.verify``, 2 gloo ranks: the trainer leg in CP=2, rank 0's engine leg
+    (transformers, float32) beside it; the report compares them as the one-process run does."""
+    import json
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "verify"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           "-m", "tasks.verify", str(export), str(pack_dir), str(out), "--preset", "ci-smoke", "--engine",
+           "transformers", "--infer-parallel", json.dumps({"nproc_per_node": 2, "context_parallel": 2})]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "verify trainer leg memory plan" in done.stderr
+    report = json.loads((out / "verify.json").read_text())
+    assert report["passed"] and "CP=2 EP=1 over 2 ranks" in report["legs"]["trainer"]
+    buckets = report["pairs"]["trainer vs engine"]
+    assert sum(b["tokens"] for b in buckets) == 1023 + 4095       # ci-smoke: one window of 1k and one of 4k
+    for b in buckets:
+        assert b["mean_abs_diff"] < 1e-5 and b["max_abs_diff"] < 1e-4, b
