@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.presets import ParallelSpec
 from tasks.trainer import check_parallel_sizes
 
 
@@ -41,6 +42,14 @@ def host_memory_limit_bytes() -> int:
     return min(limits)
 
 
+def device_table(rows: list[tuple[str, int]], device_total: int, device_limit: int, width: int) -> list[str]:
+    """Lines of a plan's table: one per ``(part, bytes)`` row in GiB, then the device total against its limit."""
+    g = 1 << 30
+    lines = [f"  {name:<{width}s}{v / g:10.2f} GiB" for name, v in rows]
+    lines.append(f"  {'= per device':<{width}s}{device_total / g:10.2f} GiB of {device_limit / g:.2f} GiB")
+    return lines
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """Expected per-device memory of one SFT rank, in bytes (see :func:`memory_plan`)."""
@@ -59,12 +68,12 @@ class MemoryPlan:
 
     def table(self) -> str:
         g = 1 << 30
-        rows = [("weights", self.weights), ("grad buffers", self.grads), ("optimizer (master+Adam)", self.optimizer),
-                ("activations kept on device", self.activations),
-                ("workspace (backward in flight)", self.workspace),
-                (f"allocator reserve ({ALLOCATOR_RESERVE:.0%})", self.reserve)]
-        lines = [f"  {name:<36s}{v / g:10.2f} GiB" for name, v in rows]
-        lines.append(f"  {'= per device':<36s}{self.device_total / g:10.2f} GiB of {self.device_limit / g:.2f} GiB")
+        lines = device_table([("weights", self.weights), ("grad buffers", self.grads),
+                              ("optimizer (master+Adam)", self.optimizer),
+                              ("activations kept on device", self.activations),
+                              ("workspace (backward in flight)", self.workspace),
+                              (f"allocator reserve ({ALLOCATOR_RESERVE:.0%})", self.reserve)],
+                             self.device_total, self.device_limit, 36)
         lines.append(f"  {'pinned host (offloaded activations)':<36s}{self.pinned_host / g:10.2f} GiB per device")
         lines.append(f"  {'host total for this node':<36s}{self.host_total / g:10.2f} GiB of {self.host_limit / g:.2f} GiB")
         return "\n".join(lines)
@@ -277,53 +286,46 @@ class ForwardRun:
     """What :func:`forward_memory_plan` reads: one forward-only scoring rank (verify, evaluate).
 
     Attributes:
-        name: what runs, for the table and the error.
-        seq_len: tokens of the longest window scored (split over ``context_parallel`` ranks).
+        seq_len: tokens of the longest window scored (split over the context-parallel ranks).
         dtype: "float32" or "bfloat16" parameters and activations.
-        tensor_parallel, context_parallel, expert_parallel: the layout.
+        parallel: the layout (:class:`tasks.presets.ParallelSpec`: TP, CP, EP; nodes x processes).
         mlp_chunk_tokens: sequence-chunked MLP/MoE (0: whole sequence).
-        logits_chunk_tokens: positions whose float32 logits exist at once.
         engine_fraction: share of the device an inference engine on the same device takes
             (verify's engine leg on rank 0's node); 0: none.
     """
 
-    name: str
     seq_len: int
     dtype: str
-    tensor_parallel: int = 1
-    context_parallel: int = 1
-    expert_parallel: int = 1
+    parallel: ParallelSpec
     mlp_chunk_tokens: int = 0
-    logits_chunk_tokens: int = 4096
     engine_fraction: float = 0.0
+
+
+SCORING_LOGITS_CHUNK_TOKENS = 4096
+"""Positions whose float32 logits a scoring rank holds at once (``tasks.engines.TrainerLogProbs``' default)."""
 
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    """Expected per-device memory of one forward-only scoring rank, in bytes (see :func:`forward_memory_plan`)."""
+    """Expected per-device memory of one forward-only scoring rank (see :func:`forward_memory_plan`).
 
-    weights: int
-    layer_in_flight: int
-    gathered: int
-    logits: int
-    reserve: int
+    Attributes:
+        parts: bytes by part, in table order (the engine's share included).
+        engine: bytes of the device an inference engine beside the rank takes.
+        device_total, device_limit: planned bytes per device and what the device has.
+    """
+
+    parts: dict[str, int]
     engine: int
     device_total: int
     device_limit: int
 
     def table(self) -> str:
-        g = 1 << 30
-        rows = [("weights", self.weights), ("one layer's forward in flight", self.layer_in_flight),
-                ("CP-gathered keys (DSA latent, indexer)", self.gathered), ("logits chunk (float32)", self.logits),
-                (f"allocator reserve ({ALLOCATOR_RESERVE:.0%})", self.reserve),
-                ("inference engine on the device", self.engine)]
-        lines = [f"  {name:<40s}{v / g:10.2f} GiB" for name, v in rows]
-        lines.append(f"  {'= per device':<40s}{self.device_total / g:10.2f} GiB of {self.device_limit / g:.2f} GiB")
-        return "\n".join(lines)
+        return "\n".join(device_table(list(self.parts.items()), self.device_total, self.device_limit, 40))
 
 
-def forward_memory_plan(mcfg, run: ForwardRun, world_size: int, procs_per_node: int = 1,
-                        device_limit: int | None = None, on_gpu: bool | None = None) -> ForwardPlan:
+def forward_memory_plan(mcfg, run: ForwardRun, device_limit: int | None = None,
+                        on_gpu: bool | None = None) -> ForwardPlan:
     """Per-device memory of a forward-only scoring rank (no autograd), checked against the device.
 
     Weights in ``run.dtype`` (experts divided by EP, TP-split matrices by TP). Without autograd a
@@ -339,11 +341,10 @@ def forward_memory_plan(mcfg, run: ForwardRun, world_size: int, procs_per_node: 
 
     Args:
         mcfg: :class:`model.config.Glm5NextConfig`.
-        run: the scoring rank's :class:`ForwardRun`.
-        world_size: ranks of the job (TP x CP: one replica); procs_per_node: ranks sharing a host
-            (on CPU they share its memory).
-        device_limit: bytes of one device (default: free CUDA memory, or on CPU the host limit
-            shared by the node's ranks); on_gpu: plan for GPUs (default: whether CUDA is available
+        run: the scoring rank's :class:`ForwardRun` (its layout's ranks sharing a host share its
+            memory on CPU).
+        device_limit: bytes of one device (default: the CUDA device's total memory, the share an
+            engine takes being a fraction of it, or on CPU the host limit shared by the node's ranks); on_gpu: plan for GPUs (default: whether CUDA is available
             here; pass True to plan a GPU preset from another machine).
 
     Raises:
@@ -354,7 +355,8 @@ def forward_memory_plan(mcfg, run: ForwardRun, world_size: int, procs_per_node: 
 
     from model.config import DSA, parameter_count
 
-    tp, cp, ep = run.tensor_parallel, run.context_parallel, run.expert_parallel
+    tp, cp, ep = run.parallel.tensor_parallel, run.parallel.context_parallel, run.parallel.expert_parallel
+    world_size = run.parallel.nnodes * run.parallel.nproc_per_node
     check_parallel_sizes(world_size, tp, cp, ep, mcfg.num_moe_experts)
     counts = parameter_count(mcfg)
     width = 2 if run.dtype == "bfloat16" else 4
@@ -370,16 +372,20 @@ def forward_memory_plan(mcfg, run: ForwardRun, world_size: int, procs_per_node: 
         layer = max(layer, (around + streams) * tokens + part["mlp"] * mlp_tokens)
     has_dsa = DSA in mcfg.layer_types
     gathered = (mcfg.kv_lora_rank + 2 * mcfg.index_head_dim) * width * run.seq_len if cp > 1 and has_dsa else 0
-    logits = min(run.logits_chunk_tokens, tokens) * mcfg.vocab_size // tp * 4 * 3
+    logits = min(SCORING_LOGITS_CHUNK_TOKENS, tokens) * mcfg.vocab_size // tp * 4 * 3
     reserve = int(ALLOCATOR_RESERVE * (weights + layer + gathered + logits))
     if device_limit is None:
-        device_limit = torch.cuda.mem_get_info()[1] if on_gpu else host_memory_limit_bytes() // procs_per_node
+        device_limit = (torch.cuda.mem_get_info()[1] if on_gpu
+                        else host_memory_limit_bytes() // run.parallel.nproc_per_node)
     engine = int(device_limit * run.engine_fraction)
-    device_total = weights + layer + gathered + logits + reserve + engine
-    plan = ForwardPlan(weights, layer, gathered, logits, reserve, engine, device_total, device_limit)
+    parts = {"weights": weights, "one layer's forward in flight": layer,
+             "CP-gathered keys (DSA latent, indexer)": gathered, "logits chunk (float32)": logits,
+             f"allocator reserve ({ALLOCATOR_RESERVE:.0%})": reserve, "inference engine on the device": engine}
+    device_total = sum(parts.values())
+    plan = ForwardPlan(parts, engine, device_total, device_limit)
     if device_total > device_limit:
         raise MemoryPlanError(
-            f"{run.name}: model at seq_len={run.seq_len} with TP={tp} CP={cp} EP={ep} over {world_size} ranks does "
+            f"forward-only scoring (trainer log-probs): model at seq_len={run.seq_len} with TP={tp} CP={cp} EP={ep} over {world_size} ranks does "
             f"not fit: per-device memory {device_total / 2**30:.2f} GiB exceeds the device's "
             f"{device_limit / 2**30:.2f} GiB. Raise context_parallel (more ranks) or expert_parallel, or shorten "
             f"the windows.\n" + plan.table())
@@ -399,9 +405,7 @@ def scoring_memory_plan(mcfg, preset, seq_len: int, with_engine: bool, device_li
     import torch
 
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
-    par = preset.infer_parallel
-    run = ForwardRun(f"{preset.name} trainer log-probs", seq_len, preset.verify.dtype, par.tensor_parallel,
-                     par.context_parallel, par.expert_parallel, preset.sft.mlp_chunk_tokens,
+    run = ForwardRun(seq_len, preset.verify.dtype, preset.infer_parallel,
+                     preset.sft.mlp_chunk_tokens,
                      engine_fraction=preset.verify.engine_gpu_memory_fraction if with_engine and on_gpu else 0.0)
-    return forward_memory_plan(mcfg, run, par.nnodes * par.nproc_per_node, par.nproc_per_node,
-                               device_limit=device_limit, on_gpu=on_gpu)
+    return forward_memory_plan(mcfg, run, device_limit=device_limit, on_gpu=on_gpu)

@@ -35,6 +35,14 @@ def tiny_glm5_next_hf(plain_torch_transformers):
     return build
 
 
+@pytest.fixture(scope="module")
+def glm5_next_export(tmp_path_factory, tiny_glm5_next_hf):
+    """The tiny glm5_next preset in the published HF layout, weights moved off their init."""
+    path = tmp_path_factory.mktemp("glm5_next_tiny")
+    tiny_glm5_next_hf().save_pretrained(path)
+    return path
+
+
 @pytest.fixture(autouse=True, scope="session")
 def pinned_cpu_isa_branch():
     """vLLM's CPU paths branch on AMX (vllm/platforms/cpu.py: chunked prefill and block size for

@@ -89,6 +89,6 @@ def test_verify_trainer_leg_of_the_full_model_on_one_node_is_refused_before_laun
     p = get_preset("b200-64")
     one_node = dict(nnodes=1, nproc_per_node=8, context_parallel=8, expert_parallel=8)
     smaller = dataclasses.replace(p, infer_parallel=dataclasses.replace(p.infer_parallel, **one_node))
-    with pytest.raises(MemoryPlanError, match=r"trainer log-probs: model at seq_len=1048576 .* does not fit"):
+    with pytest.raises(MemoryPlanError, match=r"trainer log-probs\): model at seq_len=1048576 .* does not fit"):
         scoring_memory_plan(model_preset(p.model), smaller, 1 << 20, with_engine=True,
                             device_limit=DEVICE_MEMORY_BYTES[p.infer_resources.accelerator], on_gpu=True)

@@ -41,25 +41,18 @@ def pack_dir(tmp_path_factory):
     return pack(root / "ingest", PackConfig(shard_tokens=1 << 19), root / "pack").out_dir
 
 
-@pytest.fixture(scope="module")
-def export(tmp_path_factory, tiny_glm5_next_hf):
-    path = tmp_path_factory.mktemp("glm5_next_tiny")
-    tiny_glm5_next_hf().save_pretrained(path)
-    return path
-
-
-def test_context_parallel_2_ranks_equal_one_process_on_held_out_windows(pack_dir, export, tmp_path):
+def test_context_parallel_2_ranks_equal_one_process_on_held_out_windows(pack_dir, glm5_next_export, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "cp2.npz"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-           "tests/cp_trainer_logprobs.py", str(export), str(pack_dir), str(out), "2", *map(str, LENGTHS)]
+           "tests/cp_trainer_logprobs.py", str(glm5_next_export), str(pack_dir), str(out), "2", *map(str, LENGTHS)]
     done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     cp2 = np.load(out)
-    one = TrainerLogProbs(export, "float32")
+    one = TrainerLogProbs(glm5_next_export, "float32")
     assert one.description.startswith("megatron glm5_next forward (float32) on")
     worst = 0.0
     for length, windows in sample_windows(pack_dir, LENGTHS, 2).items():
@@ -72,12 +65,12 @@ def test_context_parallel_2_ranks_equal_one_process_on_held_out_windows(pack_dir
     assert worst < CP_TOLERANCE
 
 
-def test_a_parallel_layout_without_its_ranks_is_refused(export):
+def test_a_parallel_layout_without_its_ranks_is_refused(glm5_next_export):
     with pytest.raises(EngineError, match=r"context_parallel=2 needs a job of exactly 2 ranks .*WORLD_SIZE=1"):
-        TrainerLogProbs(export, "float32", context_parallel=2)
+        TrainerLogProbs(glm5_next_export, "float32", context_parallel=2)
 
 
-def test_verify_with_a_cp2_trainer_leg_writes_rank_0s_report(pack_dir, export, tmp_path):
+def test_verify_with_a_cp2_trainer_leg_writes_rank_0s_report(pack_dir, glm5_next_export, tmp_path):
     """``torchrun -m tasks.verify``, 2 gloo ranks: the trainer leg in CP=2, rank 0's engine leg
     (transformers, float32) beside it; the report compares them as the one-process run does."""
     import json
@@ -87,7 +80,7 @@ def test_verify_with_a_cp2_trainer_leg_writes_rank_0s_report(pack_dir, export, t
         port = s.getsockname()[1]
     out = tmp_path / "verify"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-           "-m", "tasks.verify", str(export), str(pack_dir), str(out), "--preset", "ci-smoke", "--engine",
+           "-m", "tasks.verify", str(glm5_next_export), str(pack_dir), str(out), "--preset", "ci-smoke", "--engine",
            "transformers", "--infer-parallel", json.dumps({"nproc_per_node": 2, "context_parallel": 2})]
     done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=900)

@@ -215,14 +215,6 @@ def test_invalid_configurations_raise_verify_error(setup):
         VerifyConfig(context_lengths=LENGTHS, leg_max_tokens={"sglang": 1})
 
 
-@pytest.fixture(scope="module")
-def glm5_next_export(tmp_path_factory, tiny_glm5_next_hf):
-    """The tiny glm5_next preset in the published HF layout, weights moved off their init."""
-    path = tmp_path_factory.mktemp("glm5_next_tiny")
-    tiny_glm5_next_hf().save_pretrained(path)
-    return path
-
-
 def test_megatron_trainer_matches_transformers_on_tiny_glm5_next(setup, glm5_next_export, tmp_path):
     root, *_ = setup
     preset = dataclasses.replace(get_preset("ci-smoke"), engine="transformers")
