@@ -80,7 +80,8 @@ def hc_maps(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
 def hc_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """Block input ``sum_i pre[..., i] * streams[..., i, :]``: ``pre [..., n]`` float32, ``streams [..., n, h]``
     -> ``[..., h]`` in the streams' dtype (accumulated in float32)."""
-    return (pre.unsqueeze(-1) * streams.float()).sum(-2).to(streams.dtype)
+    # float32 by type promotion: autograd saves the streams as they are, not a float32 copy
+    return (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
 
 
 def hc_merge(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
@@ -95,11 +96,11 @@ def hc_merge(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams:
         as ``n`` broadcast products: as a batched matmul it ran as one tiny GEMM per token on
         GPUs (a 4x4 @ 4x1024 product per token, ~5 ms per call at 64k tokens).
     """
-    n = streams.shape[-2]
-    s = streams.float()
-    mixed = post.unsqueeze(-1) * out.float().unsqueeze(-2)
-    for i in range(n):
-        mixed = mixed + comb[..., i, :].unsqueeze(-1) * s[..., i, :].unsqueeze(-2)
+    # float32 by type promotion (post and comb are float32): autograd saves out and the streams as
+    # they are, not float32 copies
+    mixed = post.unsqueeze(-1) * out.unsqueeze(-2)
+    for i in range(streams.shape[-2]):
+        mixed = mixed + comb[..., i, :].unsqueeze(-1) * streams[..., i, :].unsqueeze(-2)
     return mixed.to(streams.dtype)
 
 

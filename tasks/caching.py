@@ -342,8 +342,11 @@ def shared_kernel_cache(checkpoint_dir: str, on_gpu: bool | None = None) -> str 
     user_cache = os.environ.get("TRITON_CACHE_DIR")
     cache = user_cache or str(Path(checkpoint_dir).parent / "triton-cache")
     os.environ["TRITON_CACHE_DIR"] = cache
+    # inductor's compiled glue (model.fused) beside it, for the same reasons
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache).parent / "inductor-cache"))
     if torch.cuda.is_available():
         seed_autotune_cache(cache, torch.cuda.get_device_name())
+        seed_compile_cache(torch.cuda.get_device_name())
     return None if user_cache else cache
 
 
@@ -388,6 +391,31 @@ def seed_autotune_cache(cache_dir: str | os.PathLike, device_name: str, tunings_
             os.replace(tmp, target)             # Triton reads these while other workers write
             added += 1
     return added
+
+
+def compile_cache_path(device_name: str, torch_version: str, tunings_dir: Path = TUNINGS_DIR) -> Path:
+    """Where the compiled glue shipped for a GPU and torch version lives:
+    ``kernels/tunings/<gpu_slug>.torch-<version>.inductor.bin``."""
+    return tunings_dir / f"{gpu_slug(device_name)}.torch-{torch_version}.inductor.bin"
+
+
+def seed_compile_cache(device_name: str, tunings_dir: Path = TUNINGS_DIR) -> int:
+    """Load the compiled layer glue shipped for this GPU and torch version; returns how many artifacts.
+
+    The file holds ``torch.compiler.save_cache_artifacts()`` of a GPU run of the SFT step
+    (``tests/benchmarks/sft_profile.py --save-compile-cache``): inductor's FX-graph and AOT-autograd
+    entries and their Triton kernels for :mod:`model.fused`, keyed inside by graph, shapes and
+    versions, so an entry that does not match is compiled as without it. Loaded with
+    ``torch.compiler.load_cache_artifacts`` into the process's caches before the first compile.
+    No file for this GPU and torch version: nothing is loaded (0).
+    """
+    import torch
+
+    path = compile_cache_path(device_name, torch.__version__, tunings_dir)
+    if not path.exists():
+        return 0
+    info = torch.compiler.load_cache_artifacts(path.read_bytes())
+    return sum(len(v) for v in info.artifacts.values()) if info is not None else 0
 
 
 def _local_blobs(literal) -> list[tuple[str, str]]:

@@ -241,6 +241,12 @@ def main() -> None:
     parser.add_argument("--out", help="JSON file")
     parser.add_argument("--table", help="print the table of this saved --out JSON and exit")
     parser.add_argument("--trace-dir", default="", help="write each run's gzipped chrome trace here")
+    parser.add_argument("--seed-compile-cache", action="store_true",
+                        help="load the compiled glue shipped for this GPU first (tasks.caching.seed_compile_cache), "
+                             "as SFT workers do")
+    parser.add_argument("--save-compile-cache", default="",
+                        help="write torch.compiler.save_cache_artifacts() of this process here at the end (the "
+                             "file kernels/tunings/<gpu>.torch-<version>.inductor.bin ships)")
     args = parser.parse_args()
     if args.table:
         saved = json.loads(Path(args.table).read_text())
@@ -250,6 +256,14 @@ def main() -> None:
         parser.error("--pack and --out are required to profile")
     install_flytekit_stand_in()
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
+    if args.seed_compile_cache:
+        import torch
+
+        from tasks.caching import compile_cache_path, seed_compile_cache
+
+        gpu = torch.cuda.get_device_name()
+        print(f"compile cache: {seed_compile_cache(gpu)} artifacts from {compile_cache_path(gpu, torch.__version__)}",
+              flush=True)
     anchor = matmul_tflops()
     print(f"matmul anchor: {anchor:.0f} TF/s", flush=True)
     rows = []
@@ -270,6 +284,14 @@ def main() -> None:
         print(f"top ops by device time, {_label(r)} (ms per step, calls per step):")
         for o in r["top_ops"][:15]:
             print(f"  {o['ms_per_step']:8.1f} {o['calls_per_step']:7.0f}  {o['op'][:110]}")
+    if args.save_compile_cache:
+        import torch
+
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is not None:
+            Path(args.save_compile_cache).write_bytes(saved[0])
+            print(f"compile cache: {sum(len(v) for v in saved[1].artifacts.values())} artifacts, "
+                  f"{len(saved[0]) / 2**20:.1f} MiB -> {args.save_compile_cache}")
     print()
     print(table(anchor, rows))
 

@@ -43,6 +43,9 @@ elif [ "${SEED_TUNINGS:-1}" = 1 ]; then
 import tasks.caching as c; gpu = torch.cuda.get_device_name()
 print('autotune cache:', c.seed_autotune_cache('$TRITON_CACHE_DIR', gpu), 'results from', c.TUNINGS_DIR / (c.gpu_slug(gpu) + '.tgz'))"
 fi
+# inductor's compiled glue (model.fused): scripts load the shipped artifacts themselves when SEED_COMPILE=1
+# (sft_profile.py --seed-compile-cache); TORCHINDUCTOR_CACHE_DIR keeps what a part compiles for the next part.
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor_cache}
 save_cache() { (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/triton_autotune.tgz" -T -) 2>/dev/null; }
 trap save_cache EXIT
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
