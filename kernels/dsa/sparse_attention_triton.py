@@ -77,7 +77,10 @@ def sparse_mla_fwd_kernel(
         valid = idx >= 0
         rows = kv_base + idx[:, None] * stride_kvs
         kv = tl.load(rows + offs_d[None, :], mask=valid[:, None] & (offs_d[None, :] < DQK), other=0.0)
-        v = tl.load(rows + offs_v[None, :], mask=valid[:, None] & (offs_v[None, :] < DV), other=0.0)
+        if DV == DQK:  # absorbed NoPE-MLA: the value is the latent itself, gathered once
+            v = kv
+        else:
+            v = tl.load(rows + offs_v[None, :], mask=valid[:, None] & (offs_v[None, :] < DV), other=0.0)
         s = tl.dot(q, tl.trans(kv)) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -138,7 +141,10 @@ def sparse_mla_bwd_kernel(
         valid = idx >= 0
         rows = kv_base + idx[:, None] * stride_kvs
         kv = tl.load(rows + offs_d[None, :], mask=valid[:, None] & (offs_d[None, :] < DQK), other=0.0)
-        v = tl.load(rows + offs_v[None, :], mask=valid[:, None] & (offs_v[None, :] < DV), other=0.0)
+        if DV == DQK:  # absorbed NoPE-MLA: the value is the latent itself, gathered once
+            v = kv
+        else:
+            v = tl.load(rows + offs_v[None, :], mask=valid[:, None] & (offs_v[None, :] < DV), other=0.0)
         s = tl.dot(q, tl.trans(kv)) * scale_log2
         p = tl.exp2(s - lse2[:, None])
         p = tl.where(valid[None, :] & row_ok[:, None], p, 0.0)
