@@ -16,7 +16,8 @@
 # the indexer's expansion and k-pool compression kernels), bench (dsa_bench.py alone, with $BENCH_ARGS),
 # dsa (dsa_check.py + dsa_bench.py), ncu (tests/gpu/ncu_indexer.sh: Nsight Compute on single indexer kernel
 # launches, $NCU_CASES), profile (tests/benchmarks/sft_profile.py: whole-step profile of $PROFILE_CONFIGS,
-# default 64k, with $PROFILE_ARGS). The DSA parts need no wheels: with no .whl folder the install is skipped.
+# default 64k, with $PROFILE_ARGS), layerbench (tests/benchmarks/layer_bench.py: one full-width layer of each kind as
+# one b200-64 rank at 256k and 1M, projected to 64 B200, with $LAYERBENCH_ARGS). The DSA parts need no wheels: with no .whl folder the install is skipped.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -82,6 +83,7 @@ part dsa "${T_DSA:-300}" bash -c "python3 tests/gpu/dsa_check.py --out $OUT/dsa_
 part fused "${T_FUSED:-150}" python3 tests/gpu/fused_check.py --tokens "${FUSED_TOKENS:-65536}" --out "$OUT/fused_check.json"
 part profile "${T_PROFILE:-420}" python3 tests/benchmarks/sft_profile.py --pack runs/sft_gpu_pack \
   --configs ${PROFILE_CONFIGS:-64k} --trace-dir "$OUT" ${PROFILE_ARGS:-} --out "$OUT/sft_profile.json"
+part layerbench "${T_LAYERBENCH:-540}" python3 tests/benchmarks/layer_bench.py ${LAYERBENCH_ARGS:-} --out "$OUT/layer_bench.json"
 # engine (tests/gpu/engine_update.py: the transformers engine's weight update keeps every parameter on the GPU).
 # Issue-34/28 runs: lr curves (LR_RUNS "LR:WARMUP ..."), the resumable SFT science run (SCIENCE_ARGS), and RL + verify +
 # evaluate from an export (STAGES_ARGS, e.g. --init /tmp/science_64k/out/hf).
