@@ -28,11 +28,19 @@ __all__ = ["glue", "hc_maps", "hc_collapse", "hc_merge", "rms_norm", "rms_norm_b
            "gated_rms_norm", "swiglu_probs"]
 
 
+# Graphs one glue function may need in a process: SFT's step alone compiles a few per function
+# (dtypes, widths, autograd on or off); RL, verify and evaluate in one process (a float32 and a bf16
+# trainer leg, 8k..256k windows, several widths per norm) took rms_norm past dynamo's default 8 on an
+# H200, and a function compiled with fullgraph=True then fails instead of running eagerly.
+RECOMPILE_LIMIT = 64
+
+
 @functools.cache
-def _compiled(fn):
-    # dynamic=None: the first shape compiles static, a second distinct shape compiles a dynamic graph,
-    # so evaluate's and RL's varying lengths do not exhaust dynamo's recompile limit.
-    return torch.compile(fn, fullgraph=True)
+def _compiled(fn, backend: str = "inductor"):
+    # dynamic=None: the first shape compiles static, a second distinct shape compiles a dynamic graph.
+    # The limit is dynamo's per code object; raised, never lowered, for every compiled function.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(fn, fullgraph=True, backend=backend)
 
 
 def glue(fn, compile: bool, *args):

@@ -116,3 +116,20 @@ def test_glue_stays_eager_for_cpu_tensors(monkeypatch):
     monkeypatch.setattr(fused, "_compiled", lambda fn: pytest.fail("compiled a CPU call"))
     x = _rand(3, H)
     assert torch.equal(fused.glue(fused.rms_norm, True, x, torch.ones(H), 1e-6)[0], fused.rms_norm(x, torch.ones(H), 1e-6)[0])
+
+
+def test_a_glue_function_serves_more_variants_than_dynamos_default_recompile_limit():
+    """RL, verify and evaluate in one GPU process called rms_norm with more than 8 (dtype, width,
+    rank, requires_grad, length) variants; with fullgraph=True the ninth failed. ``eager`` backend:
+    the limit is dynamo's, whatever compiles the graph."""
+    torch._dynamo.reset()
+    compiled = fused._compiled(fused.rms_norm, backend="eager")
+    variants = 0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for shape in ((5, 64), (1, 9, 96), (7, 1, 2, 128)):
+            for requires_grad in (False, True):
+                x = _rand(*shape, dtype=dtype, seed=variants).requires_grad_(requires_grad)
+                weight = torch.ones(shape[-1], dtype=dtype)
+                assert torch.equal(compiled(x, weight, 1e-6)[0], fused.rms_norm(x, weight, 1e-6)[0])
+                variants += 1
+    assert variants == 18

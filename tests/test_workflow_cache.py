@@ -151,3 +151,26 @@ def test_shipped_autotune_results_seed_the_cache_and_nothing_else(tmp_path):
         assert members and all(m.name.endswith(".autotune.json") for m in members)
         entry = json.loads(tar.extractfile(members[0]).read())
         assert {"key", "configs_timings"} <= set(entry)
+
+
+def test_shipped_compile_cache_loads_for_its_gpu_and_torch_version_only(tmp_path, monkeypatch):
+    import gzip
+
+    import torch
+
+    from tasks.caching import TUNINGS_DIR, compile_cache_path, seed_compile_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch._dynamo.reset()
+    torch.compile(lambda x: x * 3 - 1)(torch.arange(5.0))
+    artifacts, info = torch.compiler.save_cache_artifacts()
+    compiled = sum(len(v) for v in info.artifacts.values())
+    assert compiled > 0
+    compile_cache_path("NVIDIA H200", torch.__version__, tmp_path).write_bytes(gzip.compress(artifacts))
+    assert compile_cache_path("NVIDIA H200", "2.11.0+cu130", TUNINGS_DIR).name == \
+        "nvidia-h200.torch-2.11.0+cu130.inductor.bin.gz"
+    assert seed_compile_cache("NVIDIA H200", tmp_path) == compiled
+    assert seed_compile_cache("NVIDIA A100-SXM4-80GB", tmp_path) == 0       # no file for that GPU
+    compile_cache_path("NVIDIA H200", torch.__version__, tmp_path).rename(
+        compile_cache_path("NVIDIA H200", "0.0.0", tmp_path))
+    assert seed_compile_cache("NVIDIA H200", tmp_path) == 0                  # another torch's file is not read

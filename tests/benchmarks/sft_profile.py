@@ -245,8 +245,8 @@ def main() -> None:
                         help="load the compiled glue shipped for this GPU first (tasks.caching.seed_compile_cache), "
                              "as SFT workers do")
     parser.add_argument("--save-compile-cache", default="",
-                        help="write torch.compiler.save_cache_artifacts() of this process here at the end (the "
-                             "file kernels/tunings/<gpu>.torch-<version>.inductor.bin ships)")
+                        help="write torch.compiler.save_cache_artifacts() of this process here, gzipped, at the end "
+                             "(the file kernels/tunings/<gpu>.torch-<version>.inductor.bin.gz ships)")
     args = parser.parse_args()
     if args.table:
         saved = json.loads(Path(args.table).read_text())
@@ -289,7 +289,7 @@ def main() -> None:
 
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None:
-            Path(args.save_compile_cache).write_bytes(saved[0])
+            Path(args.save_compile_cache).write_bytes(gzip.compress(saved[0], 9))
             print(f"compile cache: {sum(len(v) for v in saved[1].artifacts.values())} artifacts, "
                   f"{len(saved[0]) / 2**20:.1f} MiB -> {args.save_compile_cache}")
     print()

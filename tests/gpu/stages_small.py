@@ -113,11 +113,12 @@ def run_verify(export: Path, pack: Path, out: Path, lengths: tuple[int, ...]) ->
 def run_evaluate(checkpoints: dict[str, Path], pack: Path, out: Path, window: int, windows: int) -> dict:
 
     from tasks.evaluate import evaluate_checkpoints
-    from tasks.presets import EvalSpec, get_preset
+    from tasks.presets import EvalSpec, ParallelSpec, get_preset
 
     base = get_preset("h200")
+    # one GPU, one process: the trainer scorer without context parallelism (the preset plans CP=4)
     preset = dataclasses.replace(
-        base, eval_seq_len=window,
+        base, eval_seq_len=window, infer_parallel=ParallelSpec(),
         evaluate=EvalSpec(context_buckets=(0, 1_024, 4_096, 16_384, 65_536), max_windows=windows, scorer="trainer",
                           reverse_complement=False),
         verify=dataclasses.replace(base.verify, dtype="bfloat16"))
