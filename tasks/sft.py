@@ -245,11 +245,22 @@ class IndexerKL:
     def _hook(self, mixer, args, kwargs, output):
         import torch
 
+        # Training forwards only (validation runs the model in eval mode). Under full recompute
+        # megatron runs a layer's forward without autograd, then again with it inside backward:
+        # the KL is built in the first pass, with autograd on for the indexer's own graph, so it is
+        # backpropagated in the step that computed it, and not again in the recompute.
+        if not mixer.training or torch._C._current_autograd_node() is not None:
+            return
+        with torch.enable_grad():
+            self.losses.append(self._loss(mixer, args, kwargs, output))
+
+    @staticmethod
+    def _loss(mixer, args, kwargs, output):
+        import torch
+
         from kernels.dsa import indexer_kl_loss, sparse_mla_attention
         from model.parallel import all_gather_seq
 
-        if not torch.is_grad_enabled():
-            return
         cp, c, ix = mixer.layout.cp, mixer.cfg, mixer.indexer
         xb = args[0].detach().transpose(0, 1)
         topk = output[1]
@@ -258,10 +269,10 @@ class IndexerKL:
             latent = all_gather_seq(mixer.latent(xb), 1, cp)
             _, lse = sparse_mla_attention(q_abs, latent, topk, mixer.softmax_scale, mixer.kv_lora)
         q_index, k_index, gate, weights = ix.score_inputs(xb, q_resid, cp)
-        self.losses.append(indexer_kl_loss(
+        return indexer_kl_loss(
             q_index, k_index, gate, ix.kpool_compress_ape, weights, q_abs, latent, lse, topk,
             kpool=c.index_kpool, topk=c.index_topk, index_softmax_scale=ix.softmax_scale,
-            softmax_scale=mixer.softmax_scale, cu_seqlens=kwargs.get("cu_seqlens")))
+            softmax_scale=mixer.softmax_scale, cu_seqlens=kwargs.get("cu_seqlens"))
 
     def pop(self):
         """Sum of the collected layer losses (scalar float32, 0 without any) and reset."""

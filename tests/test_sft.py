@@ -511,3 +511,29 @@ def test_sft_validates_and_picks_best_without_opening_a_held_out_shard(shards, t
     evals = [r for r in records if r.get("event") == "eval"]
     assert [r["split"] for r in evals] == ["validation", "validation"] and all(np.isfinite(r["eval_loss"]) for r in evals)
     assert (tmp_path / "ckpt" / "best").exists()
+
+
+def test_indexer_kl_under_full_recompute_equals_the_plain_one_and_is_backpropagated_in_its_step():
+    """Megatron's full recompute runs a layer's forward without autograd and again inside backward;
+    the KL must come from the first pass, carry a graph, and not be collected again by the second."""
+    import torch
+
+    from model.config import preset
+    from model.glm5_next import build_model
+    from tasks.sft import IndexerKL
+    from tasks.trainer import recompute_overrides
+
+    ids = torch.randint(4, 9, (1, 513), generator=torch.Generator().manual_seed(0))
+    values, grads = [], []
+    for recompute in ("none", "full"):
+        model = build_model(preset("tiny", **recompute_overrides(recompute, ("moe",))), seed=3).train()
+        collector = IndexerKL(model, 1.0)
+        nll = model(ids[:, :-1], labels=ids[:, 1:])
+        kl = collector.pop()
+        assert torch.is_tensor(kl) and kl.requires_grad and kl.item() > 0, recompute
+        (nll.sum() + kl).backward()
+        assert collector.losses == [], f"{recompute}: the backward's recompute collected a KL again"
+        values.append(kl.item())
+        grads.append(model.layers[1].mixer.indexer.wq_b.weight.grad.clone())
+    assert values[1] == pytest.approx(values[0], rel=1e-5)
+    assert torch.allclose(grads[1], grads[0], rtol=1e-4, atol=1e-7)
