@@ -34,6 +34,7 @@ from model.config import DSA, Glm5NextConfig, from_hf, hf_config_dict
 
 __all__ = [
     "ConversionError",
+    "LazySafetensors",
     "hf_to_megatron",
     "megatron_to_hf",
     "hf_state_dict",
@@ -311,20 +312,58 @@ def save_hf_checkpoint(hf: Mapping[str, torch.Tensor], cfg: Glm5NextConfig, out_
     return out_dir
 
 
+class LazySafetensors(Mapping):
+    """Read-on-access mapping over the tensors of ``*.safetensors`` files: ``m[name]`` reads that tensor alone.
+
+    :func:`hf_to_megatron` asks only for what its rank keeps (its expert-parallel share of the
+    routed experts; whole dense tensors, then split for TP), so a rank of a large layout reads
+    about its shard of the export instead of all of it: the full model's export is ~627 GB of
+    bf16, mostly routed experts, and eight ranks of a node each holding all of it would not fit
+    in host memory. Each access reads the tensor again (no cache); files stay memory-mapped
+    through ``safetensors.safe_open`` while the mapping lives.
+
+    Raises:
+        KeyError: a name no file holds.
+    """
+
+    def __init__(self, files: list[Path], keep=lambda name: True):
+        from safetensors import safe_open
+
+        self._files = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {name: handle for handle in self._files for name in handle.keys() if keep(name)}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
 def load_hf_checkpoint(
-    path: Path, **overrides
-) -> tuple[Glm5NextConfig, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    path: Path, lazy: bool = False, **overrides
+) -> tuple[Glm5NextConfig, Mapping[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Read a GLM-5.3-Flash-layout checkpoint directory: ``(config, text tensors, vision tensors)``.
 
-    Reads every ``*.safetensors`` shard; ``overrides`` go to :func:`model.config.from_hf`.
+    Reads every ``*.safetensors`` shard; ``overrides`` go to :func:`model.config.from_hf`. With
+    ``lazy`` the text tensors are a :class:`LazySafetensors` (each read when accessed: what a rank
+    of a parallel layout uses, through :func:`load_hf_into_model`); the vision tower is small and
+    read whole either way.
     """
     from safetensors.torch import load_file
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     cfg = from_hf(config, **overrides)
+    files = sorted(path.glob("*.safetensors"))
+    if lazy:
+        text = LazySafetensors(files, keep=lambda k: not k.startswith("model.visual."))
+        visual = LazySafetensors(files, keep=lambda k: k.startswith("model.visual."))
+        return cfg, text, {k: visual[k] for k in visual}
     text, vision = {}, {}
-    for f in sorted(path.glob("*.safetensors")):
+    for f in files:
         for k, v in load_file(str(f)).items():
             (vision if k.startswith("model.visual.") else text)[k] = v
     return cfg, text, vision

@@ -761,7 +761,7 @@ class TrainerLogProbs:
         overrides = dict(tensor_model_parallel_size=tensor_parallel, context_parallel_size=context_parallel,
                          expert_model_parallel_size=expert_parallel, expert_tensor_parallel_size=1,
                          mlp_chunk_tokens=mlp_chunk_tokens)
-        config, text_state, _ = load_hf_checkpoint(self.checkpoint_dir, **overrides)
+        config, text_state, _ = load_hf_checkpoint(self.checkpoint_dir, lazy=True, **overrides)
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         self.model = build_model(config, dtype=torch_dtype, layout=self.layout)
         load_hf_into_model(self.model, text_state)

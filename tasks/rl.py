@@ -541,7 +541,7 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
                           layout.world_size, layout.local_world_size)
     if is_main:
         log.info("rl memory plan (per device, before anything is allocated):\n%s", plan.table())
-    model_cfg, text_state, vision_state = load_hf_checkpoint(sft_export, **trainer_overrides(cfg))
+    model_cfg, text_state, vision_state = load_hf_checkpoint(sft_export, lazy=True, **trainer_overrides(cfg))
     dtype = model_cfg.params_dtype if model_cfg.bf16 else None   # None: megatron's float32 parameters
     policy = build_model(model_cfg, seed=cfg.seed, layout=layout, dtype=dtype)
     load_hf_into_model(policy, text_state)

@@ -390,7 +390,7 @@ class SFTRun:
                              dtype=dtype if dtype != torch.float32 else None, layout=layout, zero_head=True)
         vision = (None, None)
         if cfg.init_hf:
-            _, text, vision_state = load_hf_checkpoint(Path(cfg.init_hf))
+            _, text, vision_state = load_hf_checkpoint(Path(cfg.init_hf), lazy=True)
             vision = (vision_state, json.loads((Path(cfg.init_hf) / "config.json").read_text()).get("vision_config"))
             load_hf_into_model(module, text)
         model, optimizer, scheduler = build_trainer(

@@ -1,5 +1,8 @@
 """Weight conversion: TP/EP sharding round trips exactly; the in-memory HF state dict; cpu_compat."""
 
+import re
+
+import pytest
 import torch
 
 from model import convert, cpu_compat
@@ -87,3 +90,35 @@ def test_exports_of_the_same_weights_are_byte_identical_across_processes(tmp_pat
         with safe_open(str(out / "model.safetensors"), "pt") as f:
             assert f.metadata()["megabase_preset"] == "tiny" and f.metadata()["megabase_x"] == "1"
     assert blobs[0] == blobs[1] == blobs[2]
+
+
+def test_a_lazy_export_reads_only_what_the_rank_keeps_and_converts_the_same(glm5_next_export):
+    """An expert-parallel rank of a large layout reads its share of the routed experts, not the whole export."""
+    cfg, eager, vision = convert.load_hf_checkpoint(glm5_next_export)
+    _, lazy, lazy_vision = convert.load_hf_checkpoint(glm5_next_export, lazy=True)
+    assert isinstance(lazy, convert.LazySafetensors) and sorted(lazy) == sorted(eager)
+    assert all(torch.equal(lazy[k], eager[k]) for k in eager)
+    assert lazy_vision.keys() == vision.keys() and all(torch.equal(lazy_vision[k], vision[k]) for k in vision)
+
+    class Recording(dict):
+        read: set = set()
+
+        def __getitem__(self, key):
+            Recording.read.add(key)
+            return lazy[key]
+
+    ep_size, ep_rank = 2, 1
+    per = cfg.num_moe_experts // ep_size
+    shard = convert.hf_to_megatron(Recording(), cfg, ep_rank=ep_rank, ep_size=ep_size)
+    expected = convert.hf_to_megatron(eager, cfg, ep_rank=ep_rank, ep_size=ep_size)
+    assert shard.keys() == expected.keys() and all(torch.equal(shard[k], expected[k]) for k in expected)
+    experts_read = {int(m.group(1)) for k in Recording.read if (m := re.search(r"\.experts\.(\d+)\.", k))}
+    assert experts_read == set(range(ep_rank * per, (ep_rank + 1) * per))   # this rank's experts, none of the others
+    assert Recording.read < set(eager)
+
+
+def test_a_lazy_export_names_a_missing_tensor(glm5_next_export):
+    cfg, lazy, _ = convert.load_hf_checkpoint(glm5_next_export, lazy=True)
+    missing = {k: lazy[k] for k in lazy if "embed_tokens" not in k}
+    with pytest.raises(convert.ConversionError, match="embed_tokens"):
+        convert.hf_to_megatron(missing, cfg)
