@@ -118,7 +118,8 @@ def activation_bytes_per_token(mcfg, layer: int, tp: int, width: int, on_gpu: bo
     (``docs/measurements.md``: every part within 1% for the ``small`` preset). Parts:
 
     * ``mhc``: the two hyper-connections' input streams (their float32 maps are recomputed);
-    * ``other``: the two RMSNorms (input + float32 rstd) and the two stream merges;
+    * ``other``: the two RMSNorms (input + float32 rstd) and the two stream merges (the block
+      output and the float32 ``post`` and ``comb`` maps: :func:`model.fused.hc_merge` mixes in float32);
     * ``mixer``: projections, convolutions, gates and norms around the token mixer;
     * ``core``: fla ``chunk_kda`` on GPU (``CPU_KDA_CORE_FACTOR`` x on CPU) or the DSA sparse
       attention (absorbed queries, latent, output, LSE) plus the int32 top-k of a layer with its
@@ -135,7 +136,7 @@ def activation_bytes_per_token(mcfg, layer: int, tp: int, width: int, on_gpu: bo
     f32 = 4
     h, n = mcfg.hidden_size, mcfg.hc_mult
     parts = {"mhc": 2 * n * h * width + 2 * n * f32,
-             "other": (4 * h + 2 * (n * n + n)) * width + 2 * f32}
+             "other": 4 * h * width + 2 * (n * n + n) * f32 + 2 * f32}
     if mcfg.layer_types[layer] == "linear_attention":
         heads = mcfg.linear_num_heads // tp
         kd, d = heads * mcfg.linear_head_dim, mcfg.linear_head_dim
