@@ -595,8 +595,8 @@ def report(args, rows, seq_lens, kinds, counts, first, full_cfg, sft_cfg, layout
     from tasks.presets import DEVICE_MEMORY_BYTES
     from tasks.trainer import model_flops_per_token
 
-    print(f"\nFLOPs per token: each layer's share of tasks.trainer.model_flops_per_token (6 x active parameters, "
-          f"sparse MLA 6 x 2 x H x W x 2 x kv_lora, indexer 2 x H_I x D_I x (seq/2) / kpool, KDA 6 x 4 x H x d^2)")
+    print("\nFLOPs per token: each layer's share of tasks.trainer.model_flops_per_token (6 x active parameters, "
+          "sparse MLA 6 x 2 x H x W x 2 x kv_lora, indexer 2 x H_I x D_I x (seq/2) / kpool, KDA 6 x 4 x H x d^2)")
     for seq in seq_lens:
         split = sum(counts[k] * layer_flops_per_token(full_cfg, seq, first[k]) for k in kinds)
         whole = model_flops_per_token(full_cfg, seq)
