@@ -99,5 +99,5 @@ class GroupedMLP(SequentialMLP):
         fc2 = [e.linear_fc2.weight for e in self.local_experts]
         out = grouped_swiglu_experts(permuted_local_hidden_states, tokens_per_expert, fc1, fc2, permuted_probs,
                                      c.activation_func_clamp_value, c.activation_func, c.glu_linear_offset,
-                                     getattr(c, "compile_glue", False))
+                                     c.compile_glue)
         return out, None
