@@ -77,6 +77,7 @@ import os
 import statistics
 import sys
 import tempfile
+import traceback
 import time
 import types
 from collections import Counter
@@ -248,9 +249,12 @@ def time_iterations(step, device, warmup: int, iters: int, before_first=None, af
     """Wall seconds of ``iters`` synchronised calls of ``step`` after ``warmup`` untimed ones, with
     Python's collector off (a collection would stall the device where it waits on launches);
     ``before_first`` / ``after_first`` are called around the first timed call."""
-    for _ in range(warmup):
+    for i in range(warmup):
+        start = time.perf_counter()
         step()
-    sync(device)
+        sync(device)
+        # the first iterations compile and autotune (minutes at full width): say where the time goes
+        print(f"  warmup {i + 1}/{warmup}: {time.perf_counter() - start:.1f} s", flush=True)
     times = []
     gc.collect()
     gc.disable()
@@ -561,6 +565,8 @@ def main() -> None:
     try:
         measure_all(args, kinds, layers, head, cfg, full_cfg, sft_cfg, first, layout, device, dtype, log, rows, save)
     except KeyboardInterrupt:   # the session's time limit (SIGINT): report what was measured
+        # where it was stopped (a kernel's compile or autotune, usually) tells the next run what to seed
+        traceback.print_exc(limit=-6)
         print("interrupted: the table and projections cover the lengths measured in full", flush=True)
     measured = [seq for seq in args.seq_lens if sum(r["seq_len"] == seq for r in rows) == len(kinds) + 1]
     report(args, rows, measured, kinds, counts, first, full_cfg, sft_cfg, layout, anchor, result)
@@ -572,6 +578,7 @@ def measure_all(args, kinds, layers, head, cfg, full_cfg, sft_cfg, first, layout
     for seq in args.seq_lens:
         topk = None
         for kind, layer in zip(kinds, layers):
+            print(f"{kind_label(kind)} at {seq:,} tokens", flush=True)
             started = time.perf_counter()
             row, selected = measure_layer(layer, cfg, kind, seq, layout["cp"], device, dtype, args, log,
                                           topk if kind[2] == "shared" else None, sft_cfg.indexer_kl_coeff)
