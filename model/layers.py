@@ -24,7 +24,7 @@ from model.norms import RMSNorm
 from model.ops.kda import chunk_kda_torch
 from model.parallel import CPContext, ParallelLayout, all_gather_seq
 
-__all__ = ["RMSNorm", "HyperConnection", "KDAMixer", "DSAMixer", "recompute", "init_normal"]
+__all__ = ["RMSNorm", "HyperConnection", "KDAMixer", "DSAMixer", "fold_cp_states", "recompute", "init_normal"]
 
 
 def init_normal(std: float):
@@ -120,6 +120,29 @@ def _depthwise_causal_conv(x: torch.Tensor, weight: torch.Tensor, history: torch
         history = x.new_zeros(x.shape[0], K - 1, x.shape[-1])
     xp = torch.cat([history.to(x.dtype), x], dim=1).transpose(1, 2)
     return F.silu(F.conv1d(xp, weight.unsqueeze(1).to(x.dtype), groups=x.shape[-1]).transpose(1, 2))
+
+
+def fold_cp_states(gathered: torch.Tensor, rank: int, v_dim: int) -> torch.Tensor:
+    """Incoming KDA state of CP rank ``rank`` from every rank's ``[S_loc | M]`` (parallel state passing).
+
+    ``gathered [B, R, H, K, V + K]`` float32 holds, per CP rank ``j``, its final state from zero
+    ``S_loc_j [.., K, V]`` (the first ``v_dim`` columns) and its chunk's transition ``M_j [.., K, K]``.
+    Returns ``S_in [B, H, K, V]`` = ``M_{r-1} (... (M_1 S_loc_0 + S_loc_1) ...) + S_loc_{r-1}``
+    (zeros for rank 0). The same fold as fla's ``FLACPContext`` (fla 0.6.0) state passing.
+
+    The gathered tensor is split and unbound once: indexing it per rank instead costs, in backward,
+    one zero-filled full ``[B, R, ...]`` gradient per slice and its accumulation, ``O(R^2)`` bytes
+    (at CP = 64 on the ``full`` preset ~275 GB, ~57 ms a KDA layer on an H200). Split and unbind
+    each have one ``cat``/``stack`` backward. The result starts from zeros that keep the gather in
+    every rank's graph (rank 0 uses none of it): the gather's backward is an all-reduce that all
+    ranks must join.
+    """
+    local, transition = gathered.split([v_dim, gathered.shape[-1] - v_dim], dim=-1)
+    locals_, transitions = local.unbind(1), transition.unbind(1)
+    state = locals_[0] * 0
+    for j in range(rank):
+        state = transitions[j] @ state + locals_[j]
+    return state
 
 
 class KDAMixer(MegatronModule):
@@ -261,13 +284,7 @@ class KDAMixer(MegatronModule):
         s0 = torch.cat([torch.zeros_like(eye), eye], dim=-1)
         _, final = self._recurrence(q, k, v_ext, g, beta, s0)
         gathered = all_gather_seq(final.unsqueeze(1), 1, cp)          # [B, R, H, K, 2V]
-        # Starts from zeros that keep the gather in every rank's graph (rank 0 uses none of it):
-        # the gather's backward is an all-reduce that all ranks must join.
-        state = gathered[:, 0, ..., :d] * 0
-        for j in range(cp.rank):
-            local, transition = gathered[:, j, ..., :d], gathered[:, j, ..., d:]
-            state = transition @ state + local
-        o, _ = self._recurrence(q, k, v, g, beta, state)
+        o, _ = self._recurrence(q, k, v, g, beta, fold_cp_states(gathered, cp.rank, d))
         return o
 
     def _heads(self, qkv):

@@ -70,3 +70,33 @@ def test_chunk_kda_gradients_match_float64_recurrence():
     (out2.pow(2).sum() + st2.sum()).backward()
     for a, b in zip(args, args2):
         assert torch.allclose(a.grad, b.grad, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rank", [0, 1, 5])
+def test_cp_state_fold_matches_a_per_rank_recurrence_in_value_and_gradient(rank):
+    """model.layers.fold_cp_states against S <- M_j S + L_j over separate float64 leaves per rank."""
+    from model.layers import fold_cp_states
+
+    b, ranks, h, k, v = 1, 6, 2, 4, 3
+    gen = torch.Generator().manual_seed(rank)
+    local = [torch.randn(b, h, k, v, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(ranks)]
+    trans = [(0.5 * torch.randn(b, h, k, k, generator=gen, dtype=torch.float64)).requires_grad_() for _ in range(ranks)]
+    weight = torch.randn(b, h, k, v, generator=gen, dtype=torch.float64)
+    state = torch.zeros(b, h, k, v, dtype=torch.float64)
+    for j in range(rank):
+        state = torch.einsum("bhij,bhjv->bhiv", trans[j], state) + local[j]
+    if rank:   # rank 0's incoming state is zeros, with no graph to differentiate
+        (state * weight).sum().backward()
+
+    gathered = torch.stack([torch.cat([local[j].detach(), trans[j].detach()], dim=-1) for j in range(ranks)], dim=1)
+    gathered = gathered.float().requires_grad_()
+    folded = fold_cp_states(gathered, rank, v)
+    (folded * weight.float()).sum().backward()
+
+    assert folded.shape == (b, h, k, v)
+    torch.testing.assert_close(folded.double(), state.detach(), atol=1e-5, rtol=1e-5)
+    for j in range(ranks):
+        want_l = local[j].grad if local[j].grad is not None else torch.zeros_like(local[j])
+        want_m = trans[j].grad if trans[j].grad is not None else torch.zeros_like(trans[j])
+        torch.testing.assert_close(gathered.grad[:, j, ..., :v].double(), want_l, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(gathered.grad[:, j, ..., v:].double(), want_m, atol=1e-5, rtol=1e-5)

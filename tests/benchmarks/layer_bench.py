@@ -494,6 +494,9 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=0, help="expert-parallel size (default: the preset's)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations (the second holds a KL backward)")
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--only", nargs="+", default=[],
+                        help="measure only the layer kinds whose label starts with one of these (e.g. KDA; "
+                             "'embedding' for the head): a table, no projection")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--ib-gbytes-per-s", type=float, default=50.0, help="per GPU (one 400 Gb/s NIC)")
     parser.add_argument("--nvlink-gbytes-per-s", type=float, default=900.0, help="per GPU and direction (NVLink 5)")
@@ -578,6 +581,8 @@ def measure_all(args, kinds, layers, head, cfg, full_cfg, sft_cfg, first, layout
     for seq in args.seq_lens:
         topk = None
         for kind, layer in zip(kinds, layers):
+            if args.only and not kind_label(kind).startswith(tuple(args.only)):
+                continue
             print(f"{kind_label(kind)} at {seq:,} tokens", flush=True)
             started = time.perf_counter()
             row, selected = measure_layer(layer, cfg, kind, seq, layout["cp"], device, dtype, args, log,
@@ -589,6 +594,8 @@ def measure_all(args, kinds, layers, head, cfg, full_cfg, sft_cfg, first, layout
             rows.append(row)
             save()
             print(json.dumps({k: v for k, v in row.items() if k != "times_s"}), flush=True)
+        if args.only and not "embedding".startswith(tuple(args.only)):
+            continue
         row = measure_head(head, seq, layout["cp"], device, args)
         row["flops_per_token"] = head_flops_per_token(full_cfg)
         rows.append(row)

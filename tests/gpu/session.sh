@@ -83,6 +83,8 @@ part dsa "${T_DSA:-300}" bash -c "python3 tests/gpu/dsa_check.py --out $OUT/dsa_
 part fused "${T_FUSED:-150}" python3 tests/gpu/fused_check.py --tokens "${FUSED_TOKENS:-65536}" --out "$OUT/fused_check.json"
 part profile "${T_PROFILE:-420}" python3 tests/benchmarks/sft_profile.py --pack runs/sft_gpu_pack \
   --configs ${PROFILE_CONFIGS:-64k} --trace-dir "$OUT" ${PROFILE_ARGS:-} --out "$OUT/sft_profile.json"
+# kdafold (tests/benchmarks/kda_cp_fold_bench.py: the KDA CP state fold, per-rank indexing vs split+unbind, full widths).
+part kdafold "${T_KDAFOLD:-60}" python3 tests/benchmarks/kda_cp_fold_bench.py --out "$OUT/kda_cp_fold.json"
 part layerbench "${T_LAYERBENCH:-540}" python3 tests/benchmarks/layer_bench.py ${LAYERBENCH_ARGS:-} --out "$OUT/layer_bench.json"
 # engine (tests/gpu/engine_update.py: the transformers engine's weight update keeps every parameter on the GPU).
 # Issue-34/28 runs: lr curves (LR_RUNS "LR:WARMUP ..."), the resumable SFT science run (SCIENCE_ARGS), and RL + verify +
