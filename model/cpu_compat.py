@@ -22,6 +22,10 @@ Calls covered (each met running megatron-core 0.19.2 on CPU):
     The async checkpoint writer synchronises; the alltoall dispatcher and activation offload
     record events on side streams. On CPU every op is already ordered, so these are no-ops
     (a stream/event object whose methods do nothing).
+``megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu``
+    The alltoall dispatcher copies its split sizes to the host as numpy arrays, but only from a
+    CUDA tensor: on CPU they stay tensors, which ``all_to_all_single`` rejects as split sizes.
+    Mapped to return the numpy array of a CPU tensor too.
 ``torch.Tensor.pin_memory``
     Host staging buffers (offload, optimizer state) are pinned; pinning needs a CUDA driver.
     Mapped to identity when no GPU is present.
@@ -129,6 +133,13 @@ def enable() -> bool:
         torch.get_rng_state().clone() if clone else torch.get_rng_state()
     )
     mp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+
+    from megatron.core.transformer.moe import token_dispatcher
+
+    move = token_dispatcher.maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = lambda tensor, as_numpy=False, record_stream=False: (
+        tensor.numpy() if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda
+        else move(tensor, as_numpy=as_numpy, record_stream=record_stream))
     _ACTIVE = True
     return True
 

@@ -26,7 +26,7 @@ def _grads_hf(model, cfg):
     return sd
 
 
-def _run(rank, world, tp, cp, port, hf_weights, ids, queue, ep=1):
+def _run(rank, world, tp, cp, port, hf_weights, ids, queue, ep=1, dispatcher=None):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     from megatron.core import parallel_state as ps
@@ -40,7 +40,8 @@ def _run(rank, world, tp, cp, port, hf_weights, ids, queue, ep=1):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     cfg = preset("tiny", index_topk=32, tensor_model_parallel_size=tp, context_parallel_size=cp,
-                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+                 **({"moe_token_dispatcher_type": dispatcher} if dispatcher else {}))
     model = build_model(cfg)
     load_megatron_state(model, hf_to_megatron(hf_weights, cfg, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
                                               ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep))
@@ -70,13 +71,13 @@ def _run(rank, world, tp, cp, port, hf_weights, ids, queue, ep=1):
     torch.distributed.destroy_process_group()
 
 
-def _spawn(tp, cp, hf_weights, ids, ep=1):
+def _spawn(tp, cp, hf_weights, ids, ep=1, dispatcher=None):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_run, args=(r, 2, tp, cp, port, hf_weights, ids, queue, ep)) for r in range(2)]
+    procs = [ctx.Process(target=_run, args=(r, 2, tp, cp, port, hf_weights, ids, queue, ep, dispatcher)) for r in range(2)]
     for p in procs:
         p.start()
     results = sorted((queue.get(timeout=600) for _ in procs), key=lambda r: r[0])
@@ -144,14 +145,18 @@ def test_context_parallel_2_equals_world_size_1(reference):
     _compare(megatron_to_hf([[summed]], cfg), ref_grads, "CP=2")
 
 
-def test_expert_parallel_2_with_data_parallel_equals_world_size_1():
-    """EP=2 (experts 0-3 on rank 0, 4-7 on rank 1), DP=2 over a batch of 2 rows, vs one process."""
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_expert_parallel_2_with_data_parallel_equals_world_size_1(dispatcher):
+    """EP=2 (experts 0-3 on rank 0, 4-7 on rank 1), DP=2 over a batch of 2 rows, vs one process;
+    megatron's alltoall dispatcher (the default under EP) and its allgather one."""
     cfg, hf, ids, ref_loss, ref_grads = _reference(batch=2)
+    from model.config import preset
     from model.convert import megatron_to_hf
 
-    results = _spawn(1, 1, hf, ids, ep=2)
+    assert preset("tiny", expert_model_parallel_size=2).moe_token_dispatcher_type == "alltoall"
+    results = _spawn(1, 1, hf, ids, ep=2, dispatcher=dispatcher)
     loss = sum(r[3] for r in results)
-    print(f"EP=2 loss {loss} vs {ref_loss}")
+    print(f"EP=2 ({dispatcher}) loss {loss} vs {ref_loss}")
     assert abs(loss - ref_loss) <= 1e-4 * abs(ref_loss)
     by_ep = [[r[4]] for r in sorted(results, key=lambda r: r[5])]
     _compare(megatron_to_hf(by_ep, cfg), ref_grads, "EP=2")

@@ -468,17 +468,21 @@ def project(rows: list[dict], full_cfg, counts: Counter, kinds, seq: int, layout
                  f"{expert / 1e9:.2f}B local params over {edp} ranks: {t_opt:.3f} s")
     comm += t_opt
     comm_a2a += t_opt
-    step = compute_b200 + comm
-    out = {"seq_len": seq, "compute_h200_s": compute_h200, "compute_b200_s": compute_b200, "comm_s": comm,
-           "comm_all_to_all_s": comm_a2a, "step_b200_s": step, "tokens_per_s": seq * dp / step,
-           "tokens_per_s_compute_only": seq * dp / compute_b200,
+    configured = full_cfg.moe_token_dispatcher_type
+    comm_configured = comm_a2a if configured == "alltoall" else comm
+    step = compute_b200 + comm_configured
+    out = {"seq_len": seq, "dispatcher": configured, "compute_h200_s": compute_h200, "compute_b200_s": compute_b200,
+           "comm_s": comm_configured, "comm_allgather_s": comm, "comm_all_to_all_s": comm_a2a, "step_b200_s": step,
+           "tokens_per_s": seq * dp / step, "tokens_per_s_compute_only": seq * dp / compute_b200,
+           "tokens_per_s_allgather": seq * dp / (compute_b200 + comm),
            "tokens_per_s_all_to_all": seq * dp / (compute_b200 + comm_a2a)}
-    lines.append(f"  one GPU: {compute_h200:.3f} s on H200 -> {compute_b200:.3f} s on B200 compute + {comm:.3f} s "
-                 f"comm = {step:.3f} s per step")
+    lines.append(f"  one GPU: {compute_h200:.3f} s on H200 -> {compute_b200:.3f} s on B200 compute + "
+                 f"{comm_configured:.3f} s comm ({configured} dispatcher) = {step:.3f} s per step")
     ref = REFERENCE_TOKENS_PER_S.get(seq)
-    for name, key in (("as configured (allgather dispatcher, collectives not overlapped)", "tokens_per_s"),
-                      ("all-to-all dispatcher instead", "tokens_per_s_all_to_all"),
-                      ("compute only (collectives fully overlapped)", "tokens_per_s_compute_only")):
+    other = ("allgather dispatcher instead", "tokens_per_s_allgather") if configured == "alltoall" else \
+        ("all-to-all dispatcher instead", "tokens_per_s_all_to_all")
+    for name, key in ((f"as configured ({configured} dispatcher, collectives not overlapped)", "tokens_per_s"),
+                      other, ("compute only (collectives fully overlapped)", "tokens_per_s_compute_only")):
         ratio = f" = {out[key] / ref:.2f}x the reference {ref:,.0f} (goal >= {GOAL_RATIO:g}x)" if ref else ""
         lines.append(f"  tokens/s on {world} B200, {name}: {seq:,} x {dp} / step = {out[key]:,.0f}{ratio}")
     out["lines"] = lines
@@ -498,6 +502,9 @@ def main() -> None:
                         help="measure only the layer kinds whose label starts with one of these (e.g. KDA; "
                              "'embedding' for the head): a table, no projection")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--rows-from", nargs="+", default=[], metavar="JSON",
+                        help="no measurement: table and projection from earlier runs' --out files (a later "
+                             "file's row of the same kind and length replaces an earlier one's)")
     parser.add_argument("--ib-gbytes-per-s", type=float, default=50.0, help="per GPU (one 400 Gb/s NIC)")
     parser.add_argument("--nvlink-gbytes-per-s", type=float, default=900.0, help="per GPU and direction (NVLink 5)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny preset, 4,096 tokens, CP=EP=4")
@@ -535,6 +542,16 @@ def main() -> None:
           f"dispatcher {full_cfg.moe_token_dispatcher_type}; layout {layout}; {experts_per_rank} local experts "
           f"(top-{full_cfg.moe_router_topk})", flush=True)
     print("schedule: " + ", ".join(f"{kind_label(k)} x {counts[k]}" for k in kinds), flush=True)
+    if args.rows_from:
+        rows, anchor = merged_rows(args.rows_from)
+        result = {"anchor_tflops": anchor, "layout": layout, "preset": args.training_preset, "model": sft_cfg.model,
+                  "rows": rows, "projections": [], "rows_from": args.rows_from}
+        lengths = sorted({r["seq_len"] for r in rows})
+        measured = [seq for seq in lengths if sum(r["seq_len"] == seq for r in rows) == len(kinds) + 1]
+        report(args, rows, measured, kinds, counts, first, full_cfg, sft_cfg, layout, anchor, result)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        return
 
     anchor = None
     if device.type == "cuda":
@@ -574,6 +591,20 @@ def main() -> None:
     measured = [seq for seq in args.seq_lens if sum(r["seq_len"] == seq for r in rows) == len(kinds) + 1]
     report(args, rows, measured, kinds, counts, first, full_cfg, sft_cfg, layout, anchor, result)
     save()
+
+
+def merged_rows(paths: list[str]) -> tuple[list[dict], float | None]:
+    """Rows of earlier ``--out`` files, one per (kind, length), later files winning, each tagged with
+    its file; and the last file's matmul anchor (TF/s; rows from other calls had their own)."""
+    rows, anchor = {}, None
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        anchor = data.get("anchor_tflops") or anchor
+        for row in data["rows"]:
+            rows[(row["kind"], row["seq_len"])] = dict(row, source=path)
+    for (kind, seq), row in rows.items():
+        print(f"  {kind} at {seq:,}: from {row['source']}")
+    return list(rows.values()), anchor
 
 
 def measure_all(args, kinds, layers, head, cfg, full_cfg, sft_cfg, first, layout, device, dtype, log, rows, save):
