@@ -38,10 +38,17 @@ def problems(report: str) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    if argv in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
     if len(argv) != 1:
-        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        print("usage: " + __doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         return 2
-    found = problems(Path(argv[0]).read_text())
+    path = Path(argv[0])
+    if not path.is_file():
+        print(f"report check: {path}: no such file (give the file holding the pipeline's stdout)", file=sys.stderr)
+        return 2
+    found = problems(path.read_text())
     for problem in found:
         print(f"report check: {problem}", file=sys.stderr)
     if not found:
