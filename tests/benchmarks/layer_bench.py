@@ -6,6 +6,7 @@ What runs (one process; ``PARTS=layerbench bash tests/gpu/session.sh`` on one H2
     python tests/benchmarks/layer_bench.py --out $OUT/layer_bench.json              # 256k and 1M
     python tests/benchmarks/layer_bench.py --seq-lens 1048576 --iters 5             # one length
     python tests/benchmarks/layer_bench.py --dry-run                                 # CPU, tiny preset
+    python tests/benchmarks/layer_bench.py --device cpu --rows-from A.json B.json    # re-project saved rows
 
 1. The anchor: a bf16 8192^3 matmul (``sft_profile.matmul_tflops``), TFLOP/s.
 2. The model config exactly as SFT builds it for the training preset (``tasks.sft.model_config`` of
@@ -60,7 +61,8 @@ What runs (one process; ``PARTS=layerbench bash tests/gpu/session.sh`` on one H2
    communication from bytes (NCCL ring model: an all-gather moves ``(R - 1) / R`` of its output per
    rank, an all-reduce twice that; a group that spans nodes runs at the per-GPU InfiniBand
    bandwidth, inside a node at NVLink's): the logged CP collectives, the MoE dispatcher's
-   collectives (per MoE forward and backward counted in the run), and the distributed optimizer's
+   collectives (per MoE forward and backward counted in the run; the configured dispatcher, alltoall
+   under EP, and the other one for comparison), and the distributed optimizer's
    gradient reduce-scatter and parameter all-gather. The code issues every collective synchronously,
    so the step adds them; the compute-only time is the bound with perfect overlap. tokens/s =
    ``seq x DP / step`` beside the reference's 24,900 (256k) and 13,700 (1M) tokens/s on 64 B200.
