@@ -45,7 +45,6 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 from pathlib import Path
 
-
 from model.parallel import ParallelLayout
 from tasks.atomic import keep_records_through, sha256_file
 from tasks.checkpoint import Checkpointer, restore_training_state, training_state

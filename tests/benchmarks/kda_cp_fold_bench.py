@@ -1,10 +1,10 @@
 """KDA context-parallel state fold, forward+backward: per-rank indexing of the gathered states vs
-``model.layers.fold_cp_states`` (split and unbind once), as the last CP rank.
+``model.layers.fold_cp_states`` (split and unbind once) vs a log-depth tree, as the last CP rank.
 
 The fold runs in every KDA layer's forward (twice under full recompute) and backward. Indexing the
 gathered ``[B, R, H, K, 2V]`` tensor per rank makes each slice's backward a zero-filled full-size
-gradient that autograd then accumulates: ``O(R^2)`` bytes. Prints a table; both variants in the
-same process (the anchor for each other)::
+gradient that autograd then accumulates: ``O(R^2)`` bytes. Prints a table; every variant in the
+same process (the anchors for each other; the tree's values are checked against ``fold_cp_states``)::
 
     python tests/benchmarks/kda_cp_fold_bench.py                       # full preset widths, CP 16/64
     python tests/benchmarks/kda_cp_fold_bench.py --heads 8 --device cpu

@@ -102,6 +102,7 @@ B200 = {"bf16_tflops": 2250.0, "hbm_tbps": 8.0}     # datasheet: dense bf16, HBM
 # Kernel families (sft_profile.FAMILIES) whose time is tensor-core bound; the rest is memory bound.
 TENSOR_CORE_FAMILIES = ("sparse MLA fwd", "sparse MLA bwd", "DSA indexer", "KDA/fla", "GEMM")
 KIND_NAMES = {"linear_attention": "KDA", "indexed_attention": "DSA"}
+HEAD_LABEL = "embedding + head + loss"   # the row of the embedding, final norm, output head and loss
 
 
 class EmulatedCP(CPContext):
@@ -158,6 +159,11 @@ def emulated_cp_gathers(log: CollectiveLog):
         yield
     finally:
         model.layers.all_gather_seq, model.parallel.all_gather_seq = saved
+
+
+def wanted(args, label: str) -> bool:
+    """Whether ``--only`` (label prefixes; empty: every kind) selects the layer kind ``label``."""
+    return not args.only or label.startswith(tuple(args.only))
 
 
 def kind_label(kind: tuple[str, str, str]) -> str:
@@ -388,7 +394,7 @@ def measure_head(model, seq: int, cp: int, device, args) -> dict:
     times = time_iterations(step, device, args.warmup, args.iters)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     split = kernel_split(step, device)
-    return {"kind": "embedding + head + loss", "seq_len": seq, "local_tokens": tokens,
+    return {"kind": HEAD_LABEL, "seq_len": seq, "local_tokens": tokens,
             "step_s": statistics.median(times), "times_s": times, "peak_gib": peak / 2**30,
             "above_resident_gib": None, "split": split}
 
@@ -427,7 +433,7 @@ def project(rows: list[dict], full_cfg, counts: Counter, kinds, seq: int, layout
     lines.append(f"projection at {seq:,} tokens per sequence: {world} GPUs, CP={cp} ({tokens:,} tokens per GPU), "
                  f"EP={ep}, DP={dp}; NVLink {nvl:g} GB/s, InfiniBand {ib:g} GB/s per GPU")
     for kind in [*kinds, None]:
-        label = "embedding + head + loss" if kind is None else kind_label(kind)
+        label = HEAD_LABEL if kind is None else kind_label(kind)
         count = 1 if kind is None else counts[kind]
         row = by_kind[label]
         t_b200, how = b200(row)
@@ -544,17 +550,31 @@ def main() -> None:
           f"dispatcher {full_cfg.moe_token_dispatcher_type}; layout {layout}; {experts_per_rank} local experts "
           f"(top-{full_cfg.moe_router_topk})", flush=True)
     print("schedule: " + ", ".join(f"{kind_label(k)} x {counts[k]}" for k in kinds), flush=True)
-    if args.rows_from:
-        rows, anchor = merged_rows(args.rows_from)
-        result = {"anchor_tflops": anchor, "layout": layout, "preset": args.training_preset, "model": sft_cfg.model,
-                  "rows": rows, "projections": [], "rows_from": args.rows_from}
-        lengths = sorted({r["seq_len"] for r in rows})
-        measured = [seq for seq in lengths if sum(r["seq_len"] == seq for r in rows) == len(kinds) + 1]
-        report(args, rows, measured, kinds, counts, first, full_cfg, sft_cfg, layout, anchor, result)
+    rows: list[dict] = []
+    result = {"anchor_tflops": None, "layout": layout, "preset": args.training_preset, "model": sft_cfg.model,
+              "rows": rows, "projections": []}
+
+    def save():
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
-        return
 
+    if args.rows_from:
+        loaded, result["anchor_tflops"] = merged_rows(args.rows_from)
+        rows.extend(loaded)
+        result["rows_from"] = args.rows_from
+        lengths = sorted({r["seq_len"] for r in rows})
+    else:
+        result["anchor_tflops"] = measure(args, kinds, full_cfg, sft_cfg, first, layout, experts_per_rank, device,
+                                          dtype, rows, save)
+        lengths = args.seq_lens
+    measured = [seq for seq in lengths if sum(r["seq_len"] == seq for r in rows) == len(kinds) + 1]
+    report(args, rows, measured, kinds, counts, first, full_cfg, sft_cfg, layout, result["anchor_tflops"], result)
+    save()
+
+
+def measure(args, kinds, full_cfg, sft_cfg, first, layout, experts_per_rank, device, dtype, rows, save) -> float | None:
+    """The anchor (TF/s, CUDA only), the layers and head built as one rank, then :func:`measure_all`
+    into ``rows`` (stopped early by SIGINT, keeping what was measured); returns the anchor."""
     anchor = None
     if device.type == "cuda":
         from sft_profile import matmul_tflops
@@ -575,24 +595,14 @@ def main() -> None:
                         device, dtype) for i in range(len(kinds))]
     head = head_model(cfg, device, dtype)
     print(f"built {len(layers)} layers and the head in {time.perf_counter() - started:.1f} s", flush=True)
-    log = CollectiveLog()
-    rows: list[dict] = []
-    result = {"anchor_tflops": anchor, "layout": layout, "preset": args.training_preset, "model": sft_cfg.model,
-              "rows": rows, "projections": []}
-
-    def save():
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1))
-
     try:
-        measure_all(args, kinds, layers, head, cfg, full_cfg, sft_cfg, first, layout, device, dtype, log, rows, save)
+        measure_all(args, kinds, layers, head, cfg, full_cfg, sft_cfg, first, layout, device, dtype, CollectiveLog(),
+                    rows, save)
     except KeyboardInterrupt:   # the session's time limit (SIGINT): report what was measured
         # where it was stopped (a kernel's compile or autotune, usually) tells the next run what to seed
         traceback.print_exc(limit=-6)
         print("interrupted: the table and projections cover the lengths measured in full", flush=True)
-    measured = [seq for seq in args.seq_lens if sum(r["seq_len"] == seq for r in rows) == len(kinds) + 1]
-    report(args, rows, measured, kinds, counts, first, full_cfg, sft_cfg, layout, anchor, result)
-    save()
+    return anchor
 
 
 def merged_rows(paths: list[str]) -> tuple[list[dict], float | None]:
@@ -614,7 +624,7 @@ def measure_all(args, kinds, layers, head, cfg, full_cfg, sft_cfg, first, layout
     for seq in args.seq_lens:
         topk = None
         for kind, layer in zip(kinds, layers):
-            if args.only and not kind_label(kind).startswith(tuple(args.only)):
+            if not wanted(args, kind_label(kind)):
                 continue
             print(f"{kind_label(kind)} at {seq:,} tokens", flush=True)
             started = time.perf_counter()
@@ -627,7 +637,7 @@ def measure_all(args, kinds, layers, head, cfg, full_cfg, sft_cfg, first, layout
             rows.append(row)
             save()
             print(json.dumps({k: v for k, v in row.items() if k != "times_s"}), flush=True)
-        if args.only and not "embedding".startswith(tuple(args.only)):
+        if not wanted(args, HEAD_LABEL):
             continue
         row = measure_head(head, seq, layout["cp"], device, args)
         row["flops_per_token"] = head_flops_per_token(full_cfg)
