@@ -140,6 +140,10 @@ class Glm5NextConfig(TransformerConfig):
     compile_glue: bool = True
     # DSA plain-torch path: queries per block of the blockwise indexer / sparse attention.
     dsa_query_block: int = 1024
+    # Sparse MLA backward on CUDA: the latent's gradient summed per selected k-pool ("pool"), scattered
+    # per query with atomics ("query"), or "auto" (pool up to model.layers.DKV_POOL_MAX_HEADS heads per
+    # TP rank); the same function (kernels.dsa.sparse_attention_triton).
+    dsa_dkv: str = "auto"
     # HF bookkeeping fields carried through the round trip unchanged.
     hf_extra: dict = field(default_factory=dict)
 
@@ -160,6 +164,8 @@ class Glm5NextConfig(TransformerConfig):
                     )
         if self.moe_experts not in ("grouped", "sequential"):
             raise ConfigError(f"moe_experts={self.moe_experts!r}; valid: 'grouped', 'sequential'")
+        if self.dsa_dkv not in ("auto", "pool", "query"):
+            raise ConfigError(f"dsa_dkv={self.dsa_dkv!r}; valid: 'auto', 'pool', 'query'")
         if self.index_topk % self.index_kpool:
             raise ConfigError(f"index_topk={self.index_topk} is not a multiple of index_kpool={self.index_kpool}")
 

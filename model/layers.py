@@ -341,6 +341,14 @@ class Indexer(torch.nn.Module):
         return q, k, gate, weights
 
 
+DKV_POOL_MAX_HEADS = 32
+"""``dsa_dkv="auto"``: the sparse MLA backward sums the latent's gradient per k-pool up to this many heads
+per rank, and scatters it per query above. The pool pass reads each (query, pool) pair's query and output
+gradient rows, bytes that grow with the heads; the per-query atomics do not. One H200, 64k tokens,
+fwd+bwd (``tests/benchmarks/dsa_bench.py``): 8 heads 0.124 s per pool vs 0.195 s per query; 64 heads
+0.585 s vs 0.496 s."""
+
+
 class DSAMixer(MegatronModule):
     """DeepSeek Sparse Attention on NoPE MLA (``Glm5NextTextAttention`` with ``Glm5NextTextIndexer``).
 
@@ -387,6 +395,11 @@ class DSAMixer(MegatronModule):
             init(self.kv_a_proj_with_mqa.weight)
         self.indexer = None if shared_indexer else Indexer(config)
         self.cfg = config
+        # Set by tasks.sft.IndexerKL: each forward leaves (q_resid, q_abs, latent_all, lse) in
+        # ``self.kl_inputs`` for the KL hook that runs right after it, so the KL's target does not
+        # recompute the queries, the latent and a whole sparse-attention forward.
+        self.keep_kl_inputs = False
+        self.kl_inputs = None
 
     def absorbed_queries(self, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q_resid [b, s, q_lora], q_abs [b, s, H, kv_lora])`` of ``xb [b, s, h]``: the normed low-rank
@@ -439,7 +452,11 @@ class DSAMixer(MegatronModule):
             # the TP ranks' heads here, as ColumnParallelLinear does for its input.
             latent = copy_to_tensor_model_parallel_region(latent)
         latent_all = all_gather_seq(latent, 1, cp)
-        o_lat, _ = sparse_mla_attention(q_abs, latent_all, topk, self.softmax_scale, self.kv_lora)
+        per_pool = self.cfg.dsa_dkv == "pool" or (self.cfg.dsa_dkv == "auto" and self.heads <= DKV_POOL_MAX_HEADS)
+        o_lat, lse = sparse_mla_attention(q_abs, latent_all, topk, self.softmax_scale, self.kv_lora,
+                                          runs=self.cfg.index_kpool if per_pool else None)
+        if self.keep_kl_inputs:
+            self.kl_inputs = tuple(t.detach() for t in (q_resid, q_abs, latent_all, lse))
         o = torch.einsum("bshc,hvc->bshv", o_lat, w_uv)
         out, _ = self.o_proj(o.flatten(-2))
         return out.transpose(0, 1), topk

@@ -97,6 +97,9 @@ class SFTConfig:
             expert; :mod:`model.moe`): the same parameters and function.
         compile_glue: fuse the layers' elementwise glue with ``torch.compile`` on GPUs
             (:mod:`model.fused`; the same function, CPU runs stay eager).
+        dsa_dkv: the sparse MLA backward's latent gradient on GPUs, summed per selected k-pool
+            (``pool``), scattered per query (``query``) or ``auto`` (by heads per rank,
+            :data:`model.layers.DKV_POOL_MAX_HEADS`); the same function.
         logits_chunk_tokens: positions whose logits exist at once in the loss.
         indexer_kl_coeff: weight of the DSA lightning-indexer KL loss (0 disables; TP = 1 only).
         expert_bias_update_rate: MoE expert-bias step per update (aux-loss-free balancing).
@@ -139,6 +142,7 @@ class SFTConfig:
     mlp_chunk_tokens: int = 0
     moe_experts: str = "grouped"
     compile_glue: bool = True
+    dsa_dkv: str = "auto"
     logits_chunk_tokens: int = 4096
     indexer_kl_coeff: float = 0.0
     expert_bias_update_rate: float = 1e-3
@@ -192,7 +196,7 @@ def model_config(cfg: SFTConfig):
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     overrides = dict(tensor_model_parallel_size=cfg.tensor_parallel, context_parallel_size=cfg.context_parallel,
                      expert_model_parallel_size=cfg.expert_parallel, expert_tensor_parallel_size=1, mlp_chunk_tokens=cfg.mlp_chunk_tokens,
-                     moe_experts=cfg.moe_experts, compile_glue=cfg.compile_glue,
+                     moe_experts=cfg.moe_experts, compile_glue=cfg.compile_glue, dsa_dkv=cfg.dsa_dkv,
                      moe_router_bias_update_rate=cfg.expert_bias_update_rate, params_dtype=dtype,
                      bf16=dtype == torch.bfloat16, calculate_per_token_loss=True, **recompute)
     if cfg.init_hf:
@@ -222,13 +226,11 @@ def training_windows(pack_dir: str | os.PathLike, cfg: SFTConfig) -> WindowSampl
 class IndexerKL:
     """Collects the DSA lightning-indexer KL loss (DeepSeek-V3.2 sec. 2.1) of every full-indexer layer.
 
-    A forward hook on each :class:`model.layers.DSAMixer` with its own indexer reruns, from the
-    mixer's input ``x [s, b, h]`` and its selection ``topk [b, s, W]``, the mixer's own absorbed
-    queries, latent and sparse attention (no gradient) for the main attention's log-normaliser,
-    and the indexer's own score inputs of a *detached* input (:meth:`model.layers.Indexer.score_inputs`),
-    and hands them to :func:`kernels.dsa.indexer_kl_loss`: the KL trains the indexer only, the LM
-    loss trains the rest. The rerun costs one extra sparse-attention forward per full-indexer
-    layer; the mixer's forward does not return its ``lse``.
+    A forward hook on each :class:`model.layers.DSAMixer` with its own indexer takes the mixer's
+    selection ``topk [b, s, W]`` and the absorbed queries, gathered latent and log-normaliser ``lse``
+    its forward just computed (detached; ``DSAMixer.keep_kl_inputs``), runs the indexer's own score
+    inputs on a *detached* input (:meth:`model.layers.Indexer.score_inputs`), and hands them to
+    :func:`kernels.dsa.indexer_kl_loss`: the KL trains the indexer only, the LM loss trains the rest.
     """
 
     def __init__(self, module, coeff: float):
@@ -237,12 +239,15 @@ class IndexerKL:
         self.losses: list = []
         self.handles = []
         if coeff:
-            self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in module.modules()
-                            if isinstance(m, DSAMixer) and m.indexer is not None]
+            mixers = [m for m in module.modules() if isinstance(m, DSAMixer) and m.indexer is not None]
+            for m in mixers:
+                m.keep_kl_inputs = True
+            self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in mixers]
 
     def _hook(self, mixer, args, kwargs, output):
         import torch
 
+        inputs, mixer.kl_inputs = mixer.kl_inputs, None   # never kept past this forward
         # Training forwards only (validation runs the model in eval mode). Under full recompute
         # megatron runs a layer's forward without autograd, then again with it inside backward:
         # the KL is built in the first pass, with autograd on for the indexer's own graph, so it is
@@ -250,25 +255,18 @@ class IndexerKL:
         if not mixer.training or torch._C._current_autograd_node() is not None:
             return
         with torch.enable_grad():
-            self.losses.append(self._loss(mixer, args, kwargs, output))
+            self.losses.append(self._loss(mixer, args, kwargs, output, inputs))
 
     @staticmethod
-    def _loss(mixer, args, kwargs, output):
-        import torch
-
-        from kernels.dsa import indexer_kl_loss, sparse_mla_attention
-        from model.parallel import all_gather_seq
+    def _loss(mixer, args, kwargs, output, inputs):
+        from kernels.dsa import indexer_kl_loss
 
         cp, c, ix = mixer.layout.cp, mixer.cfg, mixer.indexer
         xb = args[0].detach().transpose(0, 1)
-        topk = output[1]
-        with torch.no_grad():
-            q_resid, q_abs = mixer.absorbed_queries(xb)
-            latent = all_gather_seq(mixer.latent(xb), 1, cp)
-            _, lse = sparse_mla_attention(q_abs, latent, topk, mixer.softmax_scale, mixer.kv_lora)
+        q_resid, q_abs, latent, lse = inputs
         q_index, k_index, gate, weights = ix.score_inputs(xb, q_resid, cp)
         return indexer_kl_loss(
-            q_index, k_index, gate, ix.kpool_compress_ape, weights, q_abs, latent, lse, topk,
+            q_index, k_index, gate, ix.kpool_compress_ape, weights, q_abs, latent, lse, output[1],
             kpool=c.index_kpool, topk=c.index_topk, index_softmax_scale=ix.softmax_scale,
             softmax_scale=mixer.softmax_scale, cu_seqlens=kwargs.get("cu_seqlens"))
 

@@ -104,3 +104,6 @@ def test_bad_arguments_raise_dsa_input_error():
         sparse_mla_attention(q, kv, idx.float(), 1.0, 8)
     with pytest.raises(DSAInputError, match="Dqk"):
         sparse_mla_attention(q, kv[..., :4], idx, 1.0, 4)
+    for runs in (0, idx.shape[2] + 1):
+        with pytest.raises(DSAInputError, match="runs"):
+            sparse_mla_attention(q, kv, idx, 1.0, 8, runs=runs)

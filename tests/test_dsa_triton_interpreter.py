@@ -31,6 +31,7 @@ SCRIPT = textwrap.dedent(
                         (st.sparse_mla_mass_kernel, dict(BLOCK_H=16, BLOCK_K=16))]:
         kernel.configs = [c for c in kernel.configs[:1]]
         kernel.configs[0].kwargs.update(cfg)
+    st.RUN_ROWS, st.RUN_CHUNK = 32, 3   # the run pass: 32 (query, head) rows per step, 3 pairs per program
     it.candidate_capacity = lambda n_select: 16   # 16 candidate slots: all-equal scores overflow them
     it.n_columns = lambda n_select: 32  # 32 column groups, 16 per score program: 2 programs along
     it.GROUP_N = 16                      # the pools, each folding 2 pools of a tile into a group
@@ -55,6 +56,42 @@ SCRIPT = textwrap.dedent(
         scores = torch.einsum("bthd,btkd->bthk", q, kv[torch.arange(2)[:, None, None], idx.long().clamp_min(0)]) * 0.3
         mass = torch.where(idx[:, :, None] >= 0, torch.exp(scores - lse[..., None]), 0.0).sum(2).nan_to_num(0.0)
         assert torch.allclose(st.triton_sparse_mla_mass(q, kv, idx, lse, 0.3), mass, atol=1e-5)
+
+    # the key-centric dkv pass over runs of 16 (the indexer's k-pool layout): 3 runs + a 5-slot tail per
+    # query; runs from two staggered pool grids (rows of different keys overlap), runs shared by many
+    # queries (key segments spanning the 3-pair chunks), -1 runs, a reversed run and a run with a hole
+    # (not whole: scattered per query), an empty query; 8 heads (4 pairs per 32-row step) and 20 (padded)
+    def staggered_indices(batch, n_q, n_keys):
+        idx = torch.full((batch, n_q, 53), -1, dtype=torch.int32)
+        for b in range(batch):
+            for t in range(n_q):
+                grid = [0, 16, 32, 48, 64] if (b + t) % 2 else [8, 24, 40, 56]
+                starts = [grid[i] for i in torch.randperm(len(grid), generator=gen)[:3].tolist()]
+                for r, s0 in enumerate(starts):
+                    if (b, t, r) != (1, 3, 2):   # one -1 run
+                        idx[b, t, 16 * r:16 * (r + 1)] = torch.arange(s0, s0 + 16)
+                rest = sorted(set(range(n_keys)) - set(idx[b, t, :48].tolist()))
+                pick = torch.randperm(len(rest), generator=gen)[:5].tolist()
+                idx[b, t, 48:] = torch.tensor([rest[i] for i in pick])
+        idx[0, 0, 16:32] = idx[0, 0, 16:32].flip(0)   # reversed: a permutation, not a run
+        idx[0, 1, 5] = -1                                # a hole
+        idx[1, 5] = -1                                   # no key at all
+        return idx
+
+    for heads, d_v in ((8, 32), (20, 16)):
+        q, kv = torch.randn(2, 6, heads, 32, generator=gen), torch.randn(2, 80, 32, generator=gen)
+        idx = staggered_indices(2, 6, 80)
+        out, lse = torch_sparse_mla_fwd(q, kv, idx, 0.3, d_v)
+        grad = torch.randn(out.shape, generator=gen)
+        ref = torch_sparse_mla_bwd(q, kv, idx, out, lse, grad, 0.3, d_v)
+        run_ok = st.run_pairs(idx, 16, 80)[0]
+        not_whole = torch.zeros(2, 6, 3, dtype=torch.bool)
+        not_whole[0, 0, 1] = not_whole[0, 1, 0] = not_whole[1, 3, 2] = True
+        not_whole[1, 5] = True
+        assert torch.equal(run_ok.bool(), ~not_whole), run_ok
+        for runs in (16, None):
+            for a, b in zip(st.triton_sparse_mla_bwd(q, kv, idx, out, lse, grad, 0.3, d_v, runs), ref):
+                assert torch.allclose(a, b, atol=1e-5), (heads, runs, (a - b).abs().max())
 
     # every buffer torch.empty gives the indexer is poisoned (finite scores above any real one,
     # out-of-range indices): a read of memory no kernel wrote changes the selection

@@ -89,3 +89,8 @@ def test_config_json_loads_in_transformers():
 def test_unsupported_configs_raise(change, match):
     with pytest.raises(ConfigError, match=match):
         from_hf({**preset_hf("tiny"), **change})
+
+
+def test_unknown_dsa_dkv_path_raises():
+    with pytest.raises(ConfigError, match="dsa_dkv"):
+        preset("tiny", dsa_dkv="atomics")

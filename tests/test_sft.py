@@ -537,3 +537,67 @@ def test_indexer_kl_under_full_recompute_equals_the_plain_one_and_is_backpropaga
         grads.append(model.layers[1].mixer.indexer.wq_b.weight.grad.clone())
     assert values[1] == pytest.approx(values[0], rel=1e-5)
     assert torch.allclose(grads[1], grads[0], rtol=1e-4, atol=1e-7)
+
+
+def test_indexer_kl_reuses_the_mixers_attention_and_equals_a_rerun_of_it():
+    """The KL hook takes the queries, latent and lse of the mixer's own forward; recomputing them from
+    the mixer's input (a second sparse-attention forward) gives the same loss, and nothing is kept."""
+    import torch
+
+    from kernels.dsa import indexer_kl_loss, sparse_mla_attention
+    from model.config import preset
+    from model.glm5_next import build_model
+    from model.layers import DSAMixer
+    from tasks.sft import IndexerKL
+
+    model = build_model(preset("tiny"), seed=5).train()
+    collector = IndexerKL(model, 1.0)
+    mixers = [m for m in model.modules() if isinstance(m, DSAMixer) and m.indexer is not None]
+    seen = {}
+    for m in mixers:
+        m.register_forward_hook(lambda mod, args, out: seen.setdefault(mod, (args[0].detach(), out[1])))
+    ids = torch.randint(4, 9, (1, 257), generator=torch.Generator().manual_seed(2))
+    model(ids[:, :-1], labels=ids[:, 1:])
+    kl = collector.pop()
+    assert mixers and all(m.kl_inputs is None for m in mixers)
+    rerun = 0.0
+    with torch.no_grad():
+        for m in mixers:
+            x, topk = seen[m]
+            xb = x.transpose(0, 1)
+            q_resid, q_abs = m.absorbed_queries(xb)
+            latent = m.latent(xb)
+            _, lse = sparse_mla_attention(q_abs, latent, topk, m.softmax_scale, m.kv_lora)
+            q_i, k_i, gate, weights = m.indexer.score_inputs(xb, q_resid, m.layout.cp)
+            c = m.cfg
+            rerun = rerun + indexer_kl_loss(q_i, k_i, gate, m.indexer.kpool_compress_ape, weights, q_abs, latent, lse,
+                                            topk, kpool=c.index_kpool, topk=c.index_topk,
+                                            index_softmax_scale=m.indexer.softmax_scale, softmax_scale=m.softmax_scale)
+    assert kl.item() == pytest.approx(rerun.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("dsa_dkv, expect_runs", [("auto", True), ("pool", True), ("query", False)])
+def test_dsa_dkv_setting_reaches_the_sparse_attention(monkeypatch, dsa_dkv, expect_runs):
+    """``dsa_dkv`` picks the sparse MLA backward's dkv path: k-pool runs (the kpool) or per query (None);
+    ``auto`` takes runs at the tiny preset's head count (<= model.layers.DKV_POOL_MAX_HEADS)."""
+    import torch
+
+    import kernels.dsa
+    from model.config import preset
+    from model.glm5_next import build_model
+    from model.layers import DKV_POOL_MAX_HEADS
+
+    cfg = preset("tiny", dsa_dkv=dsa_dkv)
+    assert cfg.num_attention_heads <= DKV_POOL_MAX_HEADS
+    seen = []
+    real = kernels.dsa.sparse_mla_attention
+
+    def spy(*args, runs=None, **kwargs):
+        seen.append(runs)
+        return real(*args, runs=runs, **kwargs)
+
+    monkeypatch.setattr(kernels.dsa, "sparse_mla_attention", spy)
+    model = build_model(cfg, seed=1)
+    with torch.no_grad():
+        model(torch.randint(4, 9, (1, 64), generator=torch.Generator().manual_seed(0)))
+    assert seen and all(r == (cfg.index_kpool if expect_runs else None) for r in seen), seen

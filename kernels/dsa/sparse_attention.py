@@ -100,7 +100,7 @@ def torch_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v,
 
 class _SparseMLAAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, indices, softmax_scale, d_v):
+    def forward(ctx, q, kv, indices, softmax_scale, d_v, runs):
         if q.is_cuda:
             from kernels.dsa.sparse_attention_triton import triton_sparse_mla_fwd
 
@@ -108,7 +108,7 @@ class _SparseMLAAttention(torch.autograd.Function):
         else:
             out, lse = torch_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v)
         ctx.save_for_backward(q, kv, indices, out, lse)
-        ctx.softmax_scale, ctx.d_v = softmax_scale, d_v
+        ctx.softmax_scale, ctx.d_v, ctx.runs = softmax_scale, d_v, runs
         lse = lse.float()
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -119,14 +119,16 @@ class _SparseMLAAttention(torch.autograd.Function):
         if q.is_cuda:
             from kernels.dsa.sparse_attention_triton import triton_sparse_mla_bwd
 
-            dq, dkv = triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out.contiguous(), ctx.softmax_scale, ctx.d_v)
+            dq, dkv = triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out.contiguous(), ctx.softmax_scale, ctx.d_v,
+                                            ctx.runs)
         else:
             dq, dkv = torch_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, ctx.softmax_scale, ctx.d_v)
-        return dq, dkv, None, None, None
+        return dq, dkv, None, None, None, None
 
 
 def sparse_mla_attention(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,
+    runs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every head over the selected tokens of one shared MLA latent.
 
@@ -140,6 +142,12 @@ def sparse_mla_attention(
         softmax_scale: usually ``(qk_nope_head_dim + qk_rope_head_dim) ** -0.5`` of the
             un-absorbed head (the absorption does not change the logits).
         d_v: value width, the value of token ``s`` is ``kv[b, s, :d_v]``.
+        runs: the k-pool size when ``indices`` has the indexer's layout (slots ``[r * runs,
+            (r + 1) * runs)`` one pool's consecutive tokens or ``-1``, then the tail): the CUDA
+            backward then sums each pool's ``dkv`` over the queries that selected it instead of
+            scatter-adding per query (:mod:`kernels.dsa.sparse_attention_triton`). Only a hint:
+            slots that do not form such runs are handled per query, so the result is the same
+            for any indices. ``None``: per query. The values and the CPU path do not depend on it.
 
     Returns:
         ``out [B, T, H, d_v]`` in ``q.dtype`` and ``lse [B, T, H]`` float32 (natural log;
@@ -150,4 +158,6 @@ def sparse_mla_attention(
         DSAInputError: on inconsistent shapes or dtypes.
     """
     _check_attention_inputs(q, kv, indices, d_v)
-    return _SparseMLAAttention.apply(q, kv, indices, softmax_scale, d_v)
+    if runs is not None and not 0 < runs <= indices.shape[2]:
+        raise DSAInputError(f"runs must be in 1..{indices.shape[2]} (the index width) or None, got {runs}")
+    return _SparseMLAAttention.apply(q, kv, indices, softmax_scale, d_v, runs)

@@ -4,14 +4,27 @@ One program handles one query and a block of ``BLOCK_H`` heads (autotuned per he
 and widths, together with ``BLOCK_K``, warps and stages): it gathers the selected
 latent rows ``kv[idx]`` ``BLOCK_K`` at a time (shared by all heads of the block, as in
 FlashMLA's sparse kernels), runs an online softmax in base 2 and accumulates
-``P @ kv[:, :d_v]`` in float32. The backward recomputes ``P`` from the saved ``lse``,
-accumulates ``dq`` in registers and scatter-adds ``dkv`` with float32 atomics.
+``P @ kv[:, :d_v]`` in float32. The backward recomputes ``P`` from the saved ``lse`` and
+accumulates ``dq`` in registers. ``dkv`` comes one of two ways:
+
+* per query (``runs=None``): the query's program scatter-adds its ``dkv`` rows with float32
+  atomics, one ``Dqk``-wide row per selected key, query and head block. At 8 heads these
+  atomics bound the backward (69 G adds per 64k-token call).
+* per key run (``runs=kpool``, the indexer's layout: slots ``[r * kpool, (r + 1) * kpool)`` hold
+  one k-pool's consecutive tokens or ``-1``): the (query, run) pairs are sorted by the run's first
+  token (``torch.sort``, stable), and :func:`sparse_mla_bwd_runs_kernel` walks the sorted list in
+  fixed chunks, recomputing ``P`` and ``dP`` of each pair's query rows against the run's ``kpool``
+  latent rows and summing ``dS^T Q + P^T dO`` over all queries of the run in registers: one
+  atomic row flush per run and chunk instead of one per query. Slots outside whole runs (the
+  tail of the query's own pool) and runs that are not consecutive tokens go through the
+  per-query atomics, so any index layout stays exact.
 
 Per query (all heads), forward: FLOPs ``2 * H * K * (Dqk + d_v)``, gathered bytes
 ``ceil(H / BLOCK_H) * K * (Dqk + d_v) * 2`` (L2 absorbs the repeats across head blocks).
-Backward: FLOPs ``2 * H * K * (2 * Dqk + 2 * d_v)`` (+ the recomputed ``QK``), atomics
-``ceil(H / BLOCK_H) * K * Dqk`` float32 adds when ``d_v == Dqk`` (the value's gradient is
-folded into the key's row), ``* (Dqk + d_v)`` otherwise.
+Backward per query: FLOPs ``2 * H * K * (2 * Dqk + 2 * d_v)`` (+ the recomputed ``QK``); per-query
+atomics ``ceil(H / BLOCK_H) * K * Dqk`` float32 adds; the run pass instead reads the query's
+``q`` and ``dO`` rows once per selected run (``H * (Dqk + d_v) * 2`` bytes) and recomputes ``QK`` and
+``dO V^T``.
 """
 
 from __future__ import annotations
@@ -22,7 +35,7 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 
-__all__ = ["triton_sparse_mla_fwd", "triton_sparse_mla_bwd", "triton_sparse_mla_mass"]
+__all__ = ["triton_sparse_mla_fwd", "triton_sparse_mla_bwd", "triton_sparse_mla_mass", "run_pairs"]
 
 
 def _attention_configs():
@@ -100,18 +113,19 @@ def sparse_mla_fwd_kernel(
     tl.store(LSE + b * stride_lb + t * stride_lt + offs_h, lse, mask=mask_h)
 
 
-@triton.autotune(configs=_attention_configs(), reset_to_zero=["DKV"], **_TUNE)
+@triton.autotune(configs=_attention_configs(), reset_to_zero=["DKV"], key=["n_heads", "DQK", "DV", "RUN"],
+                 prune_configs_by=_TUNE["prune_configs_by"])
 @triton.jit
 def sparse_mla_bwd_kernel(
-    Q, KV, IDX, O, DO, LSE, DQ, DKV,
+    Q, KV, IDX, O, DO, LSE, DQ, DKV, RUN_OK, DELTA,
     stride_qb, stride_qt, stride_qh,
     stride_kvb, stride_kvs,
     stride_ib, stride_it,
     stride_lb, stride_lt,
     stride_dkb, stride_dks,
-    n_heads, n_idx, scale, scale_log2,
+    n_heads, n_idx, n_runs, scale, scale_log2,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    RUN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)  # at 1M tokens x H x Dqk, offsets pass 2^31
     pid_h = tl.program_id(1)
@@ -129,6 +143,8 @@ def sparse_mla_bwd_kernel(
     o = tl.load(O + row_o + offs_v[None, :], mask=o_mask, other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
     lse = tl.load(LSE + b * stride_lb + t * stride_lt + offs_h, mask=mask_h, other=float("-inf"))
+    if RUN > 0:  # the run pass reads rowsum(dO * O) from here; DELTA is contiguous [B, T, H]
+        tl.store(DELTA + (b * tl.num_programs(0).to(tl.int64) + t) * n_heads + offs_h, delta, mask=mask_h)
     row_ok = lse > float("-inf")
     lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
     dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -139,6 +155,13 @@ def sparse_mla_bwd_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_base + offs_k, mask=offs_k < n_idx, other=-1).to(tl.int64)
         valid = idx >= 0
+        if RUN > 0:  # slots of a whole consecutive run get their dkv from the run pass
+            in_runs = offs_k < n_runs * RUN
+            run_ok = tl.load(RUN_OK + (b * tl.num_programs(0).to(tl.int64) + t) * n_runs + offs_k // RUN,
+                             mask=in_runs, other=0)
+            scatter = valid & ~(in_runs & (run_ok != 0))
+        else:
+            scatter = valid
         rows = kv_base + idx[:, None] * stride_kvs
         kv = tl.load(rows + offs_d[None, :], mask=valid[:, None] & (offs_d[None, :] < DQK), other=0.0)
         if DV == DQK:  # absorbed NoPE-MLA: the value is the latent itself, gathered once
@@ -151,18 +174,103 @@ def sparse_mla_bwd_kernel(
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kv.dtype), kv)
-        dkv = tl.dot(tl.trans(ds).to(q.dtype), q) * scale
-        dv = tl.dot(tl.trans(p).to(do.dtype), do)
-        dk_rows = dkv_base + idx[:, None] * stride_dks
-        if DV == DQK:  # absorbed NoPE-MLA: the value is the whole latent, one atomic row
-            tl.atomic_add(dk_rows + offs_d[None, :], dkv + dv, mask=valid[:, None] & (offs_d[None, :] < DQK), sem="relaxed")
-        else:
-            tl.atomic_add(dk_rows + offs_d[None, :], dkv, mask=valid[:, None] & (offs_d[None, :] < DQK), sem="relaxed")
-            tl.atomic_add(dk_rows + offs_v[None, :], dv, mask=valid[:, None] & (offs_v[None, :] < DV), sem="relaxed")
+        if tl.max(scatter.to(tl.int32), axis=0) > 0:
+            dkv = tl.dot(tl.trans(ds).to(q.dtype), q) * scale
+            dv = tl.dot(tl.trans(p).to(do.dtype), do)
+            dk_rows = dkv_base + idx[:, None] * stride_dks
+            if DV == DQK:  # absorbed NoPE-MLA: the value is the whole latent, one atomic row
+                tl.atomic_add(dk_rows + offs_d[None, :], dkv + dv, mask=scatter[:, None] & (offs_d[None, :] < DQK),
+                              sem="relaxed")
+            else:
+                tl.atomic_add(dk_rows + offs_d[None, :], dkv, mask=scatter[:, None] & (offs_d[None, :] < DQK),
+                              sem="relaxed")
+                tl.atomic_add(dk_rows + offs_v[None, :], dv, mask=scatter[:, None] & (offs_v[None, :] < DV),
+                              sem="relaxed")
     tl.store(
         DQ + row_q + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
         mask=mask_h[:, None] & (offs_d[None, :] < DQK),
     )
+
+
+RUN_ROWS, RUN_CHUNK, RUN_WARPS, RUN_STAGES = 16, 256, 4, 2
+"""The run pass's launch: (query, head) rows per step, sorted pairs per program, warps, stages. Fixed, not
+autotuned: the kernel adds into a ``dkv`` that already holds the per-query kernel's rows, which an autotuner
+would have to copy and restore around every trial (zeroing it, ``reset_to_zero``, made the autotuning call
+27% off on the H200). The candidates measured there (ms per call at 4k tokens, small / full shape):
+rows 16 w4 s2 1.97 / 14.3; rows 16 s1 2.29 / 19.4; rows 32 s2 2.01 / 15.0; rows 32 s1 2.27 / 18.5;
+rows 32 w8 s2 3.39 / 28.2."""
+
+
+@triton.jit
+def sparse_mla_bwd_runs_kernel(
+    Q, KV, DO, LSE, DELTA, KEYS, PAIRS, ENDS, DKV,
+    stride_kvb, stride_kvs,
+    stride_dkb, stride_dks,
+    n_pairs, n_keys, seq_keys, n_heads, scale, scale_log2,
+    DQK: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    RUN: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """``dkv`` of whole runs, key-centric: the sorted (query, run) pairs ``[c * CHUNK, (c + 1) * CHUNK)``.
+
+    ``KEYS [n_pairs]`` int32: each pair's run start as ``b * seq_keys + s`` ascending, ``n_keys``
+    (``= B * seq_keys``) for pairs without a whole run (sorted last); ``PAIRS [n_pairs]`` int32: the
+    pair's query as ``b * T + t``; ``ENDS [n_keys]`` int32: one past the last pair of each key.
+    ``Q [B, T, H, DQK]``, ``DO [B, T, H, DV]`` contiguous; ``LSE``, ``DELTA`` contiguous float32
+    ``[B, T, H]``. Each key segment of the chunk sums ``scale * dS^T q + P^T dO`` over its pairs in
+    float32 and adds it to ``DKV`` rows ``s .. s + RUN - 1`` once (atomics: a run's pairs may span
+    chunks).
+    """
+    start = tl.program_id(0) * CHUNK
+    stop = tl.minimum(start + CHUNK, n_pairs)
+    offs_r = tl.arange(0, RUN)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_v = tl.arange(0, BLOCK_DV)
+    offs_m = tl.arange(0, ROWS)
+    i = start
+    while i < stop:
+        key = tl.load(KEYS + i)
+        whole = key < n_keys
+        seg_end = tl.where(whole, tl.minimum(tl.load(ENDS + tl.minimum(key, n_keys - 1)), stop), stop)
+        if whole:
+            b = (key // seq_keys).to(tl.int64)
+            s0 = (key % seq_keys).to(tl.int64)
+            kv_rows = KV + b * stride_kvb + (s0 + offs_r)[:, None] * stride_kvs
+            kv = tl.load(kv_rows + offs_d[None, :], mask=offs_d[None, :] < DQK, other=0.0)
+            if DV == DQK:
+                v = kv
+            else:
+                v = tl.load(kv_rows + offs_v[None, :], mask=offs_v[None, :] < DV, other=0.0)
+            acc = tl.zeros([RUN, BLOCK_D], tl.float32)
+            acc_v = tl.zeros([RUN, BLOCK_DV], tl.float32)
+            # rows are the segment's (pair, head) products in order, ROWS at a time: no head padding,
+            # and a pair's heads may span two steps
+            for g0 in range(i * n_heads, seg_end * n_heads, ROWS):
+                g = g0 + offs_m
+                live = g < seg_end * n_heads
+                query = tl.load(PAIRS + g // n_heads, mask=live, other=0).to(tl.int64)
+                row = query * n_heads + g % n_heads
+                q = tl.load(Q + row[:, None] * DQK + offs_d[None, :], mask=live[:, None] & (offs_d[None, :] < DQK),
+                            other=0.0)
+                do = tl.load(DO + row[:, None] * DV + offs_v[None, :], mask=live[:, None] & (offs_v[None, :] < DV),
+                             other=0.0)
+                lse = tl.load(LSE + row, mask=live, other=float("-inf"))
+                delta = tl.load(DELTA + row, mask=live, other=0.0)
+                row_ok = lse > float("-inf")
+                lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
+                p = tl.exp2(tl.dot(q, tl.trans(kv)) * scale_log2 - lse2[:, None])
+                p = tl.where(row_ok[:, None], p, 0.0)
+                dp = tl.dot(do, tl.trans(v))
+                ds = p * (dp - delta[:, None]) * scale
+                acc += tl.dot(tl.trans(ds).to(q.dtype), q)
+                if DV == DQK:
+                    acc += tl.dot(tl.trans(p).to(do.dtype), do)
+                else:
+                    acc_v += tl.dot(tl.trans(p).to(do.dtype), do)
+            dk_rows = DKV + b * stride_dkb + (s0 + offs_r)[:, None] * stride_dks
+            tl.atomic_add(dk_rows + offs_d[None, :], acc, mask=offs_d[None, :] < DQK, sem="relaxed")
+            if DV != DQK:
+                tl.atomic_add(dk_rows + offs_v[None, :], acc_v, mask=offs_v[None, :] < DV, sem="relaxed")
+        i = seg_end
 
 
 @triton.autotune(configs=_attention_configs(), reset_to_zero=["MASS"], **_TUNE)
@@ -227,26 +335,80 @@ def triton_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v):
     return out, lse
 
 
-def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v):
-    """``dq`` (q.dtype) and ``dkv`` (kv.dtype, accumulated in float32) of ``sparse_mla_attention``."""
+def run_pairs(indices: torch.Tensor, run: int, n_keys: int, query_block: int = 32768):
+    """The (query, run) pairs of ``indices [B, T, W]`` sorted by run start, for the key-centric ``dkv`` pass.
+
+    A run is slots ``[r * run, (r + 1) * run)`` for ``r < W // run``; it is *whole* when its first
+    index ``s >= 0`` and the slots hold ``s, s + 1, ..., s + run - 1`` (the indexer's expanded
+    k-pools). Returns ``run_ok [B, T, W // run]`` uint8, ``keys [B * T * R]`` int32 (``b * n_keys + s``
+    ascending; ``B * n_keys`` for pairs that are not whole, last), ``pairs`` int32 (``b * T + t`` of each
+    sorted pair; stable, so ascending within a run) and ``ends [B * n_keys]`` int32 (one past each
+    key's last pair). Checked ``query_block`` queries at a time: the ``[t, R, run]`` comparisons are
+    the only full-width temporaries.
+    """
+    batch, n_q, width = indices.shape
+    n_runs = width // run
+    if batch * n_keys >= 2**31 or batch * n_q * n_runs >= 2**31:
+        raise ValueError(f"{batch} x {n_keys} keys or {batch} x {n_q} x {n_runs} pairs exceed int32")
+    steps = torch.arange(run, dtype=indices.dtype, device=indices.device)
+    run_ok = torch.empty(batch, n_q, n_runs, dtype=torch.uint8, device=indices.device)
+    for t0 in range(0, n_q, query_block):
+        blk = indices[:, t0:t0 + query_block, : n_runs * run].unflatten(-1, (n_runs, run))
+        first = blk[..., 0]
+        run_ok[:, t0:t0 + query_block] = ((first >= 0) & (blk == first[..., None] + steps).all(-1)).to(torch.uint8)
+    first = indices[:, :, : n_runs * run : run].to(torch.int32)
+    offset = (torch.arange(batch, dtype=torch.int32, device=indices.device) * n_keys)[:, None, None]
+    keys = torch.where(run_ok.bool(), first + offset, batch * n_keys).flatten()
+    keys, order = torch.sort(keys, stable=True)
+    pairs = torch.div(order, n_runs, rounding_mode="floor").to(torch.int32)
+    probes = torch.arange(batch * n_keys, dtype=torch.int32, device=indices.device)
+    ends = torch.searchsorted(keys, probes, right=True).to(torch.int32)
+    return run_ok, keys, pairs, ends
+
+
+def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v, runs=None):
+    """``dq`` (q.dtype) and ``dkv`` (kv.dtype, accumulated in float32) of ``sparse_mla_attention``.
+
+    ``runs``: ``None`` scatters every selected key's ``dkv`` from its query's program with atomics;
+    an int (the k-pool size) sums whole runs of that many consecutive tokens per run instead
+    (:func:`run_pairs`, :func:`sparse_mla_bwd_runs_kernel`), the other slots as before. Runs
+    shorter than 16 or not a power of two are too small for the run pass's tiles and are
+    scattered per query like ``None`` (the result is the same either way).
+    """
     batch, n_q, heads, dqk = q.shape
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
     grad_out, lse, out = grad_out.contiguous(), lse.contiguous(), out.contiguous()
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    # the run pass's tiles need a power-of-two run of at least 16 rows (tl.arange, tl.dot)
+    run = runs if runs and runs >= 16 and runs & (runs - 1) == 0 else 0
+    n_runs = indices.shape[2] // run if run else 0
+    if n_runs:
+        run_ok, keys, pairs, ends = run_pairs(indices, run, kv.shape[1])
+        delta = torch.empty(batch, n_q, heads, dtype=torch.float32, device=q.device)
+    else:
+        run, run_ok, delta = 0, dkv, dkv   # unused by the kernel without runs
+    block = dict(DQK=dqk, DV=d_v, BLOCK_D=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(d_v))
     sparse_mla_bwd_kernel[_grid(n_q, heads, batch)](
-        q, kv, indices, out, grad_out, lse, dq, dkv,
+        q, kv, indices, out, grad_out, lse, dq, dkv, run_ok, delta,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
         indices.stride(0), indices.stride(1),
         lse.stride(0), lse.stride(1),
         dkv.stride(0), dkv.stride(1),
-        heads, indices.shape[2], softmax_scale, softmax_scale * _LOG2E,
-        DQK=dqk, DV=d_v, BLOCK_D=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(d_v),
+        heads, indices.shape[2], n_runs, softmax_scale, softmax_scale * _LOG2E,
+        RUN=run, **block,
     )
+    if n_runs:
+        n_pairs = keys.numel()
+        sparse_mla_bwd_runs_kernel[(triton.cdiv(n_pairs, RUN_CHUNK),)](
+            q, kv, grad_out, lse, delta, keys, pairs, ends, dkv,
+            kv.stride(0), kv.stride(1),
+            dkv.stride(0), dkv.stride(1),
+            n_pairs, batch * kv.shape[1], kv.shape[1], heads, softmax_scale, softmax_scale * _LOG2E,
+            RUN=run, ROWS=RUN_ROWS, CHUNK=RUN_CHUNK, num_warps=RUN_WARPS, num_stages=RUN_STAGES, **block,
+        )
     return dq, dkv.to(kv.dtype)
-
-
 
 
 def triton_sparse_mla_mass(q, kv, indices, lse, softmax_scale):

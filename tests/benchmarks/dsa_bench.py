@@ -142,25 +142,44 @@ def bench_indexer(seq_len: int, shape: dict, ceil: dict, reps: int, torch_path: 
     return rows
 
 
+def pool_indices(seq_len: int, n_q: int, device: str = "cuda") -> torch.Tensor:
+    """``[1, n_q, WIDTH]`` int32 causal k-pool selections in the indexer's layout (:func:`expand_selection`) for
+    the last ``n_q`` of ``seq_len`` queries: ``TOPK / KPOOL`` distinct complete visible pools of ``KPOOL``
+    consecutive tokens (every other pool back from a random offset, ``-1`` past the start), then the tail of the
+    query's own pool. The kernels' cost depends on how many (query, pool) pairs there are, not on which."""
+    n_sel = TOPK // KPOOL
+    pos = torch.arange(seq_len - n_q, seq_len, device=device)[:, None]
+    visible = (pos + 1) // KPOOL
+    pools = visible - 1 - torch.randint(0, 2 * n_sel, (n_q, 1), device=device) - 2 * torch.arange(n_sel, device=device)
+    tokens = pools[..., None] * KPOOL + torch.arange(KPOOL, device=device)
+    tokens = torch.where(pools[..., None] >= 0, tokens, -1).flatten(1)
+    tail = visible * KPOOL + torch.arange(KPOOL - 1, device=device)
+    tail = torch.where(tail <= pos, tail, -1)
+    return torch.cat([tokens, tail], dim=1).to(torch.int32)[None].contiguous()
+
+
 def bench_attention(seq_len: int, shape: dict, ceil: dict, reps: int) -> list[dict]:
+    """Sparse MLA forward, and forward + backward with ``dkv`` per query (atomics) and per k-pool run."""
     h, dqk = shape["heads"], shape["dqk"]
     n_q, factor, note = seq_len, 1, ""
     if h * seq_len * dqk * 2 > 32 * 2**30:
         n_q, factor, note = seq_len // 4, 4, " x4 of 256k chunk"
     q = torch.randn(1, n_q, h, dqk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     kv = torch.randn(1, seq_len, dqk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    # causal random selections of WIDTH distinct tokens (the kernels' cost does not depend on which)
-    pos = torch.arange(seq_len - n_q, seq_len, device="cuda")[:, None]
-    idx = (pos - torch.randint(0, 2**31 - 1, (n_q, 1), device="cuda") % (WIDTH * 8) - torch.arange(WIDTH, device="cuda") * 8)
-    idx = torch.where(idx >= 0, idx, -1).to(torch.int32)[None].contiguous()
+    idx = pool_indices(seq_len, n_q)
     scale = shape["qk_head"] ** -0.5
     k_valid = WIDTH  # nearly every query at these lengths has a full selection
     fwd_flops = 2 * n_q * h * k_valid * (dqk + dqk)
     fwd_bytes = n_q * k_valid * dqk * 2 * max(1, h // 32) + q.numel() * 2 * 2
     bwd_flops = 2 * n_q * h * k_valid * (dqk + 2 * dqk + 2 * dqk)
     bwd_bytes = fwd_bytes + n_q * k_valid * dqk * 4 * max(1, h // 32)  # fp32 atomics, d_v folded in
+    # per run: the dq pass gathers like the forward; the run pass reads q and dO rows once per (query, pool)
+    # pair and recomputes QK and dO V^T (4 products of 2 * H * Dqk per selected token instead of 2)
+    run_flops = bwd_flops + 2 * n_q * h * k_valid * 2 * dqk
+    run_bytes = 2 * fwd_bytes + n_q * (TOPK // KPOOL) * h * dqk * 2 * 2
     pred_f = max(fwd_flops / ceil["matmul_tflops"] / 1e12, fwd_bytes / ceil["copy_tbps"] / 1e12)
     pred_b = max((fwd_flops + bwd_flops) / ceil["matmul_tflops"] / 1e12, (fwd_bytes + bwd_bytes) / ceil["copy_tbps"] / 1e12)
+    pred_r = max((fwd_flops + run_flops) / ceil["matmul_tflops"] / 1e12, (fwd_bytes + run_bytes) / ceil["copy_tbps"] / 1e12)
 
     def fwd():
         with torch.no_grad():
@@ -168,16 +187,26 @@ def bench_attention(seq_len: int, shape: dict, ceil: dict, reps: int) -> list[di
 
     grad = torch.randn(1, n_q, h, dqk, device="cuda", dtype=torch.bfloat16)
 
-    def fwd_bwd():
-        out, _ = sparse_mla_attention(q, kv, idx, scale, dqk)
+    def fwd_bwd(runs):
+        out, _ = sparse_mla_attention(q, kv, idx, scale, dqk, runs=runs)
         out.backward(grad)
 
     t_f, peak_f = timed(fwd, reps)
     rows = [dict(op="sparse MLA fwd" + note, seconds=t_f * factor, predicted=pred_f * factor, peak_gib=peak_f,
                  tflops=fwd_flops / t_f / 1e12)]
-    t_b, peak_b = timed(fwd_bwd, reps)
-    rows.append(dict(op="sparse MLA fwd+bwd" + note, seconds=t_b * factor, predicted=pred_b * factor,
-                     peak_gib=peak_b, tflops=(fwd_flops + bwd_flops) / t_b / 1e12))
+    grads = {}
+    for runs, label, pred in [(None, "dkv per query", pred_b), (KPOOL, "dkv per pool", pred_r)]:
+        t_b, peak_b = timed(lambda: fwd_bwd(runs), reps)
+        rows.append(dict(op=f"sparse MLA fwd+bwd, {label}" + note, seconds=t_b * factor, predicted=pred * factor,
+                         peak_gib=peak_b, tflops=(fwd_flops + bwd_flops) / t_b / 1e12))
+        q.grad = kv.grad = None
+        fwd_bwd(runs)
+        grads[runs] = (q.grad.float(), kv.grad.float())
+        q.grad = kv.grad = None
+    for name, a, b in zip(("dq", "dkv"), grads[None], grads[KPOOL]):
+        err = ((a - b).norm() / b.norm()).item()
+        print(f"  {n_q // 1024}k x {h} heads: {name} per pool vs per query, relative norm difference {err:.2e}",
+              flush=True)
     return rows
 
 

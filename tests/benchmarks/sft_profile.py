@@ -9,6 +9,7 @@ Run on the device machine (``PARTS=profile bash tests/gpu/session.sh``)::
     python tests/benchmarks/sft_profile.py --pack runs/sft_gpu_pack --configs 64k --out $OUT/sft_profile.json
     python tests/benchmarks/sft_profile.py ... --moe-experts sequential grouped   # both MoE expert paths, one process
     python tests/benchmarks/sft_profile.py ... --compile-glue off on              # eager vs fused glue, one process
+    python tests/benchmarks/sft_profile.py ... --dsa-dkv query pool               # sparse MLA dkv per query / per k-pool
     python tests/benchmarks/sft_profile.py --table sft_profile.json               # the table of a saved run, no GPU
 
 Printed per configuration: the median unprofiled step time after the first, tokens/s, MFU from the
@@ -135,9 +136,10 @@ def trace_summary(trace: dict, steps: int) -> dict:
 
 
 def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor: float, moe_experts: str,
-                   compile_glue: bool = True, trace_out: Path | None = None) -> dict:
+                   compile_glue: bool = True, trace_out: Path | None = None, dsa_dkv: str = "auto") -> dict:
     """Timed and profiled SFT steps of configuration ``name`` with the routed-expert path ``moe_experts``
-    (:mod:`model.moe`) and the layers' glue fused or eager (``compile_glue``, :mod:`model.fused`); the
+    (:mod:`model.moe`), the layers' glue fused or eager (``compile_glue``, :mod:`model.fused`) and the
+    sparse MLA backward's ``dsa_dkv`` (:class:`tasks.sft.SFTConfig`); the
     chrome trace gzipped to ``trace_out`` when it is under 15 MiB compressed (what the device machine
     sends back)."""
     import torch
@@ -147,7 +149,7 @@ def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor:
     from tasks.trainer import ManualGC
 
     cfg = dataclasses.replace(sft_config(name, steps + profile_steps), moe_experts=moe_experts,
-                              compile_glue=compile_glue)
+                              compile_glue=compile_glue, dsa_dkv=dsa_dkv)
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -184,7 +186,8 @@ def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor:
     tokens_per_s = cfg.seq_len / step_s
     flops_per_token = run.flops_per_token
     row = {
-        "config": name, "moe_experts": moe_experts, "compile_glue": compile_glue, "seq_len": cfg.seq_len, "step_s": step_s,
+        "config": name, "moe_experts": moe_experts, "compile_glue": compile_glue, "dsa_dkv": dsa_dkv,
+        "seq_len": cfg.seq_len, "step_s": step_s,
         "step_times_s": [r["step_time_s"] for r in records], "first_step_s": records[0]["step_time_s"],
         "tokens_per_s": tokens_per_s, "flops_per_token": flops_per_token,
         "model_tflops": flops_per_token * tokens_per_s / 1e12,
@@ -199,7 +202,8 @@ def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor:
 
 def _label(row: dict) -> str:
     glue = {True: "fused", False: "eager"}.get(row.get("compile_glue", False))
-    return f"{row['config']} {row['moe_experts']} {glue}"
+    dkv = f" dkv/{row['dsa_dkv']}" if "dsa_dkv" in row else ""
+    return f"{row['config']} {row['moe_experts']} {glue}{dkv}"
 
 
 def table(anchor: float, rows: list[dict]) -> str:
@@ -236,6 +240,8 @@ def main() -> None:
                         help="routed-expert paths, each profiled for every configuration (model.moe)")
     parser.add_argument("--compile-glue", nargs="+", default=["on"], choices=["on", "off"],
                         help="layer glue fused by torch.compile (on) or eager (off), each profiled (model.fused)")
+    parser.add_argument("--dsa-dkv", nargs="+", default=["auto"], choices=["auto", "pool", "query"],
+                        help="sparse MLA dkv summed per k-pool or scattered per query, each profiled")
     parser.add_argument("--steps", type=int, default=4, help="unprofiled steps (the first compiles)")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--out", help="JSON file")
@@ -268,11 +274,12 @@ def main() -> None:
     print(f"matmul anchor: {anchor:.0f} TF/s", flush=True)
     rows = []
     for name in args.configs:
-        for experts, glue in [(e, g) for e in args.moe_experts for g in args.compile_glue]:
+        for experts, glue, dkv in [(e, g, d) for e in args.moe_experts for g in args.compile_glue
+                                   for d in args.dsa_dkv]:
             started = time.perf_counter()
-            trace = Path(args.trace_dir, f"trace_{name}_{experts}_{glue}.json.gz") if args.trace_dir else None
+            trace = Path(args.trace_dir, f"trace_{name}_{experts}_{glue}_{dkv}.json.gz") if args.trace_dir else None
             rows.append(profile_config(name, args.pack, args.steps, args.profile_steps, anchor, experts,
-                                       glue == "on", trace))
+                                       glue == "on", trace, dkv))
             rows[-1]["wall_s"] = time.perf_counter() - started
             Path(args.out).write_text(json.dumps({"matmul_tflops": anchor, "runs": rows}, indent=1))
             print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("top_kernels", "families", "top_ops")}),

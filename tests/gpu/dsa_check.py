@@ -13,7 +13,7 @@ filled with NaN before every kernel call (so an unwritten output shows up):
   ``sum softmax(I64)[selected] / sum softmax(I64)[true top pools] >= 0.99`` on sampled rows;
 * sparse MLA attention forward on the selected indices: relative Frobenius error of the
   bf16 output vs float64 (sampled rows) <= 1e-2; backward (dq, dkv) vs float64 at the
-  smallest length;
+  smallest length, with dkv scattered per query and summed per k-pool run;
 * massive ties (``--ties``, and by default): every score equal (zero queries), and 160 pools
   of six score levels above a tie of all others in 40 of the 512 column groups, so that the
   selection's slots overflow and its exact pass must climb above its bound:
@@ -173,14 +173,18 @@ def check_attention(seq_len: int, shape: dict, indices: torch.Tensor, gen: torch
     ok = result["out_finite"] and result["out_rel_err"] <= 1e-2 and result["lse_max_abs_err"] <= 5e-2
     if backward:
         grad = torch.randn(out.shape, generator=gen, device="cuda").bfloat16()
-        poison()
-        out.backward(grad)
         ref_o64, ref_l64 = torch_sparse_mla_fwd(q.detach().double(), kv.detach().double(), indices, scale, dqk, 64)
         dq64, dkv64 = torch_sparse_mla_bwd(
             q.detach().double(), kv.detach().double(), indices, ref_o64, ref_l64, grad.double(), scale, dqk, 64
         )
-        result.update(dq_rel_err=rel_err(q.grad, dq64), dkv_rel_err=rel_err(kv.grad, dkv64))
-        ok = ok and result["dq_rel_err"] <= 1e-2 and result["dkv_rel_err"] <= 1e-2
+        # dkv scattered per query, and summed per k-pool run (the indexer's layout; the model's path)
+        for runs, tag in ((None, ""), (16, "_per_pool")):
+            q.grad = kv.grad = None
+            out, _ = sparse_mla_attention(q, kv, indices, scale, dqk, runs=runs)
+            poison()
+            out.backward(grad)
+            result.update({f"dq{tag}_rel_err": rel_err(q.grad, dq64), f"dkv{tag}_rel_err": rel_err(kv.grad, dkv64)})
+            ok = ok and result[f"dq{tag}_rel_err"] <= 1e-2 and result[f"dkv{tag}_rel_err"] <= 1e-2
     result["ok"] = ok
     return result
 
