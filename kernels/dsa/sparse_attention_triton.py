@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dsa.errors import DSAInputError
+
 _LOG2E = 1.4426950408889634
 
 __all__ = ["triton_sparse_mla_fwd", "triton_sparse_mla_bwd", "triton_sparse_mla_mass", "run_pairs"]
@@ -345,11 +347,14 @@ def run_pairs(indices: torch.Tensor, run: int, n_keys: int, query_block: int = 3
     sorted pair; stable, so ascending within a run) and ``ends [B * n_keys]`` int32 (one past each
     key's last pair). Checked ``query_block`` queries at a time: the ``[t, R, run]`` comparisons are
     the only full-width temporaries.
+
+    Raises:
+        DSAInputError: when the keys or the pairs do not fit int32 offsets.
     """
     batch, n_q, width = indices.shape
     n_runs = width // run
     if batch * n_keys >= 2**31 or batch * n_q * n_runs >= 2**31:
-        raise ValueError(f"{batch} x {n_keys} keys or {batch} x {n_q} x {n_runs} pairs exceed int32")
+        raise DSAInputError(f"{batch} x {n_keys} keys or {batch} x {n_q} x {n_runs} (query, run) pairs exceed int32")
     steps = torch.arange(run, dtype=indices.dtype, device=indices.device)
     run_ok = torch.empty(batch, n_q, n_runs, dtype=torch.uint8, device=indices.device)
     for t0 in range(0, n_q, query_block):
