@@ -115,7 +115,40 @@ def sparse_mla_fwd_kernel(
     tl.store(LSE + b * stride_lb + t * stride_lt + offs_h, lse, mask=mask_h)
 
 
-@triton.autotune(configs=_attention_configs(), reset_to_zero=["DKV"], key=["n_heads", "DQK", "DV", "RUN"],
+@triton.jit
+def _slot_block(q, do, delta, lse2, row_ok, kv_base, stride_kvs, idx, valid, offs_d, offs_v, scale_log2,
+                DQK: tl.constexpr, DV: tl.constexpr):
+    """One block of selected slots against a block of heads: the gathered latent ``kv [BLOCK_K, BLOCK_D]``,
+    its value ``v``, the probabilities ``p`` and ``dS = P (dP - rowsum(dO O))`` (both ``[BLOCK_H, BLOCK_K]``
+    float32, unscaled)."""
+    rows = kv_base + idx[:, None] * stride_kvs
+    kv = tl.load(rows + offs_d[None, :], mask=valid[:, None] & (offs_d[None, :] < DQK), other=0.0)
+    if DV == DQK:  # absorbed NoPE-MLA: the value is the latent itself, gathered once
+        v = kv
+    else:
+        v = tl.load(rows + offs_v[None, :], mask=valid[:, None] & (offs_v[None, :] < DV), other=0.0)
+    p = tl.exp2(tl.dot(q, tl.trans(kv)) * scale_log2 - lse2[:, None])
+    p = tl.where(valid[None, :] & row_ok[:, None], p, 0.0)
+    ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+    return kv, p, ds
+
+
+@triton.jit
+def _scatter_dkv(dkv_base, stride_dks, idx, mask, q, do, p, ds, offs_d, offs_v, scale,
+                 DQK: tl.constexpr, DV: tl.constexpr):
+    """Add ``scale * dS^T q`` and ``P^T dO`` of a slot block to the ``dkv`` rows of its keys where ``mask``
+    (float32 atomics)."""
+    dkv = tl.dot(tl.trans(ds).to(q.dtype), q) * scale
+    dv = tl.dot(tl.trans(p).to(do.dtype), do)
+    dk_rows = dkv_base + idx[:, None] * stride_dks
+    if DV == DQK:  # absorbed NoPE-MLA: the value is the whole latent, one atomic row
+        tl.atomic_add(dk_rows + offs_d[None, :], dkv + dv, mask=mask[:, None] & (offs_d[None, :] < DQK), sem="relaxed")
+    else:
+        tl.atomic_add(dk_rows + offs_d[None, :], dkv, mask=mask[:, None] & (offs_d[None, :] < DQK), sem="relaxed")
+        tl.atomic_add(dk_rows + offs_v[None, :], dv, mask=mask[:, None] & (offs_v[None, :] < DV), sem="relaxed")
+
+
+@triton.autotune(configs=_attention_configs(), reset_to_zero=["DKV"], key=["n_heads", "DQK", "DV", "RUN", "MODE"],
                  prune_configs_by=_TUNE["prune_configs_by"])
 @triton.jit
 def sparse_mla_bwd_kernel(
@@ -127,8 +160,14 @@ def sparse_mla_bwd_kernel(
     stride_dkb, stride_dks,
     n_heads, n_idx, n_runs, scale, scale_log2,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    RUN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    RUN: tl.constexpr, MODE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """Per-query backward of one query and head block. ``MODE`` 0: ``dq`` and every selected key's ``dkv``
+    (float32 atomics). With k-pool runs (``RUN > 0``), 1: ``dq`` only, and ``rowsum(dO * O)`` to ``DELTA``
+    (contiguous ``[B, T, H]``); 2: ``dkv`` of the slots outside whole runs only (``RUN_OK [B, T, n_runs]``),
+    blocks without such a slot skipped, ``DELTA`` read. Split so that the ``dq`` pass compiles without the
+    ``dkv`` products (sm_90, 8 heads: 156 registers, no spills, 3 CTAs per SM, against 255 registers and a
+    spill with them)."""
     t = tl.program_id(0).to(tl.int64)  # at 1M tokens x H x Dqk, offsets pass 2^31
     pid_h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -138,15 +177,19 @@ def sparse_mla_bwd_kernel(
     mask_h = offs_h < n_heads
     row_q = b * stride_qb + t * stride_qt + offs_h[:, None] * stride_qh
     q = tl.load(Q + row_q + offs_d[None, :], mask=mask_h[:, None] & (offs_d[None, :] < DQK), other=0.0)
-    # dO and O are contiguous [B, T, H, d_v].
-    row_o = ((b * tl.num_programs(0).to(tl.int64) + t) * n_heads + offs_h[:, None]) * DV
+    # dO and O are contiguous [B, T, H, d_v]; DELTA and RUN_OK are contiguous too.
+    query = b * tl.num_programs(0).to(tl.int64) + t
+    row_o = (query * n_heads + offs_h[:, None]) * DV
     o_mask = mask_h[:, None] & (offs_v[None, :] < DV)
     do = tl.load(DO + row_o + offs_v[None, :], mask=o_mask, other=0.0)
-    o = tl.load(O + row_o + offs_v[None, :], mask=o_mask, other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+    if MODE == 2:
+        delta = tl.load(DELTA + query * n_heads + offs_h, mask=mask_h, other=0.0)
+    else:
+        o = tl.load(O + row_o + offs_v[None, :], mask=o_mask, other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+    if MODE == 1:
+        tl.store(DELTA + query * n_heads + offs_h, delta, mask=mask_h)
     lse = tl.load(LSE + b * stride_lb + t * stride_lt + offs_h, mask=mask_h, other=float("-inf"))
-    if RUN > 0:  # the run pass reads rowsum(dO * O) from here; DELTA is contiguous [B, T, H]
-        tl.store(DELTA + (b * tl.num_programs(0).to(tl.int64) + t) * n_heads + offs_h, delta, mask=mask_h)
     row_ok = lse > float("-inf")
     lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
     dq = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -157,41 +200,28 @@ def sparse_mla_bwd_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_base + offs_k, mask=offs_k < n_idx, other=-1).to(tl.int64)
         valid = idx >= 0
-        if RUN > 0:  # slots of a whole consecutive run get their dkv from the run pass
+        if MODE == 1:
+            kv, p, ds = _slot_block(q, do, delta, lse2, row_ok, kv_base, stride_kvs, idx, valid, offs_d, offs_v,
+                                    scale_log2, DQK, DV)
+            dq += tl.dot(ds.to(kv.dtype), kv)
+        elif MODE == 0:
+            kv, p, ds = _slot_block(q, do, delta, lse2, row_ok, kv_base, stride_kvs, idx, valid, offs_d, offs_v,
+                                    scale_log2, DQK, DV)
+            dq += tl.dot(ds.to(kv.dtype), kv)
+            _scatter_dkv(dkv_base, stride_dks, idx, valid, q, do, p, ds, offs_d, offs_v, scale, DQK, DV)
+        else:  # slots of a whole consecutive run get their dkv from the run pass
             in_runs = offs_k < n_runs * RUN
-            run_ok = tl.load(RUN_OK + (b * tl.num_programs(0).to(tl.int64) + t) * n_runs + offs_k // RUN,
-                             mask=in_runs, other=0)
+            run_ok = tl.load(RUN_OK + query * n_runs + offs_k // RUN, mask=in_runs, other=0)
             scatter = valid & ~(in_runs & (run_ok != 0))
-        else:
-            scatter = valid
-        rows = kv_base + idx[:, None] * stride_kvs
-        kv = tl.load(rows + offs_d[None, :], mask=valid[:, None] & (offs_d[None, :] < DQK), other=0.0)
-        if DV == DQK:  # absorbed NoPE-MLA: the value is the latent itself, gathered once
-            v = kv
-        else:
-            v = tl.load(rows + offs_v[None, :], mask=valid[:, None] & (offs_v[None, :] < DV), other=0.0)
-        s = tl.dot(q, tl.trans(kv)) * scale_log2
-        p = tl.exp2(s - lse2[:, None])
-        p = tl.where(valid[None, :] & row_ok[:, None], p, 0.0)
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(kv.dtype), kv)
-        if tl.max(scatter.to(tl.int32), axis=0) > 0:
-            dkv = tl.dot(tl.trans(ds).to(q.dtype), q) * scale
-            dv = tl.dot(tl.trans(p).to(do.dtype), do)
-            dk_rows = dkv_base + idx[:, None] * stride_dks
-            if DV == DQK:  # absorbed NoPE-MLA: the value is the whole latent, one atomic row
-                tl.atomic_add(dk_rows + offs_d[None, :], dkv + dv, mask=scatter[:, None] & (offs_d[None, :] < DQK),
-                              sem="relaxed")
-            else:
-                tl.atomic_add(dk_rows + offs_d[None, :], dkv, mask=scatter[:, None] & (offs_d[None, :] < DQK),
-                              sem="relaxed")
-                tl.atomic_add(dk_rows + offs_v[None, :], dv, mask=scatter[:, None] & (offs_v[None, :] < DV),
-                              sem="relaxed")
-    tl.store(
-        DQ + row_q + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
-        mask=mask_h[:, None] & (offs_d[None, :] < DQK),
-    )
+            if tl.max(scatter.to(tl.int32), axis=0) > 0:
+                kv, p, ds = _slot_block(q, do, delta, lse2, row_ok, kv_base, stride_kvs, idx, valid, offs_d, offs_v,
+                                        scale_log2, DQK, DV)
+                _scatter_dkv(dkv_base, stride_dks, idx, scatter, q, do, p, ds, offs_d, offs_v, scale, DQK, DV)
+    if MODE != 2:
+        tl.store(
+            DQ + row_q + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+            mask=mask_h[:, None] & (offs_d[None, :] < DQK),
+        )
 
 
 RUN_ROWS, RUN_CHUNK, RUN_WARPS, RUN_STAGES = 16, 256, 4, 2
@@ -394,16 +424,19 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     else:
         run, run_ok, delta = 0, dkv, dkv   # unused by the kernel without runs
     block = dict(DQK=dqk, DV=d_v, BLOCK_D=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(d_v))
-    sparse_mla_bwd_kernel[_grid(n_q, heads, batch)](
-        q, kv, indices, out, grad_out, lse, dq, dkv, run_ok, delta,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv.stride(0), kv.stride(1),
-        indices.stride(0), indices.stride(1),
-        lse.stride(0), lse.stride(1),
-        dkv.stride(0), dkv.stride(1),
-        heads, indices.shape[2], n_runs, softmax_scale, softmax_scale * _LOG2E,
-        RUN=run, **block,
-    )
+    # per query: one pass (mode 0); per run: dq and rowsum(dO O) (mode 1), then the slots outside whole
+    # runs (mode 2), then the run pass. Each mode's autotuning zeroes dkv before anything else wrote it.
+    for mode in ((1, 2) if n_runs else (0,)):
+        sparse_mla_bwd_kernel[_grid(n_q, heads, batch)](
+            q, kv, indices, out, grad_out, lse, dq, dkv, run_ok, delta,
+            q.stride(0), q.stride(1), q.stride(2),
+            kv.stride(0), kv.stride(1),
+            indices.stride(0), indices.stride(1),
+            lse.stride(0), lse.stride(1),
+            dkv.stride(0), dkv.stride(1),
+            heads, indices.shape[2], n_runs, softmax_scale, softmax_scale * _LOG2E,
+            RUN=run, MODE=mode, **block,
+        )
     if n_runs:
         n_pairs = keys.numel()
         sparse_mla_bwd_runs_kernel[(triton.cdiv(n_pairs, RUN_CHUNK),)](
