@@ -118,9 +118,9 @@ def sparse_mla_fwd_kernel(
 @triton.jit
 def _slot_block(q, do, delta, lse2, row_ok, kv_base, stride_kvs, idx, valid, offs_d, offs_v, scale_log2,
                 DQK: tl.constexpr, DV: tl.constexpr):
-    """One block of selected slots against a block of heads: the gathered latent ``kv [BLOCK_K, BLOCK_D]``, the
-    probabilities ``p`` and ``dS = P (dP - rowsum(dO O))`` (both ``[BLOCK_H, BLOCK_K]`` float32, ``dS`` without
-    the softmax scale)."""
+    """One block of selected slots against a block of heads: the gathered latent ``kv [BLOCK_K, BLOCK_D]``,
+    its value ``v``, the probabilities ``p`` and ``dS = P (dP - rowsum(dO O))`` (both ``[BLOCK_H, BLOCK_K]``
+    float32, unscaled)."""
     rows = kv_base + idx[:, None] * stride_kvs
     kv = tl.load(rows + offs_d[None, :], mask=valid[:, None] & (offs_d[None, :] < DQK), other=0.0)
     if DV == DQK:  # absorbed NoPE-MLA: the value is the latent itself, gathered once
