@@ -237,12 +237,20 @@ class IndexerKL:
         from model.layers import DSAMixer
 
         self.losses: list = []
-        self.handles = []
+        self.handles, self.mixers = [], []
         if coeff:
-            mixers = [m for m in module.modules() if isinstance(m, DSAMixer) and m.indexer is not None]
-            for m in mixers:
+            self.mixers = [m for m in module.modules() if isinstance(m, DSAMixer) and m.indexer is not None]
+            for m in self.mixers:
                 m.keep_kl_inputs = True
-            self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in mixers]
+            self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in self.mixers]
+
+    def remove(self):
+        """Detach from the model: the hooks go, and the mixers stop keeping their KL inputs."""
+        for handle in self.handles:
+            handle.remove()
+        for m in self.mixers:
+            m.keep_kl_inputs, m.kl_inputs = False, None
+        self.handles, self.mixers = [], []
 
     def _hook(self, mixer, args, kwargs, output):
         import torch

@@ -574,6 +574,9 @@ def test_indexer_kl_reuses_the_mixers_attention_and_equals_a_rerun_of_it():
                                             topk, kpool=c.index_kpool, topk=c.index_topk,
                                             index_softmax_scale=m.indexer.softmax_scale, softmax_scale=m.softmax_scale)
     assert kl.item() == pytest.approx(rerun.item(), rel=1e-6)
+    collector.remove()
+    model(ids[:, :-1], labels=ids[:, 1:])
+    assert collector.pop() == 0.0 and all(m.kl_inputs is None and not m.keep_kl_inputs for m in mixers)
 
 
 @pytest.mark.parametrize("dsa_dkv, expect_runs", [("auto", True), ("pool", True), ("query", False)])

@@ -143,19 +143,15 @@ def bench_indexer(seq_len: int, shape: dict, ceil: dict, reps: int, torch_path: 
 
 
 def pool_indices(seq_len: int, n_q: int, device: str = "cuda") -> torch.Tensor:
-    """``[1, n_q, WIDTH]`` int32 causal k-pool selections in the indexer's layout (:func:`expand_selection`) for
-    the last ``n_q`` of ``seq_len`` queries: ``TOPK / KPOOL`` distinct complete visible pools of ``KPOOL``
-    consecutive tokens (every other pool back from a random offset, ``-1`` past the start), then the tail of the
-    query's own pool. The kernels' cost depends on how many (query, pool) pairs there are, not on which."""
+    """``[1, n_q, WIDTH]`` int32 causal k-pool selections for the last ``n_q`` of ``seq_len`` queries, expanded as
+    the indexer does (:func:`expand_selection`, tails included): ``TOPK / KPOOL`` distinct complete visible pools
+    (every other pool back from a random offset, ``-1`` past the start). The kernels' cost depends on how many
+    (query, pool) pairs there are, not on which."""
     n_sel = TOPK // KPOOL
-    pos = torch.arange(seq_len - n_q, seq_len, device=device)[:, None]
-    visible = (pos + 1) // KPOOL
+    visible = (torch.arange(seq_len - n_q, seq_len, device=device)[:, None] + 1) // KPOOL
     pools = visible - 1 - torch.randint(0, 2 * n_sel, (n_q, 1), device=device) - 2 * torch.arange(n_sel, device=device)
-    tokens = pools[..., None] * KPOOL + torch.arange(KPOOL, device=device)
-    tokens = torch.where(pools[..., None] >= 0, tokens, -1).flatten(1)
-    tail = visible * KPOOL + torch.arange(KPOOL - 1, device=device)
-    tail = torch.where(tail <= pos, tail, -1)
-    return torch.cat([tokens, tail], dim=1).to(torch.int32)[None].contiguous()
+    pools = pools.clamp_min(-1)[None]
+    return expand_selection(pools, kpool_grid(seq_len, KPOOL, None, device), n_q, seq_len - n_q, TOPK, True)
 
 
 def bench_attention(seq_len: int, shape: dict, ceil: dict, reps: int) -> list[dict]:

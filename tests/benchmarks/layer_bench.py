@@ -355,8 +355,9 @@ def measure_layer(layer, cfg, kind, seq: int, cp: int, device, dtype, args, log:
         times = time_iterations(step, device, args.warmup, args.iters, start_counting, snapshot)
         peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
         split = kernel_split(step, device)
-    for handle in hooks + indexer_kl.handles:
+    for handle in hooks:
         handle.remove()
+    indexer_kl.remove()
     indexer_kl.pop()
     layer_log, calls, kl_terms = kept["counted"]
     row = {
