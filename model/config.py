@@ -144,6 +144,14 @@ class Glm5NextConfig(TransformerConfig):
     # per query with atomics ("query"), or "auto" (pool up to model.layers.DKV_POOL_MAX_HEADS heads per
     # TP rank); the same function (kernels.dsa.sparse_attention_triton).
     dsa_dkv: str = "auto"
+    # Token permutation of megatron's allgather MoE dispatcher: "gather" (model.moe.GatherTokenDispatcher:
+    # row gathers both ways, counts kept on the device; where every expert is local and no capacity factor
+    # drops tokens) or "megatron" (its index_select / scatter_add with atomic backward and a host sync per
+    # layer); the same function.
+    moe_permute: str = "gather"
+    # KDA's depthwise causal short convolution on CUDA: "auto" (fla's Triton causal_conv1d on the
+    # [b, s, c] layout, SiLU fused) or "torch" (cuDNN conv1d on a transposed copy, as on CPU); the same function.
+    kda_conv: str = "auto"
     # HF bookkeeping fields carried through the round trip unchanged.
     hf_extra: dict = field(default_factory=dict)
 
@@ -166,6 +174,10 @@ class Glm5NextConfig(TransformerConfig):
             raise ConfigError(f"moe_experts={self.moe_experts!r}; valid: 'grouped', 'sequential'")
         if self.dsa_dkv not in ("auto", "pool", "query"):
             raise ConfigError(f"dsa_dkv={self.dsa_dkv!r}; valid: 'auto', 'pool', 'query'")
+        if self.moe_permute not in ("gather", "megatron"):
+            raise ConfigError(f"moe_permute={self.moe_permute!r}; valid: 'gather', 'megatron'")
+        if self.kda_conv not in ("auto", "torch"):
+            raise ConfigError(f"kda_conv={self.kda_conv!r}; valid: 'auto', 'torch'")
         if self.index_topk % self.index_kpool:
             raise ConfigError(f"index_topk={self.index_topk} is not a multiple of index_kpool={self.index_kpool}")
 

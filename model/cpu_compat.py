@@ -42,6 +42,11 @@ CUDA device in ``gating``).
 gradient clipping assert ``param.type() == "torch.cuda.FloatTensor"`` and allocate norm buffers
 with ``device="cuda"``. Patching ``Tensor.type`` for the whole process would change its meaning for
 every library, so the trainer wraps only optimizer construction, ``step()`` and state loading in it.
+
+:func:`foreach_multi_tensor_ops` is the other scoped patch, on any host: without Transformer Engine
+or Apex, megatron's gradient norm and clipping fall back to one ``torch.norm`` per tensor and a
+``float()`` of each norm (a device sync per parameter: 432 per step for ``small``), and one
+multiply per tensor. Inside it they use torch's multi-tensor ``_foreach`` kernels instead.
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ import os
 
 import torch
 
-__all__ = ["enable", "is_active", "init_process_group", "cpu_reference", "megatron_optimizer_on_cpu"]
+__all__ = ["enable", "is_active", "init_process_group", "cpu_reference", "megatron_optimizer_on_cpu",
+           "foreach_multi_tensor_ops"]
 
 _ACTIVE = False
 
@@ -236,3 +242,53 @@ def megatron_optimizer_on_cpu():
         torch.Tensor.type = original_type
         for m, t in zip(modules, saved):
             m.torch = t
+
+
+def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """``amp_C.multi_tensor_l2norm``'s contract: ``([1] float32 L2 norm of all tensors, None)``,
+    through ``torch._foreach_norm``: no host sync (megatron's local fallback syncs per tensor)."""
+    tensors = tensor_lists[0]
+    if per_tensor:
+        raise NotImplementedError("per-tensor norms are not used by megatron's gradient clipping")
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32, device=torch.cuda.current_device()), None
+    norms = torch._foreach_norm(tensors)
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1), None
+
+
+def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """``amp_C.multi_tensor_scale``'s contract: ``dst = src * scale`` per pair (dtype cast on store),
+    as one ``_foreach_mul_`` when scaling in place and a ``_foreach_copy_`` for copies."""
+    src, dst = tensor_lists
+    if not src:
+        return
+    if all(s is d for s, d in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    elif scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+@contextlib.contextmanager
+def foreach_multi_tensor_ops():
+    """megatron's gradient norm / clipping / copies through torch's ``_foreach`` kernels, for the block.
+
+    Replaces megatron's local (no Transformer Engine, no Apex) ``multi_tensor_l2norm`` and
+    ``multi_tensor_scale`` in ``megatron.core.optimizer.clip_grads`` and ``.optimizer``; with either
+    library present megatron's fused kernels are kept and this does nothing. Same values up to the
+    summation order of the norm.
+    """
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    if clip_grads.l2_norm_impl is not utils.local_multi_tensor_l2_norm:
+        yield
+        return
+    saved = (clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, optimizer.multi_tensor_scale_impl)
+    clip_grads.l2_norm_impl = _foreach_l2_norm
+    clip_grads.multi_tensor_scale_impl = optimizer.multi_tensor_scale_impl = _foreach_scale
+    try:
+        yield
+    finally:
+        clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, optimizer.multi_tensor_scale_impl = saved

@@ -52,7 +52,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from model.config import DSA, Glm5NextConfig
 from model.fused import glue, hc_merge
 from model.layers import DSAMixer, HyperConnection, KDAMixer, RMSNorm, init_normal
-from model.moe import GroupedMLP
+from model.moe import GatherMoELayer, GroupedMLP
 from model.offload import OffloadChain
 from model.parallel import ParallelLayout
 
@@ -86,12 +86,14 @@ def layer_spec(config: Glm5NextConfig, layer_idx: int) -> ModuleSpec:
         mixer = ModuleSpec(module=KDAMixer)
     moe = config.mlp_layer_types[layer_idx] == "sparse"
     mlp = get_mlp_module_spec(use_te=False, num_experts=config.num_moe_experts if moe else None)
-    if moe and config.moe_experts == "grouped":
-        # megatron's local MoE spec: MoELayer with SequentialMLP experts; swap the experts' module only
+    if moe:
+        # megatron's local MoE spec: MoELayer with SequentialMLP experts; the layer's class carries the
+        # token permutation (moe_permute), the experts' module the expert path (moe_experts)
         sub = mlp.keywords["submodules"]
-        experts = functools.partial(GroupedMLP, *sub.experts.args, **sub.experts.keywords)
-        mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": dataclasses.replace(
-            sub, experts=experts)})
+        if config.moe_experts == "grouped":
+            sub = dataclasses.replace(sub, experts=functools.partial(GroupedMLP, *sub.experts.args,
+                                                                     **sub.experts.keywords))
+        mlp = functools.partial(GatherMoELayer, *mlp.args, **{**mlp.keywords, "submodules": sub})
     return ModuleSpec(module=Glm5NextLayer, submodules=Glm5NextLayerSubmodules(mixer=mixer, mlp=mlp))
 
 

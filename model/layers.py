@@ -112,10 +112,24 @@ class HyperConnection(torch.nn.Module):
         return post, comb, glue(hc_collapse, self.compile_glue, pre, streams)
 
 
-def _depthwise_causal_conv(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor | None) -> torch.Tensor:
+def _depthwise_causal_conv(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor | None,
+                           backend: str = "auto") -> torch.Tensor:
     """SiLU(causal depthwise conv) of ``x [b, s, c]`` with ``weight [c, K]``; ``history [b, K-1, c]``
-    holds the inputs before token 0 (zeros if None), as ``causal_conv1d_fn`` with its state."""
+    holds the inputs before token 0 (zeros if None), as ``causal_conv1d_fn`` with its state.
+
+    ``y[t, c] = silu(sum_j weight[c, j] * x[t - K + 1 + j, c])``, returned ``[b, s, c]`` contiguous in
+    ``x.dtype``. On CUDA with ``backend="auto"``: fla's Triton ``causal_conv1d`` (fla 0.6.0,
+    ``fla/modules/causal_conv1d``) on the ``[b, s, c]`` layout with the SiLU fused and summed in float32;
+    its backward returns the history's gradient too (context parallelism). Otherwise
+    (CPU, or ``backend="torch"``): ``torch.nn.functional.conv1d`` with ``groups=c`` on a transposed copy.
+    """
     K = weight.shape[-1]
+    if x.is_cuda and backend == "auto":
+        from fla.modules.causal_conv1d import causal_conv1d
+
+        # fla's state is the last K inputs before token 0, [b, c, K]; its column 0 is never read.
+        state = None if history is None else F.pad(history.to(x.dtype).transpose(1, 2), (1, 0))
+        return causal_conv1d(x, weight, initial_state=state, activation="silu")[0]
     if history is None:
         history = x.new_zeros(x.shape[0], K - 1, x.shape[-1])
     xp = torch.cat([history.to(x.dtype), x], dim=1).transpose(1, 2)
@@ -197,6 +211,7 @@ class KDAMixer(MegatronModule):
         self.eps = config.layernorm_epsilon
         self.chunk_size = config.kda_chunk_size
         self.compile_glue = config.compile_glue
+        self.conv_backend = config.kda_conv
         with torch.no_grad():
             for w in (self.f_a_proj.weight, self.g_a_proj.weight):
                 init(w)
@@ -230,10 +245,11 @@ class KDAMixer(MegatronModule):
         cp = self.layout.cp
         xb = x.transpose(0, 1)  # [b, s, h]
         b, s, _ = xb.shape
-        qkv_pre = [p(xb)[0] for p in (self.q_proj, self.k_proj, self.v_proj)]
-        pre = torch.cat(qkv_pre, dim=-1)
-        weight = torch.cat([self.q_conv, self.k_conv, self.v_conv], dim=0)
-        kernel = weight.shape[-1]
+        # q, k, v convolved apart: each stays a contiguous [b, s, heads * head_dim] tensor for the
+        # recurrence (a concatenation and its split views would be copied back out by chunk_kda).
+        pres = [p(xb)[0] for p in (self.q_proj, self.k_proj, self.v_proj)]
+        weights = (self.q_conv, self.k_conv, self.v_conv)
+        kernel = self.q_conv.shape[-1]
         g = self._gate(xb)
         beta = torch.sigmoid(self.b_proj(xb)[0].float())
         if cp.size > 1:
@@ -241,21 +257,22 @@ class KDAMixer(MegatronModule):
                 raise ValueError("cu_seqlens packing with context parallelism is not implemented")
             # Rank r's convolution history is rank r-1's last kernel-1 inputs (all-gathered:
             # collectives only, so a recomputed layer repeats them in step on every rank).
-            tails = all_gather_seq(pre[:, s - (kernel - 1):], 1, cp)
+            tails = all_gather_seq(torch.cat([p[:, s - (kernel - 1):] for p in pres], dim=-1), 1, cp)
             if cp.rank:
                 history = tails[:, (cp.rank - 1) * (kernel - 1): cp.rank * (kernel - 1)]
             else:  # zeros that keep the gather in rank 0's graph: its backward is a collective
                 history = tails[:, : kernel - 1] * 0
-            o = self._kda_context_parallel(_depthwise_causal_conv(pre, weight, history), g, beta, cp)
+            qkv = [self._conv(p, w, h) for p, w, h in zip(pres, weights, history.split(self.dim, dim=-1))]
+            o = self._kda_context_parallel(qkv, g, beta, cp)
         elif cu_seqlens is not None:
             bounds = cu_seqlens.tolist()
             outs = []
             for lo, hi in zip(bounds[:-1], bounds[1:]):
-                qkv = _depthwise_causal_conv(pre[:, lo:hi], weight, None)
+                qkv = [self._conv(p[:, lo:hi], w, None) for p, w in zip(pres, weights)]
                 outs.append(self._kda(qkv, g[:, lo:hi], beta[:, lo:hi], None)[0])
             o = torch.cat(outs, dim=1)
         else:
-            o, _ = self._kda(_depthwise_causal_conv(pre, weight, None), g, beta, None)
+            o, _ = self._kda([self._conv(p, w, None) for p, w in zip(pres, weights)], g, beta, None)
         gate, _ = self.g_b_proj(self.g_a_proj(xb))
         # Replicated weight, local heads: its gradient is summed over TP ranks by the copy region.
         w = copy_to_tensor_model_parallel_region(self.o_norm_weight) if self.layout.tp_size > 1 else self.o_norm_weight
@@ -288,9 +305,12 @@ class KDAMixer(MegatronModule):
         o, _ = self._recurrence(q, k, v, g, beta, fold_cp_states(gathered, cp.rank, d))
         return o
 
+    def _conv(self, x, weight, history):
+        return _depthwise_causal_conv(x, weight, history, self.conv_backend)
+
     def _heads(self, qkv):
-        """``(q, k, v)``, each ``[b, s, heads, head_dim]``, of the convolved ``qkv [b, s, 3 * heads * head_dim]``."""
-        return tuple(t.unflatten(-1, (self.heads, self.head_dim)) for t in qkv.split(self.dim, dim=-1))
+        """``(q, k, v)``, each ``[b, s, heads, head_dim]``, of the convolved ``[b, s, heads * head_dim]`` q, k, v."""
+        return tuple(t.unflatten(-1, (self.heads, self.head_dim)) for t in qkv)
 
     def _kda(self, qkv, g, beta, state0):
         return self._recurrence(*self._heads(qkv), g, beta, state0)

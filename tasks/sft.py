@@ -100,6 +100,13 @@ class SFTConfig:
         dsa_dkv: the sparse MLA backward's latent gradient on GPUs, summed per selected k-pool
             (``pool``), scattered per query (``query``) or ``auto`` (by heads per rank,
             :data:`model.layers.DKV_POOL_MAX_HEADS`); the same function.
+        moe_permute: MoE token permutation of the allgather dispatcher, ``gather`` (row gathers both
+            ways, no atomics, no host sync; :class:`model.moe.GatherTokenDispatcher`) or ``megatron``.
+        kda_conv: KDA short convolution on GPUs, ``auto`` (fla's Triton ``causal_conv1d``) or ``torch``.
+        optimizer_kernels: ``foreach`` (gradient norm and clipping through torch's foreach ops,
+            :func:`model.cpu_compat.foreach_multi_tensor_ops`, and Adam fused on GPUs,
+            :func:`tasks.trainer.fuse_adam`) or ``megatron`` (its per-tensor fallbacks when
+            Transformer Engine and Apex are absent); the same update.
         logits_chunk_tokens: positions whose logits exist at once in the loss.
         indexer_kl_coeff: weight of the DSA lightning-indexer KL loss (0 disables; TP = 1 only).
         expert_bias_update_rate: MoE expert-bias step per update (aux-loss-free balancing).
@@ -143,6 +150,9 @@ class SFTConfig:
     moe_experts: str = "grouped"
     compile_glue: bool = True
     dsa_dkv: str = "auto"
+    moe_permute: str = "gather"
+    kda_conv: str = "auto"
+    optimizer_kernels: str = "foreach"
     logits_chunk_tokens: int = 4096
     indexer_kl_coeff: float = 0.0
     expert_bias_update_rate: float = 1e-3
@@ -169,6 +179,8 @@ class SFTConfig:
             raise SFTConfigError(f"dtype={self.dtype!r}; valid: {DTYPES}")
         if self.recompute not in RECOMPUTE:
             raise SFTConfigError(f"recompute={self.recompute!r}; valid: {RECOMPUTE}")
+        if self.optimizer_kernels not in ("foreach", "megatron"):
+            raise SFTConfigError(f"optimizer_kernels={self.optimizer_kernels!r}; valid: 'foreach', 'megatron'")
         if bad := set(self.recompute_modules) - {"mlp", "moe"}:
             raise SFTConfigError(f"recompute_modules has {sorted(bad)}; valid: 'mlp', 'moe'")
         for name in ("seq_len", "eval_seq_len"):
@@ -197,6 +209,7 @@ def model_config(cfg: SFTConfig):
     overrides = dict(tensor_model_parallel_size=cfg.tensor_parallel, context_parallel_size=cfg.context_parallel,
                      expert_model_parallel_size=cfg.expert_parallel, expert_tensor_parallel_size=1, mlp_chunk_tokens=cfg.mlp_chunk_tokens,
                      moe_experts=cfg.moe_experts, compile_glue=cfg.compile_glue, dsa_dkv=cfg.dsa_dkv,
+                     moe_permute=cfg.moe_permute, kda_conv=cfg.kda_conv,
                      moe_router_bias_update_rate=cfg.expert_bias_update_rate, params_dtype=dtype,
                      bf16=dtype == torch.bfloat16, calculate_per_token_loss=True, **recompute)
     if cfg.init_hf:
@@ -400,7 +413,7 @@ class SFTRun:
         model, optimizer, scheduler = build_trainer(
             mcfg, module, lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, grad_clip=cfg.grad_clip, steps=cfg.steps,
-            warmup_steps=cfg.warmup_steps, decay_style="cosine")
+            warmup_steps=cfg.warmup_steps, decay_style="cosine", optimizer_kernels=cfg.optimizer_kernels)
         device = local_device()
         checkpointer = Checkpointer(cfg.checkpoint_dir, layout.rank) if cfg.checkpoint_dir else None
         run = cls(cfg, Path(pack_dir), out_dir, layout, device, mcfg, plan, module, model, optimizer, scheduler, data,

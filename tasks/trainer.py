@@ -11,10 +11,12 @@ GPU the same code runs on gloo through :mod:`model.cpu_compat`. Checkpoints:
 
 from __future__ import annotations
 
+import contextlib
+
 import gc
 import os
 
-from model.cpu_compat import megatron_optimizer_on_cpu
+from model.cpu_compat import foreach_multi_tensor_ops, megatron_optimizer_on_cpu
 from model.parallel import ParallelLayout
 
 
@@ -109,17 +111,26 @@ def local_window(arrays, layout: ParallelLayout, device):
 
 
 def build_trainer(mcfg, module, *, lr: float, min_lr: float, weight_decay: float, betas: tuple[float, float],
-                  eps: float, grad_clip: float, steps: int, warmup_steps: int, decay_style: str):
+                  eps: float, grad_clip: float, steps: int, warmup_steps: int, decay_style: str,
+                  optimizer_kernels: str = "foreach"):
     """Wrap ``module`` for training: megatron DDP, distributed Adam, LR schedule (SFT and RL).
 
     Gradients reduce in float32 over the DP x CP group; the optimizer state is sharded over DP
     (``use_distributed_optimizer``); parameters are ``mcfg.params_dtype``. The schedule warms up
     linearly for ``warmup_steps`` then follows ``decay_style`` ("cosine", "constant") to
-    ``min_lr`` at ``steps``.
+    ``min_lr`` at ``steps``. ``optimizer_kernels``: ``foreach`` (:func:`optimizer_step` runs the
+    gradient norm and clipping through torch's foreach kernels and Adam fused on GPUs) or
+    ``megatron`` (megatron's kernels as it picks them: its per-tensor fallbacks without Transformer
+    Engine or Apex, torch's foreach Adam).
 
     Returns:
         (DDP-wrapped model, megatron optimizer, ``OptimizerParamScheduler``).
+
+    Raises:
+        ValueError: an unknown ``optimizer_kernels``.
     """
+    if optimizer_kernels not in ("foreach", "megatron"):
+        raise ValueError(f"optimizer_kernels={optimizer_kernels!r}; valid: 'foreach', 'megatron'")
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -133,6 +144,7 @@ def build_trainer(mcfg, module, *, lr: float, min_lr: float, weight_decay: float
             optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=betas[0],
             adam_beta2=betas[1], adam_eps=eps, clip_grad=grad_clip, bf16=dtype == torch.bfloat16,
             params_dtype=dtype, use_distributed_optimizer=True), [model])
+    optimizer.megabase_kernels = optimizer_kernels
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_steps,
         lr_decay_steps=max(steps, 1), lr_decay_style=decay_style, start_wd=weight_decay, end_wd=weight_decay,
@@ -156,9 +168,46 @@ def optimizer_step(model, optimizer, scheduler, num_tokens) -> float | None:
 
     finalize_model_grads([model], num_tokens=num_tokens)
     scheduler.step(1)
-    with megatron_optimizer_on_cpu():
+    foreach = getattr(optimizer, "megabase_kernels", "megatron") == "foreach"
+    if foreach:
+        fuse_adam(optimizer)
+    with megatron_optimizer_on_cpu(), foreach_multi_tensor_ops() if foreach else contextlib.nullcontext():
         _, grad_norm, _ = optimizer.step()
     return grad_norm
+
+
+def _torch_optimizers(optimizer) -> list:
+    """The torch optimizers inside a megatron (chained / distributed / mixed-precision) optimizer."""
+    if hasattr(optimizer, "chained_optimizers"):
+        return [t for o in optimizer.chained_optimizers for t in _torch_optimizers(o)]
+    inner = getattr(optimizer, "optimizer", None)
+    return [inner] if inner is not None else []
+
+
+def fuse_adam(optimizer) -> None:
+    """Step megatron's torch Adam with ``fused=True`` (one multi-tensor kernel per group) on GPUs.
+
+    Without Transformer Engine or Apex megatron builds ``torch.optim.AdamW`` with torch's default,
+    the ``foreach`` path (on the order of ten launches per tensor group and a host read of every
+    step count): host-bound for a few hundred tensors. The fused path is torch's own, the same
+    update in float32. Idempotent and cheap (a look at each param group): a checkpoint load
+    restores the saved groups' flags and step counts, so it runs before every step and moves step
+    counts kept on the host to their parameters' device, where the fused kernel reads them.
+    CPU optimizers are left as they are.
+    """
+    import torch
+
+    for opt in _torch_optimizers(optimizer):
+        if not isinstance(opt, torch.optim.Adam) or all(g.get("fused") for g in opt.param_groups):
+            continue
+        if any(p.device.type != "cuda" for g in opt.param_groups for p in g["params"]):
+            continue
+        for group in opt.param_groups:
+            group["fused"], group["foreach"] = True, False
+            for p in group["params"]:
+                state = opt.state.get(p)
+                if state and torch.is_tensor(state.get("step")) and state["step"].device != p.device:
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
 
 class ManualGC:

@@ -59,3 +59,56 @@ def test_grouped_and_sequential_experts_train_alike():
     ids = _ids()
     _assert_same(_loss_and_grads(preset("tiny", index_topk=512), ids),
                  _loss_and_grads(preset("tiny", index_topk=512, moe_experts="sequential"), ids))
+
+
+def test_permutation_maps_follow_megatrons_order_and_invert_it():
+    from model.moe import permutation_maps
+
+    gen = torch.Generator().manual_seed(4)
+    n, e, k = 37, 6, 3
+    chosen = torch.rand(n, e, generator=gen).topk(k, dim=1).indices
+    routing_map = torch.zeros(n, e, dtype=torch.bool).scatter_(1, chosen, True)
+    order, rows, inverse = permutation_maps(routing_map, k)
+    # expected, by a loop: expert by expert, its tokens in ascending order
+    want = [(x, t) for x in range(e) for t in range(n) if routing_map[t, x]]
+    assert rows.tolist() == [t for _, t in want]
+    assert order.tolist() == [x * n + t for x, t in want]
+    assert inverse.shape == (n, k)
+    for t in range(n):
+        got = sorted(inverse[t].tolist())
+        assert got == [i for i, (_, tok) in enumerate(want) if tok == t]
+
+
+def test_gather_dispatcher_matches_megatrons_allgather_dispatcher():
+    # the same MoE layer, megatron's permutation vs gathers: equal outputs and gradients
+    ids = _ids()
+    _assert_same(_loss_and_grads(preset("tiny", index_topk=512, moe_permute="megatron"), ids),
+                 _loss_and_grads(preset("tiny", index_topk=512, moe_permute="gather"), ids))
+
+
+def test_moe_permute_switch_picks_the_dispatcher():
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    from model.moe import GatherTokenDispatcher
+
+    gather = [layer.mlp for layer in build_model(preset("tiny"), seed=1).layers if layer.is_moe]
+    stock = [layer.mlp for layer in build_model(preset("tiny", moe_permute="megatron"), seed=1).layers
+             if layer.is_moe]
+    assert gather and all(type(m.token_dispatcher) is GatherTokenDispatcher for m in gather)
+    assert stock and all(type(m.token_dispatcher) is MoEAllGatherTokenDispatcher for m in stock)
+
+
+def test_gather_permutation_backward_sums_each_tokens_rows():
+    from model.moe import _Permute, _Unpermute, permutation_maps
+
+    gen = torch.Generator().manual_seed(5)
+    n, e, k, h = 11, 4, 2, 5
+    chosen = torch.rand(n, e, generator=gen).topk(k, dim=1).indices
+    routing_map = torch.zeros(n, e, dtype=torch.bool).scatter_(1, chosen, True)
+    _, rows, inverse = permutation_maps(routing_map, k)
+    x = torch.randn(n, h, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(n * k, h, generator=gen, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda a: _Permute.apply(a, rows, inverse), (x,))
+    torch.autograd.gradcheck(lambda a: _Unpermute.apply(a, rows, inverse), (y,))
+    # unpermute(permute(x)) == k * x: every token comes back from its k experts
+    assert torch.allclose(_Unpermute.apply(_Permute.apply(x, rows, inverse), rows, inverse), k * x)

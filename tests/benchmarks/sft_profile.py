@@ -10,6 +10,7 @@ Run on the device machine (``PARTS=profile bash tests/gpu/session.sh``)::
     python tests/benchmarks/sft_profile.py ... --moe-experts sequential grouped   # both MoE expert paths, one process
     python tests/benchmarks/sft_profile.py ... --compile-glue off on              # eager vs fused glue, one process
     python tests/benchmarks/sft_profile.py ... --dsa-dkv query pool               # sparse MLA dkv per query / per k-pool
+    python tests/benchmarks/sft_profile.py ... --variants "" "kda_conv=torch,moe_permute=megatron"   # any SFTConfig fields
     python tests/benchmarks/sft_profile.py --table sft_profile.json               # the table of a saved run, no GPU
 
 Printed per configuration: the median unprofiled step time after the first, tokens/s, MFU from the
@@ -135,12 +136,33 @@ def trace_summary(trace: dict, steps: int) -> dict:
     }
 
 
+def parse_variant(text: str) -> dict:
+    """``"field=value,field=value"`` -> SFTConfig overrides, each value parsed as its field's type.
+
+    Raises:
+        ValueError: a field SFTConfig does not have, or an entry without ``=``.
+    """
+    from tasks.sft import SFTConfig
+
+    fields = {f.name: f for f in dataclasses.fields(SFTConfig)}
+    overrides = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"variant entry {item!r}: expected field=value with a SFTConfig field")
+        # annotations are strings (postponed evaluation): map the scalar ones, the rest stay str
+        kind = {"bool": bool, "int": int, "float": float}.get(str(fields[key].type), str)
+        overrides[key] = value.lower() in ("1", "true", "on") if kind is bool else kind(value)
+    return overrides
+
+
 def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor: float, moe_experts: str,
-                   compile_glue: bool = True, trace_out: Path | None = None, dsa_dkv: str = "auto") -> dict:
+                   compile_glue: bool = True, trace_out: Path | None = None, dsa_dkv: str = "auto",
+                   variant: str = "") -> dict:
     """Timed and profiled SFT steps of configuration ``name`` with the routed-expert path ``moe_experts``
     (:mod:`model.moe`), the layers' glue fused or eager (``compile_glue``, :mod:`model.fused`) and the
-    sparse MLA backward's ``dsa_dkv`` (:class:`tasks.sft.SFTConfig`); the
-    chrome trace gzipped to ``trace_out`` when it is under 15 MiB compressed (what the device machine
+    sparse MLA backward's ``dsa_dkv`` and the ``variant``'s further overrides (:func:`parse_variant`)
+    (:class:`tasks.sft.SFTConfig`); the chrome trace gzipped to ``trace_out`` when it is under 15 MiB compressed (what the device machine
     sends back)."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -149,7 +171,7 @@ def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor:
     from tasks.trainer import ManualGC
 
     cfg = dataclasses.replace(sft_config(name, steps + profile_steps), moe_experts=moe_experts,
-                              compile_glue=compile_glue, dsa_dkv=dsa_dkv)
+                              compile_glue=compile_glue, dsa_dkv=dsa_dkv, **parse_variant(variant))
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -187,6 +209,7 @@ def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor:
     flops_per_token = run.flops_per_token
     row = {
         "config": name, "moe_experts": moe_experts, "compile_glue": compile_glue, "dsa_dkv": dsa_dkv,
+        "variant": variant,
         "seq_len": cfg.seq_len, "step_s": step_s,
         "step_times_s": [r["step_time_s"] for r in records], "first_step_s": records[0]["step_time_s"],
         "tokens_per_s": tokens_per_s, "flops_per_token": flops_per_token,
@@ -203,7 +226,8 @@ def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor:
 def _label(row: dict) -> str:
     glue = {True: "fused", False: "eager"}.get(row.get("compile_glue", False))
     dkv = f" dkv/{row['dsa_dkv']}" if "dsa_dkv" in row else ""
-    return f"{row['config']} {row['moe_experts']} {glue}{dkv}"
+    variant = f" [{row['variant']}]" if row.get("variant") else ""
+    return f"{row['config']} {row['moe_experts']} {glue}{dkv}{variant}"
 
 
 def table(anchor: float, rows: list[dict]) -> str:
@@ -242,6 +266,8 @@ def main() -> None:
                         help="layer glue fused by torch.compile (on) or eager (off), each profiled (model.fused)")
     parser.add_argument("--dsa-dkv", nargs="+", default=["auto"], choices=["auto", "pool", "query"],
                         help="sparse MLA dkv summed per k-pool or scattered per query, each profiled")
+    parser.add_argument("--variants", nargs="+", default=[""],
+                        help="SFTConfig overrides, each 'field=value,...' ('' = defaults), each profiled")
     parser.add_argument("--steps", type=int, default=4, help="unprofiled steps (the first compiles)")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--out", help="JSON file")
@@ -274,12 +300,14 @@ def main() -> None:
     print(f"matmul anchor: {anchor:.0f} TF/s", flush=True)
     rows = []
     for name in args.configs:
-        for experts, glue, dkv in [(e, g, d) for e in args.moe_experts for g in args.compile_glue
-                                   for d in args.dsa_dkv]:
+        for i, (experts, glue, dkv, variant) in enumerate(
+                [(e, g, d, v) for e in args.moe_experts for g in args.compile_glue for d in args.dsa_dkv
+                 for v in args.variants]):
             started = time.perf_counter()
-            trace = Path(args.trace_dir, f"trace_{name}_{experts}_{glue}_{dkv}.json.gz") if args.trace_dir else None
+            trace = (Path(args.trace_dir, f"trace_{name}_{experts}_{glue}_{dkv}_{i}.json.gz")
+                     if args.trace_dir else None)
             rows.append(profile_config(name, args.pack, args.steps, args.profile_steps, anchor, experts,
-                                       glue == "on", trace, dkv))
+                                       glue == "on", trace, dkv, variant))
             rows[-1]["wall_s"] = time.perf_counter() - started
             Path(args.out).write_text(json.dumps({"matmul_tflops": anchor, "runs": rows}, indent=1))
             print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("top_kernels", "families", "top_ops")}),
