@@ -149,6 +149,10 @@ class Glm5NextConfig(TransformerConfig):
     # drops tokens) or "megatron" (its index_select / scatter_add with atomic backward and a host sync per
     # layer); the same function.
     moe_permute: str = "gather"
+    # Full-layer recompute ("full" granularity): DSA layers keep their sparse MLA output and log-sum-exp
+    # from the forward (heads/tp * (kv_lora_rank * 2 + 4) bytes per token and DSA layer on the device)
+    # and the recompute reuses them instead of running the sparse attention again; bitwise the same.
+    recompute_keep_attention: bool = False
     # KDA's depthwise causal short convolution on CUDA: "auto" (fla's Triton causal_conv1d on the
     # [b, s, c] layout, SiLU fused) or "torch" (cuDNN conv1d on a transposed copy, as on CPU); the same function.
     kda_conv: str = "auto"

@@ -146,11 +146,14 @@ class Glm5NextLayer(MegatronModule):
         rows = max(1, chunk // x.shape[1])
         return torch.cat([fn(part) for part in x.split(rows, dim=0)], dim=0)
 
-    def forward(self, streams: torch.Tensor, prev_topk: torch.Tensor | None = None, cu_seqlens=None):
+    def forward(self, streams: torch.Tensor, prev_topk: torch.Tensor | None = None, cu_seqlens=None,
+                keep_attention: bool = False):
+        """``keep_attention``: this call is the forward or the recompute of a full-layer checkpoint
+        whose DSA sparse attention output is kept (:meth:`model.layers.DSAMixer.forward`)."""
         post, comb, x = self.attn_hc(streams)
         x = self.input_layernorm(x)
         if isinstance(self.mixer, DSAMixer):
-            x, topk = self.mixer(x, prev_topk=prev_topk, cu_seqlens=cu_seqlens)
+            x, topk = self.mixer(x, prev_topk=prev_topk, cu_seqlens=cu_seqlens, keep_attention=keep_attention)
         else:
             x, topk = self.mixer(x, cu_seqlens=cu_seqlens), None
         streams = self._merge(post, comb, x, streams)
@@ -189,8 +192,10 @@ class Glm5NextModel(MegatronModule):
         ctx = offload.context() if offloaded else contextlib.nullcontext()
         with ctx:
             if c.recompute_granularity == "full" and self.training:
+                # kept only for a forward whose backward recomputes it (the checkpoint runs without grad)
+                keep = c.recompute_keep_attention and torch.is_grad_enabled()
                 return tensor_parallel.checkpoint(
-                    lambda s, t: layer(s, t, cu_seqlens), False, streams, topk
+                    lambda s, t: layer(s, t, cu_seqlens, keep_attention=keep), False, streams, topk
                 )
             return layer(streams, topk, cu_seqlens)
 

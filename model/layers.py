@@ -9,6 +9,8 @@ layout (:class:`model.parallel.ParallelLayout`) as an argument and read no paral
 
 from __future__ import annotations
 
+import collections
+
 import math
 
 import torch
@@ -420,6 +422,9 @@ class DSAMixer(MegatronModule):
         # recompute the queries, the latent and a whole sparse-attention forward.
         self.keep_kl_inputs = False
         self.kl_inputs = None
+        # (out, lse) of each checkpointed forward, oldest first, until its recompute in backward
+        # takes it (config.recompute_keep_attention).
+        self.kept_attention: collections.deque = collections.deque()
 
     def absorbed_queries(self, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q_resid [b, s, q_lora], q_abs [b, s, H, kv_lora])`` of ``xb [b, s, h]``: the normed low-rank
@@ -450,8 +455,14 @@ class DSAMixer(MegatronModule):
             q_offset=cp.rank * x.shape[1], cu_seqlens=cu_seqlens, block_size=c.dsa_query_block,
         )
 
-    def forward(self, x: torch.Tensor, prev_topk: torch.Tensor | None = None, cu_seqlens=None, **kwargs):
-        """``x [s, b, h]`` -> ``(out [s, b, h], topk [b, s, W] int32)``."""
+    def forward(self, x: torch.Tensor, prev_topk: torch.Tensor | None = None, cu_seqlens=None,
+                keep_attention: bool = False, **kwargs):
+        """``x [s, b, h]`` -> ``(out [s, b, h], topk [b, s, W] int32)``.
+
+        ``keep_attention``: the call is the no-grad forward of a full-layer checkpoint (the sparse
+        attention's ``(out, lse)`` is kept) or its recompute in backward (the kept pair is reused
+        instead of running the attention again); first in, first out per mixer.
+        """
         from kernels.dsa import sparse_mla_attention
 
         cp = self.layout.cp
@@ -473,8 +484,16 @@ class DSAMixer(MegatronModule):
             latent = copy_to_tensor_model_parallel_region(latent)
         latent_all = all_gather_seq(latent, 1, cp)
         per_pool = self.cfg.dsa_dkv == "pool" or (self.cfg.dsa_dkv == "auto" and self.heads <= DKV_POOL_MAX_HEADS)
+        kept = None
+        if keep_attention and torch.is_grad_enabled():
+            if not self.kept_attention:
+                raise RuntimeError("a recomputed DSA layer found no kept attention output: its checkpointed "
+                                   "forward did not run with keep_attention")
+            kept = self.kept_attention.popleft()
         o_lat, lse = sparse_mla_attention(q_abs, latent_all, topk, self.softmax_scale, self.kv_lora,
-                                          runs=self.cfg.index_kpool if per_pool else None)
+                                          runs=self.cfg.index_kpool if per_pool else None, precomputed=kept)
+        if keep_attention and not torch.is_grad_enabled():
+            self.kept_attention.append((o_lat, lse))
         if self.keep_kl_inputs:
             self.kl_inputs = tuple(t.detach() for t in (q_resid, q_abs, latent_all, lse))
         o = torch.einsum("bshc,hvc->bshv", o_lat, w_uv)

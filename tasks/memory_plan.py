@@ -224,6 +224,9 @@ def memory_plan(mcfg, cfg, world_size: int, procs_per_node: int, device_limit: i
             if i < cfg.offload_layers:   # two large tensors: the host allocator's rounding, exactly
                 pinned_exact += sum(pinned_block_bytes(b * tokens) for b in kept_tensors)
                 reload_work = max(reload_work, kept)
+            if getattr(cfg, "recompute_keep_attention", False) and mcfg.layer_types[i] == DSA:
+                # the sparse attention's output (latent width) and float32 lse per token, kept on the device
+                device_acts += mcfg.num_attention_heads // tp * (mcfg.kv_lora_rank * width + 4)
         elif mlp_recomputed(cfg.recompute, cfg.recompute_modules, mcfg.mlp_layer_types[i] == "sparse"):
             kept = around + part["mlp_input"]
         else:

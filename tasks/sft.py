@@ -91,6 +91,9 @@ class SFTConfig:
             parallel size is ``world_size / (tensor_parallel * context_parallel)``.
         recompute: ``none``, ``selective`` (the modules of ``recompute_modules``: ``mlp`` = every
             MLP/MoE, ``moe`` = MoE layers only) or ``full`` (whole layers, and each MLP chunk in them).
+        recompute_keep_attention: with ``recompute="full"``, DSA layers keep their sparse attention
+            output from the forward and the recompute reuses it (``heads/tp * (2 * kv_lora + 4)``
+            bytes per token and DSA layer more on the device, counted by the memory plan).
         offload_layers: activations of the first N layers are saved to pinned host memory.
         mlp_chunk_tokens: sequence-chunked MLP/MoE, tokens per chunk (0: whole sequence).
         moe_experts: routed-expert path, ``grouped`` (grouped GEMMs) or ``sequential`` (one MLP per
@@ -145,6 +148,7 @@ class SFTConfig:
     expert_parallel: int = 1
     recompute: str = "none"
     recompute_modules: tuple[str, ...] = ("moe",)
+    recompute_keep_attention: bool = False
     offload_layers: int = 0
     mlp_chunk_tokens: int = 0
     moe_experts: str = "grouped"
@@ -210,6 +214,7 @@ def model_config(cfg: SFTConfig):
                      expert_model_parallel_size=cfg.expert_parallel, expert_tensor_parallel_size=1, mlp_chunk_tokens=cfg.mlp_chunk_tokens,
                      moe_experts=cfg.moe_experts, compile_glue=cfg.compile_glue, dsa_dkv=cfg.dsa_dkv,
                      moe_permute=cfg.moe_permute, kda_conv=cfg.kda_conv,
+                     recompute_keep_attention=cfg.recompute_keep_attention and cfg.recompute == "full",
                      moe_router_bias_update_rate=cfg.expert_bias_update_rate, params_dtype=dtype,
                      bf16=dtype == torch.bfloat16, calculate_per_token_loss=True, **recompute)
     if cfg.init_hf:

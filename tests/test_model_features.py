@@ -2,7 +2,7 @@
 
 import torch
 
-from model.config import preset
+from model.config import DSA, preset
 from model.glm5_next import build_model
 
 SEQ = 384
@@ -111,3 +111,25 @@ def test_zero_head_starts_at_ln_vocab_and_leaves_every_other_weight_as_drawn():
         nll = model(ids[:, :-1], labels=ids[:, 1:])
     # every logit 0: each token costs ln(vocab) nats, whatever the body computes
     assert torch.allclose(nll, torch.full_like(nll, math.log(cfg.vocab_size)), atol=1e-6)
+
+
+def test_full_recompute_keeping_the_attention_output_is_bitwise_the_same_and_skips_its_recompute(monkeypatch):
+    from kernels.dsa import sparse_attention
+
+    calls = []
+    forward = sparse_attention.torch_sparse_mla_fwd
+    monkeypatch.setattr(sparse_attention, "torch_sparse_mla_fwd", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    ids = _ids()
+    full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    recomputed = _loss_and_grads(preset("tiny", **full), ids)
+    runs_recomputed = len(calls)
+    calls.clear()
+    model = build_model(preset("tiny", recompute_keep_attention=True, **full), seed=3).train()
+    loss = model(ids[:, :-1], labels=ids[:, 1:]).sum()
+    loss.backward()
+    kept = (loss.item(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    dsa_layers = sum(t == DSA for t in preset("tiny").layer_types)
+    assert runs_recomputed == 2 * dsa_layers and len(calls) == dsa_layers   # forward + recompute vs forward only
+    assert recomputed[0] == kept[0]
+    assert all(torch.equal(recomputed[1][k], kept[1][k]) for k in recomputed[1])
+    assert all(not layer.mixer.kept_attention for layer in model.layers if hasattr(layer.mixer, "kept_attention"))

@@ -248,6 +248,10 @@ def test_full_recompute_offload_plans_the_layer_inputs_in_power_of_two_pinned_bl
     assert kept.activations == 4 * streams + 2 * topk
     # the backward reloads one layer's input (the largest: streams + top-k) instead of keeping all
     assert plan.workspace - kept.workspace == streams + topk
+    # keeping the DSA layers' attention output: 4 heads x (320 bf16 latent + float32 lse) per token,
+    # for each of the 2 DSA layers (float32 parameters: width 4)
+    attention = memory_plan(tiny, SFTConfig(seq_len=4096, recompute="full", recompute_keep_attention=True), **big)
+    assert attention.activations - kept.activations == 2 * 4 * (320 * 4 + 4) * 4096
 
 
 def test_planned_activation_bytes_match_what_autograd_saves(tmp_path):

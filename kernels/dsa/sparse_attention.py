@@ -100,8 +100,10 @@ def torch_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v,
 
 class _SparseMLAAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, indices, softmax_scale, d_v, runs):
-        if q.is_cuda:
+    def forward(ctx, q, kv, indices, softmax_scale, d_v, runs, precomputed=None):
+        if precomputed is not None:   # (out, lse) of an earlier forward on the same inputs
+            out, lse = precomputed
+        elif q.is_cuda:
             from kernels.dsa.sparse_attention_triton import triton_sparse_mla_fwd
 
             out, lse = triton_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v)
@@ -123,12 +125,12 @@ class _SparseMLAAttention(torch.autograd.Function):
                                             ctx.runs)
         else:
             dq, dkv = torch_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, ctx.softmax_scale, ctx.d_v)
-        return dq, dkv, None, None, None, None
+        return dq, dkv, None, None, None, None, None
 
 
 def sparse_mla_attention(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,
-    runs: int | None = None,
+    runs: int | None = None, precomputed: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every head over the selected tokens of one shared MLA latent.
 
@@ -148,6 +150,9 @@ def sparse_mla_attention(
             scatter-adding per query (:mod:`kernels.dsa.sparse_attention_triton`). Only a hint:
             slots that do not form such runs are handled per query, so the result is the same
             for any indices. ``None``: per query. The values and the CPU path do not depend on it.
+        precomputed: ``(out, lse)`` this function returned earlier for the same inputs (a full-layer
+            recompute that kept them): returned again, with the backward of these inputs, and the
+            forward not run. The caller guarantees the inputs are the same (a deterministic recompute).
 
     Returns:
         ``out [B, T, H, d_v]`` in ``q.dtype`` and ``lse [B, T, H]`` float32 (natural log;
@@ -160,4 +165,9 @@ def sparse_mla_attention(
     _check_attention_inputs(q, kv, indices, d_v)
     if runs is not None and not 0 < runs <= indices.shape[2]:
         raise DSAInputError(f"runs must be in 1..{indices.shape[2]} (the index width) or None, got {runs}")
-    return _SparseMLAAttention.apply(q, kv, indices, softmax_scale, d_v, runs)
+    if precomputed is not None:
+        out, lse = precomputed
+        if out.shape != (*q.shape[:3], d_v) or lse.shape != q.shape[:3]:
+            raise DSAInputError(f"precomputed out {tuple(out.shape)} / lse {tuple(lse.shape)} do not match "
+                                f"q {tuple(q.shape)} and d_v={d_v}")
+    return _SparseMLAAttention.apply(q, kv, indices, softmax_scale, d_v, runs, precomputed)

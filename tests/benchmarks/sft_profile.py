@@ -55,11 +55,14 @@ FAMILIES: list[tuple[str, str]] = [
     ("sparse MLA bwd", r"sparse_mla_bwd"),
     ("DSA indexer", r"pool_scores|select_kernel|expand_kernel|compress_kernel|sparse_mla_mass"),
     ("KDA/fla", r"chunk_|kda|delta_rule|solve_tril|cumsum_|l2norm|wy_|causal_conv1d|recompute_w_u|kkt"),
+    # torch.compile's fused glue (mHC maps/merge, norms, gates, SwiGLU): pointwise, reduction and
+    # persistent-reduction kernels, whose names also hold the ops they fuse ("_to_copy", "sum").
+    ("inductor glue", r"^triton_(poi|red|per)_"),
     ("GEMM", r"gemm|gemv|cutlass|wmma|xmma|cublas|nvjet|matmul|_mm_|grouped_mm|Kernel2|splitK"),
     ("copy/cast", r"copy|Memcpy|Memset|CatArrayBatched|cat_|memcpy|memset"),
     ("gather/scatter", r"index|gather|scatter|embedding|Embedding|sort|radix|topk|take|put_|masked_select"),
-    ("reduce", r"reduce|Reduce|softmax|SoftMax|norm|Norm|nll|cross_entropy|triton_red_|triton_per_|sum_|mean_"),
-    ("elementwise", r"elementwise|vectorized|unrolled|multi_tensor_apply|fill|triton_poi_|foreach"),
+    ("reduce", r"reduce|Reduce|softmax|SoftMax|norm|Norm|nll|cross_entropy|sum_|mean_"),
+    ("elementwise", r"elementwise|vectorized|unrolled|multi_tensor_apply|fill|foreach"),
 ]
 _COMPILED = [(name, re.compile(pattern)) for name, pattern in FAMILIES]
 FAMILY_NAMES = [name for name, _ in FAMILIES] + ["other"]
