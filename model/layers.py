@@ -10,7 +10,6 @@ layout (:class:`model.parallel.ParallelLayout`) as an argument and read no paral
 from __future__ import annotations
 
 import collections
-
 import math
 
 import torch

@@ -12,7 +12,6 @@ GPU the same code runs on gloo through :mod:`model.cpu_compat`. Checkpoints:
 from __future__ import annotations
 
 import contextlib
-
 import gc
 import os
 

@@ -133,3 +133,31 @@ def test_full_recompute_keeping_the_attention_output_is_bitwise_the_same_and_ski
     assert recomputed[0] == kept[0]
     assert all(torch.equal(recomputed[1][k], kept[1][k]) for k in recomputed[1])
     assert all(not layer.mixer.kept_attention for layer in model.layers if hasattr(layer.mixer, "kept_attention"))
+
+
+def test_foreach_multi_tensor_ops_match_megatrons_per_tensor_fallbacks():
+    # megatron's clip_grads / optimizer run their local (no TE, no Apex) l2-norm and scale inside
+    # the block only when those are the ones in use; the foreach versions give the same values.
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    from model.cpu_compat import _foreach_l2_norm, _foreach_scale, foreach_multi_tensor_ops, megatron_optimizer_on_cpu
+
+    gen = torch.Generator().manual_seed(9)
+    grads = [torch.randn(*shape, generator=gen) for shape in ((7, 3), (11,), (2, 5, 4))]
+    want = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
+    got, _ = _foreach_l2_norm(0, None, [grads], False)
+    assert got.shape == (1,) and abs(got.item() - want.item()) <= 1e-6 * want.item()
+    with megatron_optimizer_on_cpu():   # megatron's fallback allocates its result with device="cuda"
+        ref, _ = utils.local_multi_tensor_l2_norm(0, None, [grads], False)
+    assert abs(got.item() - ref.item()) <= 1e-6 * want.item()
+    scaled = [g.clone() for g in grads]
+    _foreach_scale(0, None, [scaled, scaled], 0.25)
+    assert all(torch.equal(s, g * 0.25) for s, g in zip(scaled, grads))
+    half = [torch.empty_like(g, dtype=torch.bfloat16) for g in grads]
+    _foreach_scale(0, None, [grads, half], 1.0)      # a copy with a cast, as megatron's main -> model params
+    assert all(torch.equal(h, g.bfloat16()) for h, g in zip(half, grads))
+    assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
+    with foreach_multi_tensor_ops():
+        assert clip_grads.l2_norm_impl is _foreach_l2_norm and optimizer.multi_tensor_scale_impl is _foreach_scale
+    assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm

@@ -20,28 +20,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from fused_check import _time as _time_s  # noqa: E402
 
 
-def _time(fn, reps: int = 20) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` CUDA-event-timed calls after 3 warm-ups."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def _time(fn) -> float:
+    """Median milliseconds of ``fn()`` (CUDA events, after warm-ups; ``fused_check._time``)."""
+    return 1e3 * _time_s(fn, reps=20)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
