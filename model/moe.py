@@ -187,12 +187,15 @@ class GatherTokenDispatcher(MoEAllGatherTokenDispatcher):
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
         super().__init__(num_local_experts, local_expert_indices, config=config, pg_collection=pg_collection)
-        if num_local_experts != config.num_moe_experts:
+        if not self.applies(num_local_experts, config):
             raise ValueError(f"moe_permute='gather' needs every expert local ({num_local_experts} of "
-                             f"{config.num_moe_experts} here: expert parallelism); use moe_permute='megatron'")
-        if config.moe_expert_capacity_factor is not None:
-            raise ValueError("moe_permute='gather' needs exactly topk rows per token; moe_expert_capacity_factor="
-                             f"{config.moe_expert_capacity_factor} can drop tokens: use moe_permute='megatron'")
+                             f"{config.num_moe_experts} here) and no capacity factor (moe_expert_capacity_factor="
+                             f"{config.moe_expert_capacity_factor} can drop tokens); use moe_permute='megatron'")
+
+    @staticmethod
+    def applies(num_local_experts: int, config) -> bool:
+        """Whether each token has exactly ``topk`` local rows: every expert local, no capacity drop."""
+        return num_local_experts == config.num_moe_experts and config.moe_expert_capacity_factor is None
 
     def dispatch_postprocess(self, hidden_states, probs):
         self.hidden_shape_before_permute = hidden_states.shape
@@ -222,6 +225,6 @@ class GatherMoELayer(MoELayer):
         super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection,
                          **kwargs)
         if (config.moe_permute == "gather" and type(self.token_dispatcher) is MoEAllGatherTokenDispatcher
-                and self.num_local_experts == config.num_moe_experts and config.moe_expert_capacity_factor is None):
+                and GatherTokenDispatcher.applies(self.num_local_experts, config)):
             self.token_dispatcher = GatherTokenDispatcher(self.num_local_experts, self.local_expert_indices,
                                                           config=config, pg_collection=pg_collection)
