@@ -156,6 +156,10 @@ class Glm5NextConfig(TransformerConfig):
     # KDA's depthwise causal short convolution on CUDA: "auto" (fla's Triton causal_conv1d on the
     # [b, s, c] layout, SiLU fused) or "torch" (cuDNN conv1d on a transposed copy, as on CPU); the same function.
     kda_conv: str = "auto"
+    # The DSA indexer KL loss's indexer side on CUDA: "auto" (one fused Triton kernel per direction,
+    # kernels.dsa.loss_triton) or "torch" (the blockwise torch path under activation checkpointing, as on
+    # CPU); the same function.
+    dsa_kl: str = "auto"
     # HF bookkeeping fields carried through the round trip unchanged.
     hf_extra: dict = field(default_factory=dict)
 
@@ -180,8 +184,9 @@ class Glm5NextConfig(TransformerConfig):
             raise ConfigError(f"dsa_dkv={self.dsa_dkv!r}; valid: 'auto', 'pool', 'query'")
         if self.moe_permute not in ("gather", "megatron"):
             raise ConfigError(f"moe_permute={self.moe_permute!r}; valid: 'gather', 'megatron'")
-        if self.kda_conv not in ("auto", "torch"):
-            raise ConfigError(f"kda_conv={self.kda_conv!r}; valid: 'auto', 'torch'")
+        for name in ("kda_conv", "dsa_kl"):
+            if getattr(self, name) not in ("auto", "torch"):
+                raise ConfigError(f"{name}={getattr(self, name)!r}; valid: 'auto', 'torch'")
         if self.index_topk % self.index_kpool:
             raise ConfigError(f"index_topk={self.index_topk} is not a multiple of index_kpool={self.index_kpool}")
 

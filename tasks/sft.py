@@ -106,6 +106,8 @@ class SFTConfig:
         moe_permute: MoE token permutation of the allgather dispatcher, ``gather`` (row gathers both
             ways, no atomics, no host sync; :class:`model.moe.GatherTokenDispatcher`) or ``megatron``.
         kda_conv: KDA short convolution on GPUs, ``auto`` (fla's Triton ``causal_conv1d``) or ``torch``.
+        dsa_kl: the indexer KL loss's indexer side on GPUs, ``auto`` (fused Triton kernels,
+            :mod:`kernels.dsa.loss_triton`) or ``torch``; the same function.
         optimizer_kernels: ``foreach`` (gradient norm and clipping through torch's foreach ops,
             :func:`model.cpu_compat.foreach_multi_tensor_ops`, and Adam fused on GPUs,
             :func:`tasks.trainer.fuse_adam`) or ``megatron`` (its per-tensor fallbacks when
@@ -156,6 +158,7 @@ class SFTConfig:
     dsa_dkv: str = "auto"
     moe_permute: str = "gather"
     kda_conv: str = "auto"
+    dsa_kl: str = "auto"
     optimizer_kernels: str = "foreach"
     logits_chunk_tokens: int = 4096
     indexer_kl_coeff: float = 0.0
@@ -213,7 +216,7 @@ def model_config(cfg: SFTConfig):
     overrides = dict(tensor_model_parallel_size=cfg.tensor_parallel, context_parallel_size=cfg.context_parallel,
                      expert_model_parallel_size=cfg.expert_parallel, expert_tensor_parallel_size=1, mlp_chunk_tokens=cfg.mlp_chunk_tokens,
                      moe_experts=cfg.moe_experts, compile_glue=cfg.compile_glue, dsa_dkv=cfg.dsa_dkv,
-                     moe_permute=cfg.moe_permute, kda_conv=cfg.kda_conv,
+                     moe_permute=cfg.moe_permute, kda_conv=cfg.kda_conv, dsa_kl=cfg.dsa_kl,
                      recompute_keep_attention=cfg.recompute_keep_attention and cfg.recompute == "full",
                      moe_router_bias_update_rate=cfg.expert_bias_update_rate, params_dtype=dtype,
                      bf16=dtype == torch.bfloat16, calculate_per_token_loss=True, **recompute)
@@ -294,7 +297,7 @@ class IndexerKL:
         return indexer_kl_loss(
             q_index, k_index, gate, ix.kpool_compress_ape, weights, q_abs, latent, lse, output[1],
             kpool=c.index_kpool, topk=c.index_topk, index_softmax_scale=ix.softmax_scale,
-            softmax_scale=mixer.softmax_scale, cu_seqlens=kwargs.get("cu_seqlens"))
+            softmax_scale=mixer.softmax_scale, cu_seqlens=kwargs.get("cu_seqlens"), torch_path=c.dsa_kl == "torch")
 
     def pop(self):
         """Sum of the collected layer losses (scalar float32, 0 without any) and reset."""

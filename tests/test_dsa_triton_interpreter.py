@@ -60,9 +60,12 @@ SCRIPT = textwrap.dedent(
     # the key-centric dkv pass over runs of 16 (the indexer's k-pool layout): 3 runs + a 5-slot tail per
     # query; runs from two staggered pool grids (rows of different keys overlap), runs shared by many
     # queries (key segments spanning the 3-pair chunks), -1 runs, a reversed run and a run with a hole
-    # (not whole: scattered per query), an empty query; 8 heads (4 pairs per 32-row step) and 20 (padded)
+    # (not runs: scattered per query), an empty query; 8 heads (4 pairs per 32-row step) and 20 (padded).
+    # Tails: on even (b + t) the indexer's own-pool prefix (c consecutive tokens, then -1; one ends at the
+    # last key, so the run's 16 rows pass the end of kv), else 5 other tokens in descending order (no run).
     def staggered_indices(batch, n_q, n_keys):
         idx = torch.full((batch, n_q, 53), -1, dtype=torch.int32)
+        prefix = torch.zeros(batch, n_q, dtype=torch.bool)
         for b in range(batch):
             for t in range(n_q):
                 grid = [0, 16, 32, 48, 64] if (b + t) % 2 else [8, 24, 40, 56]
@@ -70,25 +73,37 @@ SCRIPT = textwrap.dedent(
                 for r, s0 in enumerate(starts):
                     if (b, t, r) != (1, 3, 2):   # one -1 run
                         idx[b, t, 16 * r:16 * (r + 1)] = torch.arange(s0, s0 + 16)
-                rest = sorted(set(range(n_keys)) - set(idx[b, t, :48].tolist()))
-                pick = torch.randperm(len(rest), generator=gen)[:5].tolist()
-                idx[b, t, 48:] = torch.tensor([rest[i] for i in pick])
+                rest = set(range(n_keys)) - set(idx[b, t, :48].tolist())
+                if (b + t) % 2 == 0:
+                    count = 1 + (b + t) % 5
+                    s0 = n_keys - count if (b, t) == (0, 2) else max(
+                        x for x in rest if all(x + i in rest for i in range(count)) and x + count < n_keys - 1)
+                    idx[b, t, 48:48 + count] = torch.arange(s0, s0 + count)
+                    prefix[b, t] = True
+                else:
+                    rest = sorted(rest)
+                    pick = sorted((rest[i] for i in torch.randperm(len(rest), generator=gen)[:5].tolist()), reverse=True)
+                    idx[b, t, 48:] = torch.tensor(pick)
         idx[0, 0, 16:32] = idx[0, 0, 16:32].flip(0)   # reversed: a permutation, not a run
         idx[0, 1, 5] = -1                                # a hole
         idx[1, 5] = -1                                   # no key at all
-        return idx
+        prefix[1, 5] = False
+        return idx, prefix
 
     for heads, d_v in ((8, 32), (20, 16)):
         q, kv = torch.randn(2, 6, heads, 32, generator=gen), torch.randn(2, 80, 32, generator=gen)
-        idx = staggered_indices(2, 6, 80)
+        idx, prefix = staggered_indices(2, 6, 80)
+        assert (idx[0, 2, 48:] >= 0).sum() == 3 and idx[0, 2, 50] == 79   # the tail at the last key
         out, lse = torch_sparse_mla_fwd(q, kv, idx, 0.3, d_v)
         grad = torch.randn(out.shape, generator=gen)
         ref = torch_sparse_mla_bwd(q, kv, idx, out, lse, grad, 0.3, d_v)
         run_ok = st.run_pairs(idx, 16, 80)[0]
-        not_whole = torch.zeros(2, 6, 3, dtype=torch.bool)
-        not_whole[0, 0, 1] = not_whole[0, 1, 0] = not_whole[1, 3, 2] = True
-        not_whole[1, 5] = True
-        assert torch.equal(run_ok.bool(), ~not_whole), run_ok
+        not_run = torch.zeros(2, 6, 4, dtype=torch.bool)
+        not_run[0, 0, 1] = not_run[0, 1, 0] = not_run[1, 3, 2] = True
+        not_run[1, 5] = True
+        not_run[..., 3] = ~prefix
+        assert torch.equal(run_ok.bool(), ~not_run), run_ok
+        assert torch.equal(run_ok[..., 3].long(), (idx[..., 48:] >= 0).sum(-1) * prefix)   # the tails' lengths
         for runs in (16, None):
             for a, b in zip(st.triton_sparse_mla_bwd(q, kv, idx, out, lse, grad, 0.3, d_v, runs), ref):
                 assert torch.allclose(a, b, atol=1e-5), (heads, runs, (a - b).abs().max())
@@ -201,4 +216,46 @@ def test_triton_kernels_under_the_interpreter_equal_the_torch_paths():
     env = dict(os.environ, TRITON_INTERPRET="1")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "TRITON_INTERPRETER_OK" in result.stdout, result.stderr[-3000:]
+
+
+KL_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from kernels.dsa.loss import _block_kl
+    from kernels.dsa.loss_triton import triton_indexer_kl
+
+    gen = torch.Generator().manual_seed(1)
+    # 20 indexer heads (masked rows of a 32-row block), dim 12 and 6 selected pools (not powers of two),
+    # batch 2, unselected pools, a row without any, a target of zeros on a row that has pools
+    batch, n_q, heads, dim, n_pools, n_sel = 2, 7, 20, 12, 30, 6
+    q = torch.randn(batch, n_q + 2, heads, dim, generator=gen)[:, 1:-1]       # strided along t
+    w = torch.randn(batch, n_q, heads, generator=gen) * heads**-0.5
+    keys = torch.randn(batch, n_pools, dim, generator=gen)
+    row = torch.randint(0, n_pools, (batch, n_q, n_sel), generator=gen)
+    ok = torch.rand(batch, n_q, n_sel, generator=gen) > 0.25
+    ok[0, 3] = False
+    target = torch.rand(batch, n_q, n_sel, generator=gen).masked_fill(~ok, 0.0)
+    target = target / target.sum(-1, keepdim=True).clamp_min(1e-10)
+    target[1, 2] = 0.0
+    grad = torch.randn(batch, n_q, generator=gen)
+    results = []
+    for fn in (_block_kl, triton_indexer_kl):
+        leaves = [x.clone().requires_grad_() for x in (q, w, keys)]
+        kl = fn(leaves[0], leaves[1], leaves[2], row, ok, target, 0.37)
+        kl.backward(grad)
+        results.append([kl.detach()] + [x.grad for x in leaves])
+    for name, a, b in zip(("kl", "dq", "dw", "dkeys"), *results):
+        assert torch.isfinite(b).all() and torch.isfinite(a).all(), name
+        assert torch.allclose(b, a, rtol=1e-5, atol=1e-5), (name, (a - b).abs().max())
+    assert results[1][1][0, 3].abs().max() == 0 and results[1][0][0, 3] == 0   # no selected pool
+    print("TRITON_INTERPRETER_OK")
+    """
+)
+
+
+def test_fused_indexer_kl_under_the_interpreter_equals_the_torch_path():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", KL_SCRIPT], env=env, cwd=repo, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "TRITON_INTERPRETER_OK" in result.stdout, result.stderr[-3000:]

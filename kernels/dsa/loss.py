@@ -78,6 +78,7 @@ def indexer_kl_loss(
     softmax_scale: float,
     cu_seqlens: torch.Tensor | None = None,
     block_size: int | None = None,
+    torch_path: bool = False,
 ) -> torch.Tensor:
     """KL divergence of the indexer's pool distribution from the main attention's.
 
@@ -96,7 +97,9 @@ def indexer_kl_loss(
     only. DeepSeek-V3.2 detaches the indexer's input from the main model: the caller
     passes indexer projections of a detached hidden state (and detached ``q_resid``).
     Memory: per block of ``block_size`` queries, ``O(block * topk * (H + Dqk))``; the
-    block's indexer scores are recomputed in the backward (activation checkpointing).
+    block's indexer scores are recomputed in the backward (activation checkpointing). On CUDA the
+    indexer side is one fused Triton kernel per direction (:mod:`kernels.dsa.loss_triton`), the
+    torch path :func:`_block_kl` elsewhere.
 
     Args:
         q_index: ``[B, T, H_I, D_I]``; k_index, gate_scores: ``[B, S, D_I]``; ape: ``[kpool, D_I]``;
@@ -110,6 +113,8 @@ def indexer_kl_loss(
         cu_seqlens: the document bounds given to the indexer (``B == 1``).
         block_size: queries per block (default 4096 on CUDA, where the target comes from
             the Triton kernel ``triton_sparse_mla_mass``, 256 elsewhere).
+        torch_path: run the indexer side through the torch path on CUDA too (the reference the
+            fused kernel is checked and benchmarked against).
 
     Returns:
         Scalar float32 loss (multiply by the loss coefficient outside).
@@ -140,16 +145,12 @@ def indexer_kl_loss(
         t1 = min(t0 + block_size, n_q)
         ok = pool_ok[:, t0:t1]
         target = _pool_target(q[:, t0:t1], kv, lse[:, t0:t1], indices[:, t0:t1, :topk], ok, kpool, softmax_scale)
-        row_kl = checkpoint(
-            _block_kl,
-            q_index[:, t0:t1],
-            weights[:, t0:t1],
-            pool_keys,
-            pool_row[:, t0:t1],
-            ok,
-            target,
-            index_softmax_scale,
-            use_reentrant=False,
-        )
+        args = (q_index[:, t0:t1], weights[:, t0:t1], pool_keys, pool_row[:, t0:t1], ok, target, index_softmax_scale)
+        if kv.is_cuda and not torch_path:
+            from kernels.dsa.loss_triton import triton_indexer_kl
+
+            row_kl = triton_indexer_kl(*args)
+        else:
+            row_kl = checkpoint(_block_kl, *args, use_reentrant=False)
         total = total + row_kl.sum()
     return total / pool_ok.any(-1).sum().clamp_min(1)

@@ -11,13 +11,14 @@ accumulates ``dq`` in registers. ``dkv`` comes one of two ways:
   atomics, one ``Dqk``-wide row per selected key, query and head block. At 8 heads these
   atomics bound the backward (69 G adds per 64k-token call).
 * per key run (``runs=kpool``, the indexer's layout: slots ``[r * kpool, (r + 1) * kpool)`` hold
-  one k-pool's consecutive tokens or ``-1``): the (query, run) pairs are sorted by the run's first
-  token (``torch.sort``, stable), and :func:`sparse_mla_bwd_runs_kernel` walks the sorted list in
-  fixed chunks, recomputing ``P`` and ``dP`` of each pair's query rows against the run's ``kpool``
-  latent rows and summing ``dS^T Q + P^T dO`` over all queries of the run in registers: one
-  atomic row flush per run and chunk instead of one per query. Slots outside whole runs (the
-  tail of the query's own pool) and runs that are not consecutive tokens go through the
-  per-query atomics, so any index layout stays exact.
+  one k-pool's consecutive tokens or ``-1``, the last, shorter group the query's own pool's first
+  tokens, then ``-1``): the (query, run) pairs are sorted by the run's first token (``torch.sort``,
+  stable), and :func:`sparse_mla_bwd_runs_kernel` walks the sorted list in fixed chunks,
+  recomputing ``P`` and ``dP`` of each pair's query rows against the run's ``kpool`` latent rows
+  (masked past the pair's run length) and summing ``dS^T Q + P^T dO`` over all queries of the run in
+  registers: one atomic row flush per run and chunk instead of one per query. A run is any group
+  whose slots hold ``s, s + 1, ..., s + c - 1`` and then only ``-1``; the slots of other groups
+  (a permutation, a hole) go through the per-query atomics, so any index layout stays exact.
 
 Per query (all heads), forward: FLOPs ``2 * H * K * (Dqk + d_v)``, gathered bytes
 ``ceil(H / BLOCK_H) * K * (Dqk + d_v) * 2`` (L2 absorbs the repeats across head blocks).
@@ -41,10 +42,13 @@ __all__ = ["triton_sparse_mla_fwd", "triton_sparse_mla_bwd", "triton_sparse_mla_
 
 
 def _attention_configs():
-    """Head-block x key-block tilings; BLOCK_H 64 lets wgmma use full 64-row tiles for 64 heads."""
+    """Head-block x key-block tilings; BLOCK_H 64 lets wgmma use full 64-row tiles for 64 heads. With few
+    heads the kernels stream gathered latent rows (``2 * H`` FLOPs per byte at 8 heads): the 16-row
+    tilings vary the bytes in flight per program (key block, stages) and the warps sharing them."""
     return [
         triton.Config({"BLOCK_H": bh, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-        for bh, bk, w, st in [(16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (64, 32, 8, 1)]
+        for bh, bk, w, st in [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 8, 2), (16, 32, 4, 3), (16, 64, 8, 3),
+                              (32, 32, 8, 2), (64, 32, 8, 2), (64, 32, 8, 1), (64, 64, 8, 1)]
     ]
 
 
@@ -164,8 +168,8 @@ def sparse_mla_bwd_kernel(
 ):
     """Per-query backward of one query and head block. ``MODE`` 0: ``dq`` and every selected key's ``dkv``
     (float32 atomics). With k-pool runs (``RUN > 0``), 1: ``dq`` only, and ``rowsum(dO * O)`` to ``DELTA``
-    (contiguous ``[B, T, H]``); 2: ``dkv`` of the slots outside whole runs only (``RUN_OK [B, T, n_runs]``),
-    blocks without such a slot skipped, ``DELTA`` read. Split so that the ``dq`` pass compiles without the
+    (contiguous ``[B, T, H]``); 2: ``dkv`` of the slots outside runs only (``RUN_OK [B, T, n_runs]``, each
+    run's length, 0 for a group that is not a run), blocks without such a slot skipped, ``DELTA`` read. Split so that the ``dq`` pass compiles without the
     ``dkv`` products (sm_90, 8 heads: 156 registers, no spills, 3 CTAs per SM, against 255 registers and a
     spill with them)."""
     t = tl.program_id(0).to(tl.int64)  # at 1M tokens x H x Dqk, offsets pass 2^31
@@ -209,7 +213,7 @@ def sparse_mla_bwd_kernel(
                                     scale_log2, DQK, DV)
             dq += tl.dot(ds.to(kv.dtype), kv)
             _scatter_dkv(dkv_base, stride_dks, idx, valid, q, do, p, ds, offs_d, offs_v, scale, DQK, DV)
-        else:  # slots of a whole consecutive run get their dkv from the run pass
+        else:  # slots of a run get their dkv from the run pass (a run's slots past its length are -1)
             in_runs = offs_k < n_runs * RUN
             run_ok = tl.load(RUN_OK + query * n_runs + offs_k // RUN, mask=in_runs, other=0)
             scatter = valid & ~(in_runs & (run_ok != 0))
@@ -235,18 +239,19 @@ rows 32 w8 s2 3.39 / 28.2."""
 
 @triton.jit
 def sparse_mla_bwd_runs_kernel(
-    Q, KV, DO, LSE, DELTA, KEYS, PAIRS, ENDS, DKV,
+    Q, KV, DO, LSE, DELTA, KEYS, PAIRS, COUNTS, ENDS, DKV,
     stride_kvb, stride_kvs,
     stride_dkb, stride_dks,
     n_pairs, n_keys, seq_keys, n_heads, scale, scale_log2,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     RUN: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """``dkv`` of whole runs, key-centric: the sorted (query, run) pairs ``[c * CHUNK, (c + 1) * CHUNK)``.
+    """``dkv`` of runs, key-centric: the sorted (query, run) pairs ``[c * CHUNK, (c + 1) * CHUNK)``.
 
     ``KEYS [n_pairs]`` int32: each pair's run start as ``b * seq_keys + s`` ascending, ``n_keys``
-    (``= B * seq_keys``) for pairs without a whole run (sorted last); ``PAIRS [n_pairs]`` int32: the
-    pair's query as ``b * T + t``; ``ENDS [n_keys]`` int32: one past the last pair of each key.
+    (``= B * seq_keys``) for pairs without a run (sorted last); ``PAIRS [n_pairs]`` int32: the
+    pair's query as ``b * T + t``; ``COUNTS [n_pairs]`` uint8: the pair's run length (keys
+    ``s .. s + count - 1``); ``ENDS [n_keys]`` int32: one past the last pair of each key.
     ``Q [B, T, H, DQK]``, ``DO [B, T, H, DV]`` contiguous; ``LSE``, ``DELTA`` contiguous float32
     ``[B, T, H]``. Each key segment of the chunk sums ``scale * dS^T q + P^T dO`` over its pairs in
     float32 and adds it to ``DKV`` rows ``s .. s + RUN - 1`` once (atomics: a run's pairs may span
@@ -261,17 +266,18 @@ def sparse_mla_bwd_runs_kernel(
     i = start
     while i < stop:
         key = tl.load(KEYS + i)
-        whole = key < n_keys
-        seg_end = tl.where(whole, tl.minimum(tl.load(ENDS + tl.minimum(key, n_keys - 1)), stop), stop)
-        if whole:
+        is_run = key < n_keys
+        seg_end = tl.where(is_run, tl.minimum(tl.load(ENDS + tl.minimum(key, n_keys - 1)), stop), stop)
+        if is_run:
             b = (key // seq_keys).to(tl.int64)
             s0 = (key % seq_keys).to(tl.int64)
+            in_seq = (s0 + offs_r) < seq_keys   # a short run near the end: its rows past the keys are not read
             kv_rows = KV + b * stride_kvb + (s0 + offs_r)[:, None] * stride_kvs
-            kv = tl.load(kv_rows + offs_d[None, :], mask=offs_d[None, :] < DQK, other=0.0)
+            kv = tl.load(kv_rows + offs_d[None, :], mask=in_seq[:, None] & (offs_d[None, :] < DQK), other=0.0)
             if DV == DQK:
                 v = kv
             else:
-                v = tl.load(kv_rows + offs_v[None, :], mask=offs_v[None, :] < DV, other=0.0)
+                v = tl.load(kv_rows + offs_v[None, :], mask=in_seq[:, None] & (offs_v[None, :] < DV), other=0.0)
             acc = tl.zeros([RUN, BLOCK_D], tl.float32)
             acc_v = tl.zeros([RUN, BLOCK_DV], tl.float32)
             # rows are the segment's (pair, head) products in order, ROWS at a time: no head padding,
@@ -280,6 +286,7 @@ def sparse_mla_bwd_runs_kernel(
                 g = g0 + offs_m
                 live = g < seg_end * n_heads
                 query = tl.load(PAIRS + g // n_heads, mask=live, other=0).to(tl.int64)
+                count = tl.load(COUNTS + g // n_heads, mask=live, other=0).to(tl.int32)
                 row = query * n_heads + g % n_heads
                 q = tl.load(Q + row[:, None] * DQK + offs_d[None, :], mask=live[:, None] & (offs_d[None, :] < DQK),
                             other=0.0)
@@ -290,7 +297,7 @@ def sparse_mla_bwd_runs_kernel(
                 row_ok = lse > float("-inf")
                 lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
                 p = tl.exp2(tl.dot(q, tl.trans(kv)) * scale_log2 - lse2[:, None])
-                p = tl.where(row_ok[:, None], p, 0.0)
+                p = tl.where(row_ok[:, None] & (offs_r[None, :] < count[:, None]), p, 0.0)
                 dp = tl.dot(do, tl.trans(v))
                 ds = p * (dp - delta[:, None]) * scale
                 acc += tl.dot(tl.trans(ds).to(q.dtype), q)
@@ -299,9 +306,10 @@ def sparse_mla_bwd_runs_kernel(
                 else:
                     acc_v += tl.dot(tl.trans(p).to(do.dtype), do)
             dk_rows = DKV + b * stride_dkb + (s0 + offs_r)[:, None] * stride_dks
-            tl.atomic_add(dk_rows + offs_d[None, :], acc, mask=offs_d[None, :] < DQK, sem="relaxed")
+            tl.atomic_add(dk_rows + offs_d[None, :], acc, mask=in_seq[:, None] & (offs_d[None, :] < DQK), sem="relaxed")
             if DV != DQK:
-                tl.atomic_add(dk_rows + offs_v[None, :], acc_v, mask=offs_v[None, :] < DV, sem="relaxed")
+                tl.atomic_add(dk_rows + offs_v[None, :], acc_v, mask=in_seq[:, None] & (offs_v[None, :] < DV),
+                              sem="relaxed")
         i = seg_end
 
 
@@ -370,42 +378,50 @@ def triton_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v):
 def run_pairs(indices: torch.Tensor, run: int, n_keys: int, query_block: int = 32768):
     """The (query, run) pairs of ``indices [B, T, W]`` sorted by run start, for the key-centric ``dkv`` pass.
 
-    A run is slots ``[r * run, (r + 1) * run)`` for ``r < W // run``; it is *whole* when its first
-    index ``s >= 0`` and the slots hold ``s, s + 1, ..., s + run - 1`` (the indexer's expanded
-    k-pools). Returns ``run_ok [B, T, W // run]`` uint8, ``keys [B * T * R]`` int32 (``b * n_keys + s``
-    ascending; ``B * n_keys`` for pairs that are not whole, last), ``pairs`` int32 (``b * T + t`` of each
-    sorted pair; stable, so ascending within a run) and ``ends [B * n_keys]`` int32 (one past each
-    key's last pair). Checked ``query_block`` queries at a time: the ``[t, R, run]`` comparisons are
-    the only full-width temporaries.
+    The slots fall in ``R = ceil(W / run)`` groups ``[r * run, (r + 1) * run)`` (the last one shorter
+    when ``run`` does not divide ``W``). A group is a *run* of length ``c >= 1`` when its slots hold
+    ``s, s + 1, ..., s + c - 1`` with ``s >= 0`` and only ``-1`` after them: the indexer's expanded
+    k-pools (``c = run``) and the tail of the query's own pool (its first ``c < run`` tokens). Returns
+    ``run_ok [B, T, R]`` uint8 (each group's run length, 0 when it is not a run), ``keys [B * T * R]``
+    int32 (``b * n_keys + s`` ascending; ``B * n_keys`` for groups that are not runs, last), ``pairs``
+    int32 (``b * T + t`` of each sorted pair; stable, so ascending within a run), ``counts`` uint8 (each
+    sorted pair's run length) and ``ends [B * n_keys]`` int32 (one past each key's last pair). Checked
+    ``query_block`` queries at a time: the ``[t, R, run]`` comparisons are the only full-width temporaries.
 
     Raises:
-        DSAInputError: when the keys or the pairs do not fit int32 offsets.
+        DSAInputError: when the keys or the pairs do not fit int32 offsets, or ``run`` exceeds 255.
     """
     batch, n_q, width = indices.shape
-    n_runs = width // run
+    n_runs = -(-width // run)
     if batch * n_keys >= 2**31 or batch * n_q * n_runs >= 2**31:
         raise DSAInputError(f"{batch} x {n_keys} keys or {batch} x {n_q} x {n_runs} (query, run) pairs exceed int32")
+    if run > 255:
+        raise DSAInputError(f"run lengths are kept as uint8: runs={run} exceeds 255")
     steps = torch.arange(run, dtype=indices.dtype, device=indices.device)
     run_ok = torch.empty(batch, n_q, n_runs, dtype=torch.uint8, device=indices.device)
     for t0 in range(0, n_q, query_block):
-        blk = indices[:, t0:t0 + query_block, : n_runs * run].unflatten(-1, (n_runs, run))
-        first = blk[..., 0]
-        run_ok[:, t0:t0 + query_block] = ((first >= 0) & (blk == first[..., None] + steps).all(-1)).to(torch.uint8)
-    first = indices[:, :, : n_runs * run : run].to(torch.int32)
+        blk = indices[:, t0:t0 + query_block]
+        blk = torch.nn.functional.pad(blk, (0, n_runs * run - width), value=-1).unflatten(-1, (n_runs, run))
+        first = blk[..., :1]
+        count = (blk == first + steps).int().cumprod(-1).sum(-1, keepdim=True)   # leading consecutive slots
+        rest_empty = ((steps < count) | (blk < 0)).all(-1)
+        run_ok[:, t0:t0 + query_block] = torch.where((first[..., 0] >= 0) & rest_empty, count[..., 0], 0).to(torch.uint8)
+    first = indices[:, :, ::run].to(torch.int32)
     offset = (torch.arange(batch, dtype=torch.int32, device=indices.device) * n_keys)[:, None, None]
     keys = torch.where(run_ok.bool(), first + offset, batch * n_keys).flatten()
     keys, order = torch.sort(keys, stable=True)
     pairs = torch.div(order, n_runs, rounding_mode="floor").to(torch.int32)
+    counts = run_ok.flatten()[order]
     probes = torch.arange(batch * n_keys, dtype=torch.int32, device=indices.device)
     ends = torch.searchsorted(keys, probes, right=True).to(torch.int32)
-    return run_ok, keys, pairs, ends
+    return run_ok, keys, pairs, counts, ends
 
 
 def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v, runs=None):
     """``dq`` (q.dtype) and ``dkv`` (kv.dtype, accumulated in float32) of ``sparse_mla_attention``.
 
     ``runs``: ``None`` scatters every selected key's ``dkv`` from its query's program with atomics;
-    an int (the k-pool size) sums whole runs of that many consecutive tokens per run instead
+    an int (the k-pool size) sums runs of up to that many consecutive tokens per run instead
     (:func:`run_pairs`, :func:`sparse_mla_bwd_runs_kernel`), the other slots as before. Runs
     shorter than 16 or not a power of two are too small for the run pass's tiles and are
     scattered per query like ``None`` (the result is the same either way).
@@ -417,14 +433,14 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     # the run pass's tiles need a power-of-two run of at least 16 rows (tl.arange, tl.dot)
     run = runs if runs and runs >= 16 and runs & (runs - 1) == 0 else 0
-    n_runs = indices.shape[2] // run if run else 0
+    n_runs = -(-indices.shape[2] // run) if run else 0
     if n_runs:
-        run_ok, keys, pairs, ends = run_pairs(indices, run, kv.shape[1])
+        run_ok, keys, pairs, counts, ends = run_pairs(indices, run, kv.shape[1])
         delta = torch.empty(batch, n_q, heads, dtype=torch.float32, device=q.device)
     else:
         run, run_ok, delta = 0, dkv, dkv   # unused by the kernel without runs
     block = dict(DQK=dqk, DV=d_v, BLOCK_D=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(d_v))
-    # per query: one pass (mode 0); per run: dq and rowsum(dO O) (mode 1), then the slots outside whole
+    # per query: one pass (mode 0); per run: dq and rowsum(dO O) (mode 1), then the slots outside
     # runs (mode 2), then the run pass. Each mode's autotuning zeroes dkv before anything else wrote it.
     for mode in ((1, 2) if n_runs else (0,)):
         sparse_mla_bwd_kernel[_grid(n_q, heads, batch)](
@@ -440,7 +456,7 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     if n_runs:
         n_pairs = keys.numel()
         sparse_mla_bwd_runs_kernel[(triton.cdiv(n_pairs, RUN_CHUNK),)](
-            q, kv, grad_out, lse, delta, keys, pairs, ends, dkv,
+            q, kv, grad_out, lse, delta, keys, pairs, counts, ends, dkv,
             kv.stride(0), kv.stride(1),
             dkv.stride(0), dkv.stride(1),
             n_pairs, batch * kv.shape[1], kv.shape[1], heads, softmax_scale, softmax_scale * _LOG2E,

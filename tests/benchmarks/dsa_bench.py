@@ -207,7 +207,8 @@ def bench_attention(seq_len: int, shape: dict, ceil: dict, reps: int) -> list[di
 
 
 def bench_indexer_loss(seq_len: int, shape: dict, ceil: dict, reps: int) -> list[dict]:
-    """KL loss forward+backward: Triton target (per-pool attention mass), torch indexer side."""
+    """KL loss forward+backward: Triton target (per-pool attention mass); the indexer side fused in Triton
+    (the CUDA path) and in torch (the reference), taking turns in the same run."""
     h, dqk, hi, di = shape["heads"], shape["dqk"], shape["index_heads"], shape["index_dim"]
     dev, bf = "cuda", torch.bfloat16
     qi = torch.randn(1, seq_len, hi, di, device=dev, dtype=bf, requires_grad=True)
@@ -222,17 +223,20 @@ def bench_indexer_loss(seq_len: int, shape: dict, ceil: dict, reps: int) -> list
         kv = torch.randn(1, seq_len, dqk, device=dev, dtype=bf)
         _, lse = sparse_mla_attention(q, kv, idx, shape["qk_head"] ** -0.5, dqk)
 
-    def run():
+    def run(torch_path):
         loss = indexer_kl_loss(qi, ki, g, ape, w, q, kv, lse, idx, index_softmax_scale=di**-0.5,
-                               softmax_scale=shape["qk_head"] ** -0.5, **kw)
+                               softmax_scale=shape["qk_head"] ** -0.5, torch_path=torch_path, **kw)
         loss.backward()
 
     flops = 2 * seq_len * h * TOPK * dqk + 3 * 2 * seq_len * hi * (TOPK // KPOOL) * di
     bytes_ = seq_len * TOPK * dqk * 2 * max(1, h // 32)  # the mass kernel's latent gathers
     pred = max(flops / ceil["matmul_tflops"] / 1e12, bytes_ / ceil["copy_tbps"] / 1e12)
-    t, peak = timed(run, reps)
-    return [dict(op="indexer KL loss fwd+bwd", seconds=t, predicted=pred, peak_gib=peak,
-                 tflops=flops / t / 1e12)]
+    rows = []
+    for torch_path, label in ((False, "fused indexer side"), (True, "torch indexer side")):
+        t, peak = timed(lambda: run(torch_path), reps)
+        rows.append(dict(op=f"indexer KL loss fwd+bwd, {label}", seconds=t, predicted=pred, peak_gib=peak,
+                         tflops=flops / t / 1e12))
+    return rows
 
 
 def bench_sdpa(seq_len: int, shape: dict, ceil: dict, reps: int) -> list[dict]:

@@ -14,6 +14,10 @@ filled with NaN before every kernel call (so an unwritten output shows up):
 * sparse MLA attention forward on the selected indices: relative Frobenius error of the
   bf16 output vs float64 (sampled rows) <= 1e-2; backward (dq, dkv) vs float64 at the
   smallest length, with dkv scattered per query and summed per k-pool run;
+* indexer KL loss: the fused Triton kernel (:mod:`kernels.dsa.loss_triton`) against the torch path
+  (``kernels.dsa.loss._block_kl``, float32 on the same GPU) on the first 4096 queries' selected pools:
+  loss and the gradients of the weights and pool keys within 1e-4 relative, of the bf16 queries
+  within one bf16 ulp (2^-8);
 * massive ties (``--ties``, and by default): every score equal (zero queries), and 160 pools
   of six score levels above a tie of all others in 40 of the 512 column groups, so that the
   selection's slots overflow and its exact pass must climb above its bound:
@@ -40,6 +44,8 @@ from kernels.dsa import lightning_indexer_topk, sparse_mla_attention  # noqa: E4
 from kernels.dsa.grid import kpool_grid  # noqa: E402
 from kernels.dsa.indexer import compress_on_grid, expand_selection, torch_pool_topk  # noqa: E402
 from kernels.dsa.indexer_triton import resolve_score_kernel, triton_kpool_compress, triton_pool_topk  # noqa: E402
+from kernels.dsa.loss import _block_kl  # noqa: E402
+from kernels.dsa.loss_triton import triton_indexer_kl  # noqa: E402
 from kernels.dsa.sparse_attention import torch_sparse_mla_bwd, torch_sparse_mla_fwd  # noqa: E402
 
 SHAPES = {  # model/config.py presets: MLA heads, kv_lora_rank, qk head dim, indexer heads x dim
@@ -189,6 +195,31 @@ def check_attention(seq_len: int, shape: dict, indices: torch.Tensor, gen: torch
     return result
 
 
+def check_kl(seq_len: int, shape: dict, indices: torch.Tensor, gen: torch.Generator, n_q: int = 4096) -> dict:
+    """The fused indexer KL against the torch path on the first ``n_q`` queries (random target mass)."""
+    inputs = indexer_inputs(seq_len, shape, gen)
+    grid = kpool_grid(seq_len, KPOOL, None, "cuda")
+    keys = compress_on_grid(inputs["k"].float(), inputs["gate_scores"].float(), inputs["ape"].float(), grid)
+    starts = indices[:, :n_q, :TOPK:KPOOL].long()
+    ok = starts >= 0
+    row = grid.pool_of_start(starts.clamp_min(0))
+    target = torch.rand(ok.shape, generator=gen, device="cuda").masked_fill(~ok, 0.0)
+    target = target / target.sum(-1, keepdim=True).clamp_min(1e-10)
+    grad = torch.randn(1, n_q, generator=gen, device="cuda")
+    got = []
+    for fn in (_block_kl, triton_indexer_kl):
+        leaves = [inputs["q"][:, :n_q].clone().requires_grad_(), inputs["weights"][:, :n_q].clone().requires_grad_(),
+                  keys.clone().requires_grad_()]
+        kl = fn(*leaves, row, ok, target, shape["index_dim"] ** -0.5)
+        kl.backward(grad)
+        got.append([kl] + [x.grad for x in leaves])
+    result = {f"{name}_rel_err": rel_err(b, a) for name, a, b in zip(("kl", "dq", "dw", "dkeys"), *got)}
+    # dq is bf16 like the queries: both paths round their float32 values, at most an ulp (2^-8) apart
+    limits = dict(kl_rel_err=1e-4, dq_rel_err=2**-8, dw_rel_err=1e-4, dkeys_rel_err=1e-4)
+    result["ok"] = all(result[k] <= v for k, v in limits.items()) and all(bool(torch.isfinite(x).all()) for x in got[1])
+    return result
+
+
 def check_ties(score_kernel: str, seq_len: int = 16384) -> dict:
     """The massive-tie cases of the module docstring at ``seq_len`` tokens (full shape's index heads)."""
     h, d, n_select = SHAPES["full"]["index_heads"], SHAPES["full"]["index_dim"], TOPK // KPOOL
@@ -274,7 +305,8 @@ def main() -> None:
             gen = torch.Generator(device="cuda").manual_seed(seq_len + len(name))
             idx_res, indices = check_indexer(seq_len, shape, gen, args.score_kernel)
             attn_res = check_attention(seq_len, shape, indices, gen, backward=seq_len == min(args.seq_lens))
-            row = dict(seq_len=seq_len, shape=name, indexer=idx_res, attention=attn_res)
+            kl_res = check_kl(seq_len, shape, indices, gen)
+            row = dict(seq_len=seq_len, shape=name, indexer=idx_res, attention=attn_res, kl=kl_res)
             print(json.dumps(row), flush=True)
             results.append(row)
             del indices
@@ -290,6 +322,7 @@ def main() -> None:
     elif args.seq_lens:
         print("context parallel check skipped: fewer than 2 GPUs visible", flush=True)
     all_ok = all(r.get("indexer", {}).get("ok", True) and r.get("attention", {}).get("ok", True)
+                 and r.get("kl", {}).get("ok", True)
                  and r.get("context_parallel", {}).get("ok", True) and r.get("ties", {}).get("ok", True)
                  for r in results)
     print(f"ALL OK: {all_ok}", flush=True)

@@ -1,0 +1,149 @@
+"""Triton indexer KL loss: the indexer side of :func:`kernels.dsa.indexer_kl_loss`, fused, forward and backward.
+
+One program per query row ``t`` gathers the row's ``J`` selected pool keys ``[J, D]`` (float32, the
+k-pool compression's output), computes the lightning-indexer logits over them
+``I[j] = sum_h w[h] * relu(scale * q[h] . K[j])``, their log-softmax over the row's selected pools,
+and ``KL(target || softmax(I))``: the torch path (:func:`kernels.dsa.loss._block_kl`) does the same in
+about ten kernels per query block, with the ``[t, J, D]`` gathered keys, the ``[t, H, J]`` scores and
+their float32 copies in memory and an ``index_add_`` backward, all recomputed once more under its
+activation checkpoint.
+
+The backward recomputes the row (nothing but the loss is saved) and, with ``G[j] = dL/dI[j] =
+g * (softmax[j] * sum(target) - target[j])`` (``g`` the row's incoming gradient), writes
+``dw[h] = sum_j G[j] relu(S[h, j])``, ``dq[h] = scale * sum_j dS[h, j] K[j]`` and adds
+``dK[j] = scale * sum_h dS[h, j] q[h]`` to the pool keys' gradient with float32 atomics, where
+``dS = w[h] * G[j] * [S[h, j] > 0]``. Products are IEEE float32 (``input_precision="ieee"``), as in the
+torch path: per row ``3 * 2 * H * J * D`` FLOPs (small shape 0.4 MFLOP), a few kilobytes read.
+
+Rows without a selected pool give loss 0 and zero gradients (the torch path's masked log-softmax does
+the same).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["triton_indexer_kl"]
+
+_EPS = 1e-10   # the log clamp of the target, as kernels.dsa.loss (megatron-core's dsa_indexer_loss)
+
+
+@triton.jit
+def indexer_kl_kernel(
+    QI, W, KEYS, ROWS, TGT, LOSS, GROW, DQI, DW, DKEYS,
+    stride_qb, stride_qt, stride_qh,
+    stride_wb, stride_wt,
+    stride_kb, stride_kp,
+    stride_rb, stride_rt,
+    stride_tb, stride_tt,
+    n_q, n_heads, n_sel, n_pools, dim, scale, eps,
+    BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr, BACKWARD: tl.constexpr,
+):
+    """One query row. ``ROWS [B, t, J]`` int32 pool rows of ``KEYS [B, P, D]`` (-1: not selected);
+    forward: ``LOSS [B * t]`` float32; backward: ``GROW [B * t]`` in, ``DQI [B, t, H, D]``,
+    ``DW [B, t, H]`` (contiguous) out, ``DKEYS [B, P, D]`` float32 contiguous added to."""
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_j = tl.arange(0, BLOCK_J)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < n_heads
+    mask_d = offs_d < dim
+    rows = tl.load(ROWS + b * stride_rb + t * stride_rt + offs_j, mask=offs_j < n_sel, other=-1).to(tl.int64)
+    ok = rows >= 0
+    keys = tl.load(KEYS + b * stride_kb + rows[:, None] * stride_kp + offs_d[None, :],
+                   mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+    q = tl.load(QI + b * stride_qb + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+    w = tl.load(W + b * stride_wb + t * stride_wt + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    s = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale          # [H, J]
+    r = tl.maximum(s, 0.0)
+    logits = tl.sum(w[:, None] * r, axis=0)                                  # [J]
+    m = tl.max(tl.where(ok, logits, float("-inf")), axis=0)
+    any_ok = m > float("-inf")
+    m = tl.where(any_ok, m, 0.0)
+    e = tl.where(ok, tl.exp(logits - m), 0.0)
+    total = tl.sum(e, axis=0)
+    lse = m + tl.log(tl.where(any_ok, total, 1.0))
+    tgt = tl.load(TGT + b * stride_tb + t * stride_tt + offs_j, mask=offs_j < n_sel, other=0.0)
+    tgt = tl.where(ok, tgt, 0.0)
+    row = b * n_q + t
+    if BACKWARD:
+        g = tl.load(GROW + row)
+        soft = e / tl.where(any_ok, total, 1.0)
+        grad_logits = tl.where(ok, g * (soft * tl.sum(tgt, axis=0) - tgt), 0.0)   # [J]
+        dw = tl.sum(grad_logits[None, :] * r, axis=1)                             # [H]
+        ds = tl.where(s > 0.0, w[:, None] * grad_logits[None, :], 0.0)            # [H, J]
+        dq = tl.dot(ds, keys, input_precision="ieee") * scale                     # [H, D]
+        dk = tl.dot(tl.trans(ds), q, input_precision="ieee") * scale              # [J, D]
+        tl.store(DW + row * n_heads + offs_h, dw.to(DW.dtype.element_ty), mask=mask_h)
+        tl.store(DQI + (row * n_heads + offs_h[:, None]) * dim + offs_d[None, :], dq.to(DQI.dtype.element_ty),
+                 mask=mask_h[:, None] & mask_d[None, :])
+        tl.atomic_add(DKEYS + (b * n_pools + rows[:, None]) * dim + offs_d[None, :], dk,
+                      mask=ok[:, None] & mask_d[None, :], sem="relaxed")
+    else:
+        terms = tl.where(ok, tgt * (tl.log(tl.maximum(tgt, eps)) - (logits - lse)), 0.0)
+        tl.store(LOSS + row, tl.sum(terms, axis=0))
+
+
+def _launch(q_index, weights, pool_keys, rows, target, scale, grad_row=None):
+    batch, n_q, heads, dim = q_index.shape
+    n_sel = rows.shape[2]
+    block_h, block_j, block_d = (max(16, triton.next_power_of_2(n)) for n in (heads, n_sel, dim))
+    dev = q_index.device
+    loss = torch.empty(batch, n_q, dtype=torch.float32, device=dev)
+    if grad_row is None:
+        grad_row = dq = dw = dkeys = loss   # unused by the forward
+    else:
+        grad_row = grad_row.float().contiguous()
+        dq = torch.empty(batch, n_q, heads, dim, dtype=q_index.dtype, device=dev)
+        dw = torch.empty(batch, n_q, heads, dtype=weights.dtype, device=dev)
+        dkeys = torch.zeros(pool_keys.shape, dtype=torch.float32, device=dev)
+    indexer_kl_kernel[(n_q, batch)](
+        q_index, weights, pool_keys, rows, target, loss, grad_row, dq, dw, dkeys,
+        q_index.stride(0), q_index.stride(1), q_index.stride(2),
+        weights.stride(0), weights.stride(1),
+        pool_keys.stride(0), pool_keys.stride(1),
+        rows.stride(0), rows.stride(1),
+        target.stride(0), target.stride(1),
+        n_q, heads, n_sel, pool_keys.shape[1], dim, scale, _EPS,
+        BLOCK_H=block_h, BLOCK_J=block_j, BLOCK_D=block_d, BACKWARD=grad_row is not loss,
+        num_warps=4 if block_j * block_d <= 8192 else 8,
+    )
+    return loss if grad_row is loss else (dq, dw, dkeys)
+
+
+class _IndexerKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_index, weights, pool_keys, rows, target, scale):
+        ctx.save_for_backward(q_index, weights, pool_keys, rows, target)
+        ctx.scale = scale
+        return _launch(q_index, weights, pool_keys, rows, target, scale)
+
+    @staticmethod
+    def backward(ctx, grad_row):
+        q_index, weights, pool_keys, rows, target = ctx.saved_tensors
+        dq, dw, dkeys = _launch(q_index, weights, pool_keys, rows, target, ctx.scale, grad_row)
+        return dq, dw, dkeys.to(pool_keys.dtype), None, None, None
+
+
+def triton_indexer_kl(q_index: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, pool_row: torch.Tensor,
+                      pool_ok: torch.Tensor, target: torch.Tensor, index_softmax_scale: float) -> torch.Tensor:
+    """``[B, t]`` float32 KL of each query row, differentiable in ``q_index``, ``weights`` and ``pool_keys``.
+
+    The same value and gradients as :func:`kernels.dsa.loss._block_kl` (to float32 rounding).
+
+    Args:
+        q_index: indexer queries ``[B, t, H_I, D_I]`` (last dim contiguous).
+        weights: per-head weights ``[B, t, H_I]`` (last dim contiguous).
+        pool_keys: compressed pool keys ``[B, P, D_I]`` (last dim contiguous).
+        pool_row: ``[B, t, J]`` int, each selected pool's row of ``pool_keys``.
+        pool_ok: ``[B, t, J]`` bool, the pool is selected (``False``: the slot is ``-1``).
+        target: ``[B, t, J]`` float32 main-attention mass per pool, L1-normalized, 0 where not ``pool_ok``.
+        index_softmax_scale: the indexer's score scale.
+    """
+    q_index, weights, pool_keys = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_index, weights, pool_keys))
+    rows = pool_row.masked_fill(~pool_ok, -1).to(torch.int32).contiguous()
+    return _IndexerKL.apply(q_index, weights, pool_keys, rows, target.float().contiguous(), index_softmax_scale)
