@@ -226,9 +226,10 @@ KL_SCRIPT = textwrap.dedent(
     from kernels.dsa.loss_triton import triton_indexer_kl
 
     gen = torch.Generator().manual_seed(1)
-    # 20 indexer heads (masked rows of a 32-row block), dim 12 and 6 selected pools (not powers of two),
+    # 20 indexer heads (masked rows of a 32-row block), dim 40 (two 32-column steps, the second partly
+    # masked) and 6 selected pools (not powers of two),
     # batch 2, unselected pools, a row without any, a target of zeros on a row that has pools
-    batch, n_q, heads, dim, n_pools, n_sel = 2, 7, 20, 12, 30, 6
+    batch, n_q, heads, dim, n_pools, n_sel = 2, 7, 20, 40, 30, 6
     q = torch.randn(batch, n_q + 2, heads, dim, generator=gen)[:, 1:-1]       # strided along t
     w = torch.randn(batch, n_q, heads, generator=gen) * heads**-0.5
     keys = torch.randn(batch, n_pools, dim, generator=gen)

@@ -43,22 +43,27 @@ def indexer_kl_kernel(
 ):
     """One query row. ``ROWS [B, t, J]`` int32 pool rows of ``KEYS [B, P, D]`` (-1: not selected);
     forward: ``LOSS [B * t]`` float32; backward: ``GROW [B * t]`` in, ``DQI [B, t, H, D]``,
-    ``DW [B, t, H]`` (contiguous) out, ``DKEYS [B, P, D]`` float32 contiguous added to."""
+    ``DW [B, t, H]`` (contiguous) out, ``DKEYS [B, P, D]`` float32 contiguous added to. The key width
+    is walked ``BLOCK_D`` columns at a time (keys and queries re-read from L1/L2 in the backward), so
+    that only the ``[H, J]`` scores stay in registers at the full shape's ``128 x 128`` float32 keys."""
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_j = tl.arange(0, BLOCK_J)
     offs_d = tl.arange(0, BLOCK_D)
     mask_h = offs_h < n_heads
-    mask_d = offs_d < dim
     rows = tl.load(ROWS + b * stride_rb + t * stride_rt + offs_j, mask=offs_j < n_sel, other=-1).to(tl.int64)
     ok = rows >= 0
-    keys = tl.load(KEYS + b * stride_kb + rows[:, None] * stride_kp + offs_d[None, :],
-                   mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-    q = tl.load(QI + b * stride_qb + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+    key_ptr = KEYS + b * stride_kb + rows[:, None] * stride_kp
+    q_ptr = QI + b * stride_qb + t * stride_qt + offs_h[:, None] * stride_qh
+    s = tl.zeros([BLOCK_H, BLOCK_J], tl.float32)
+    for d0 in range(0, dim, BLOCK_D):
+        cols = d0 + offs_d
+        keys = tl.load(key_ptr + cols[None, :], mask=ok[:, None] & (cols[None, :] < dim), other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + cols[None, :], mask=mask_h[:, None] & (cols[None, :] < dim), other=0.0).to(tl.float32)
+        s += tl.dot(q, tl.trans(keys), input_precision="ieee")
+    s = s * scale                                                             # [H, J]
     w = tl.load(W + b * stride_wb + t * stride_wt + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-    s = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale          # [H, J]
     r = tl.maximum(s, 0.0)
     logits = tl.sum(w[:, None] * r, axis=0)                                  # [J]
     m = tl.max(tl.where(ok, logits, float("-inf")), axis=0)
@@ -75,14 +80,18 @@ def indexer_kl_kernel(
         soft = e / tl.where(any_ok, total, 1.0)
         grad_logits = tl.where(ok, g * (soft * tl.sum(tgt, axis=0) - tgt), 0.0)   # [J]
         dw = tl.sum(grad_logits[None, :] * r, axis=1)                             # [H]
-        ds = tl.where(s > 0.0, w[:, None] * grad_logits[None, :], 0.0)            # [H, J]
-        dq = tl.dot(ds, keys, input_precision="ieee") * scale                     # [H, D]
-        dk = tl.dot(tl.trans(ds), q, input_precision="ieee") * scale              # [J, D]
         tl.store(DW + row * n_heads + offs_h, dw.to(DW.dtype.element_ty), mask=mask_h)
-        tl.store(DQI + (row * n_heads + offs_h[:, None]) * dim + offs_d[None, :], dq.to(DQI.dtype.element_ty),
-                 mask=mask_h[:, None] & mask_d[None, :])
-        tl.atomic_add(DKEYS + (b * n_pools + rows[:, None]) * dim + offs_d[None, :], dk,
-                      mask=ok[:, None] & mask_d[None, :], sem="relaxed")
+        ds = tl.where(s > 0.0, w[:, None] * grad_logits[None, :], 0.0) * scale    # [H, J]
+        for d0 in range(0, dim, BLOCK_D):
+            cols = d0 + offs_d
+            keys = tl.load(key_ptr + cols[None, :], mask=ok[:, None] & (cols[None, :] < dim), other=0.0).to(tl.float32)
+            q = tl.load(q_ptr + cols[None, :], mask=mask_h[:, None] & (cols[None, :] < dim), other=0.0).to(tl.float32)
+            dq = tl.dot(ds, keys, input_precision="ieee")                         # [H, BLOCK_D]
+            dk = tl.dot(tl.trans(ds), q, input_precision="ieee")                  # [J, BLOCK_D]
+            tl.store(DQI + (row * n_heads + offs_h[:, None]) * dim + cols[None, :], dq.to(DQI.dtype.element_ty),
+                     mask=mask_h[:, None] & (cols[None, :] < dim))
+            tl.atomic_add(DKEYS + (b * n_pools + rows[:, None]) * dim + cols[None, :], dk,
+                          mask=ok[:, None] & (cols[None, :] < dim), sem="relaxed")
     else:
         terms = tl.where(ok, tgt * (tl.log(tl.maximum(tgt, eps)) - (logits - lse)), 0.0)
         tl.store(LOSS + row, tl.sum(terms, axis=0))
@@ -91,7 +100,8 @@ def indexer_kl_kernel(
 def _launch(q_index, weights, pool_keys, rows, target, scale, grad_row=None):
     batch, n_q, heads, dim = q_index.shape
     n_sel = rows.shape[2]
-    block_h, block_j, block_d = (max(16, triton.next_power_of_2(n)) for n in (heads, n_sel, dim))
+    block_h, block_j = (max(16, triton.next_power_of_2(n)) for n in (heads, n_sel))
+    block_d = 32   # key columns per step (the loop in the kernel); 16 is tl.dot's least
     dev = q_index.device
     loss = torch.empty(batch, n_q, dtype=torch.float32, device=dev)
     if grad_row is None:
@@ -110,7 +120,7 @@ def _launch(q_index, weights, pool_keys, rows, target, scale, grad_row=None):
         target.stride(0), target.stride(1),
         n_q, heads, n_sel, pool_keys.shape[1], dim, scale, _EPS,
         BLOCK_H=block_h, BLOCK_J=block_j, BLOCK_D=block_d, BACKWARD=grad_row is not loss,
-        num_warps=4 if block_j * block_d <= 8192 else 8,
+        num_warps=4,
     )
     return loss if grad_row is loss else (dq, dw, dkeys)
 
