@@ -97,13 +97,15 @@ SCRIPT = textwrap.dedent(
         out, lse = torch_sparse_mla_fwd(q, kv, idx, 0.3, d_v)
         grad = torch.randn(out.shape, generator=gen)
         ref = torch_sparse_mla_bwd(q, kv, idx, out, lse, grad, 0.3, d_v)
-        run_ok = st.run_pairs(idx, 16, 80)[0]
+        run_ok, scatter = st.run_pairs(idx, 16, 80)[:2]
         not_run = torch.zeros(2, 6, 4, dtype=torch.bool)
         not_run[0, 0, 1] = not_run[0, 1, 0] = not_run[1, 3, 2] = True
         not_run[1, 5] = True
         not_run[..., 3] = ~prefix
         assert torch.equal(run_ok.bool(), ~not_run), run_ok
         assert torch.equal(run_ok[..., 3].long(), (idx[..., 48:] >= 0).sum(-1) * prefix)   # the tails' lengths
+        groups = torch.nn.functional.pad(idx, (0, 11), value=-1).view(2, 6, 4, 16)
+        assert torch.equal(scatter.bool(), (not_run & (groups >= 0).any(-1)).any(-1)), scatter   # queries mode 2 reads
         for runs in (16, None):
             for a, b in zip(st.triton_sparse_mla_bwd(q, kv, idx, out, lse, grad, 0.3, d_v, runs), ref):
                 assert torch.allclose(a, b, atol=1e-5), (heads, runs, (a - b).abs().max())

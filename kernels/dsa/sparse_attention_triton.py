@@ -94,12 +94,7 @@ def sparse_mla_fwd_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_base + offs_k, mask=offs_k < n_idx, other=-1).to(tl.int64)
         valid = idx >= 0
-        rows = kv_base + idx[:, None] * stride_kvs
-        kv = tl.load(rows + offs_d[None, :], mask=valid[:, None] & (offs_d[None, :] < DQK), other=0.0)
-        if DV == DQK:  # absorbed NoPE-MLA: the value is the latent itself, gathered once
-            v = kv
-        else:
-            v = tl.load(rows + offs_v[None, :], mask=valid[:, None] & (offs_v[None, :] < DV), other=0.0)
+        kv, v = _gather_latent(kv_base, stride_kvs, idx, valid, offs_d, offs_v, DQK, DV)
         s = tl.dot(q, tl.trans(kv)) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -120,17 +115,25 @@ def sparse_mla_fwd_kernel(
 
 
 @triton.jit
-def _slot_block(q, do, delta, lse2, row_ok, kv_base, stride_kvs, idx, valid, offs_d, offs_v, scale_log2,
-                DQK: tl.constexpr, DV: tl.constexpr):
-    """One block of selected slots against a block of heads: the gathered latent ``kv [BLOCK_K, BLOCK_D]``,
-    its value ``v``, the probabilities ``p`` and ``dS = P (dP - rowsum(dO O))`` (both ``[BLOCK_H, BLOCK_K]``
-    float32, unscaled)."""
+def _gather_latent(kv_base, stride_kvs, idx, valid, offs_d, offs_v, DQK: tl.constexpr, DV: tl.constexpr):
+    """The latent rows ``kv [BLOCK_K, BLOCK_D]`` of the selected slots ``idx`` (zeros where not ``valid``) and
+    their value ``v`` (the latent itself when ``DV == DQK``, else its first ``DV`` columns, loaded apart)."""
     rows = kv_base + idx[:, None] * stride_kvs
     kv = tl.load(rows + offs_d[None, :], mask=valid[:, None] & (offs_d[None, :] < DQK), other=0.0)
     if DV == DQK:  # absorbed NoPE-MLA: the value is the latent itself, gathered once
         v = kv
     else:
         v = tl.load(rows + offs_v[None, :], mask=valid[:, None] & (offs_v[None, :] < DV), other=0.0)
+    return kv, v
+
+
+@triton.jit
+def _slot_block(q, do, delta, lse2, row_ok, kv_base, stride_kvs, idx, valid, offs_d, offs_v, scale_log2,
+                DQK: tl.constexpr, DV: tl.constexpr):
+    """One block of selected slots against a block of heads: the gathered latent ``kv [BLOCK_K, BLOCK_D]``,
+    its value ``v``, the probabilities ``p`` and ``dS = P (dP - rowsum(dO O))`` (both ``[BLOCK_H, BLOCK_K]``
+    float32, unscaled)."""
+    kv, v = _gather_latent(kv_base, stride_kvs, idx, valid, offs_d, offs_v, DQK, DV)
     p = tl.exp2(tl.dot(q, tl.trans(kv)) * scale_log2 - lse2[:, None])
     p = tl.where(valid[None, :] & row_ok[:, None], p, 0.0)
     ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
@@ -156,7 +159,7 @@ def _scatter_dkv(dkv_base, stride_dks, idx, mask, q, do, p, ds, offs_d, offs_v, 
                  prune_configs_by=_TUNE["prune_configs_by"])
 @triton.jit
 def sparse_mla_bwd_kernel(
-    Q, KV, IDX, O, DO, LSE, DQ, DKV, RUN_OK, DELTA,
+    Q, KV, IDX, O, DO, LSE, DQ, DKV, RUN_OK, SCATTER, DELTA,
     stride_qb, stride_qt, stride_qh,
     stride_kvb, stride_kvs,
     stride_ib, stride_it,
@@ -169,7 +172,8 @@ def sparse_mla_bwd_kernel(
     """Per-query backward of one query and head block. ``MODE`` 0: ``dq`` and every selected key's ``dkv``
     (float32 atomics). With k-pool runs (``RUN > 0``), 1: ``dq`` only, and ``rowsum(dO * O)`` to ``DELTA``
     (contiguous ``[B, T, H]``); 2: ``dkv`` of the slots outside runs only (``RUN_OK [B, T, n_runs]``, each
-    run's length, 0 for a group that is not a run), blocks without such a slot skipped, ``DELTA`` read. Split so that the ``dq`` pass compiles without the
+    run's length, 0 for a group that is not a run), blocks without such a slot skipped and queries
+    without any (``SCATTER [B, T]`` uint8 0) not read at all, ``DELTA`` read. Split so that the ``dq`` pass compiles without the
     ``dkv`` products (sm_90, 8 heads: 156 registers, no spills, 3 CTAs per SM, against 255 registers and a
     spill with them)."""
     t = tl.program_id(0).to(tl.int64)  # at 1M tokens x H x Dqk, offsets pass 2^31
@@ -178,11 +182,17 @@ def sparse_mla_bwd_kernel(
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     offs_v = tl.arange(0, BLOCK_DV)
-    mask_h = offs_h < n_heads
+    # dO and O are contiguous [B, T, H, d_v]; DELTA, RUN_OK and SCATTER are contiguous too.
+    query = b * tl.num_programs(0).to(tl.int64) + t
+    if MODE == 2:   # most queries of the indexer's layout have every slot in a run: nothing to read
+        need = tl.load(SCATTER + query).to(tl.int32)   # 0 or 1
+        n_loop = n_idx * need
+        mask_h = offs_h < n_heads * need
+    else:
+        n_loop = n_idx
+        mask_h = offs_h < n_heads
     row_q = b * stride_qb + t * stride_qt + offs_h[:, None] * stride_qh
     q = tl.load(Q + row_q + offs_d[None, :], mask=mask_h[:, None] & (offs_d[None, :] < DQK), other=0.0)
-    # dO and O are contiguous [B, T, H, d_v]; DELTA and RUN_OK are contiguous too.
-    query = b * tl.num_programs(0).to(tl.int64) + t
     row_o = (query * n_heads + offs_h[:, None]) * DV
     o_mask = mask_h[:, None] & (offs_v[None, :] < DV)
     do = tl.load(DO + row_o + offs_v[None, :], mask=o_mask, other=0.0)
@@ -200,7 +210,7 @@ def sparse_mla_bwd_kernel(
     kv_base = KV + b * stride_kvb
     dkv_base = DKV + b * stride_dkb
     idx_base = IDX + b * stride_ib + t * stride_it
-    for k0 in range(0, n_idx, BLOCK_K):
+    for k0 in range(0, n_loop, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_base + offs_k, mask=offs_k < n_idx, other=-1).to(tl.int64)
         valid = idx >= 0
@@ -382,10 +392,11 @@ def run_pairs(indices: torch.Tensor, run: int, n_keys: int, query_block: int = 3
     when ``run`` does not divide ``W``). A group is a *run* of length ``c >= 1`` when its slots hold
     ``s, s + 1, ..., s + c - 1`` with ``s >= 0`` and only ``-1`` after them: the indexer's expanded
     k-pools (``c = run``) and the tail of the query's own pool (its first ``c < run`` tokens). Returns
-    ``run_ok [B, T, R]`` uint8 (each group's run length, 0 when it is not a run), ``keys [B * T * R]``
-    int32 (``b * n_keys + s`` ascending; ``B * n_keys`` for groups that are not runs, last), ``pairs``
-    int32 (``b * T + t`` of each sorted pair; stable, so ascending within a run), ``counts`` uint8 (each
-    sorted pair's run length) and ``ends [B * n_keys]`` int32 (one past each key's last pair). Checked
+    ``run_ok [B, T, R]`` uint8 (each group's run length, 0 when it is not a run), ``scatter [B, T]`` uint8
+    (1 where a query has a selected slot in no run), ``keys [B * T * R]`` int32 (``b * n_keys + s``
+    ascending; ``B * n_keys`` for groups that are not runs, last), ``pairs`` int32 (``b * T + t`` of each
+    sorted pair; stable, so ascending within a run), ``counts`` uint8 (each sorted pair's run length)
+    and ``ends [B * n_keys]`` int32 (one past each key's last pair). Checked
     ``query_block`` queries at a time: the ``[t, R, run]`` comparisons are the only full-width temporaries.
 
     Raises:
@@ -399,13 +410,16 @@ def run_pairs(indices: torch.Tensor, run: int, n_keys: int, query_block: int = 3
         raise DSAInputError(f"run lengths are kept as uint8: runs={run} exceeds 255")
     steps = torch.arange(run, dtype=indices.dtype, device=indices.device)
     run_ok = torch.empty(batch, n_q, n_runs, dtype=torch.uint8, device=indices.device)
+    scatter = torch.empty(batch, n_q, dtype=torch.uint8, device=indices.device)
     for t0 in range(0, n_q, query_block):
         blk = indices[:, t0:t0 + query_block]
         blk = torch.nn.functional.pad(blk, (0, n_runs * run - width), value=-1).unflatten(-1, (n_runs, run))
         first = blk[..., :1]
-        count = (blk == first + steps).int().cumprod(-1).sum(-1, keepdim=True)   # leading consecutive slots
-        rest_empty = ((steps < count) | (blk < 0)).all(-1)
-        run_ok[:, t0:t0 + query_block] = torch.where((first[..., 0] >= 0) & rest_empty, count[..., 0], 0).to(torch.uint8)
+        valid = blk >= 0
+        count = valid.sum(-1, keepdim=True)   # a run's slots are its length's first, then -1
+        is_run = (first[..., 0] >= 0) & (blk == torch.where(steps < count, first + steps, -1)).all(-1)
+        run_ok[:, t0:t0 + query_block] = torch.where(is_run, count[..., 0], 0).to(torch.uint8)
+        scatter[:, t0:t0 + query_block] = (~is_run & valid.any(-1)).any(-1).to(torch.uint8)
     first = indices[:, :, ::run].to(torch.int32)
     offset = (torch.arange(batch, dtype=torch.int32, device=indices.device) * n_keys)[:, None, None]
     keys = torch.where(run_ok.bool(), first + offset, batch * n_keys).flatten()
@@ -414,7 +428,7 @@ def run_pairs(indices: torch.Tensor, run: int, n_keys: int, query_block: int = 3
     counts = run_ok.flatten()[order]
     probes = torch.arange(batch * n_keys, dtype=torch.int32, device=indices.device)
     ends = torch.searchsorted(keys, probes, right=True).to(torch.int32)
-    return run_ok, keys, pairs, counts, ends
+    return run_ok, scatter, keys, pairs, counts, ends
 
 
 def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v, runs=None):
@@ -435,16 +449,16 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     run = runs if runs and runs >= 16 and runs & (runs - 1) == 0 else 0
     n_runs = -(-indices.shape[2] // run) if run else 0
     if n_runs:
-        run_ok, keys, pairs, counts, ends = run_pairs(indices, run, kv.shape[1])
+        run_ok, scatter, keys, pairs, counts, ends = run_pairs(indices, run, kv.shape[1])
         delta = torch.empty(batch, n_q, heads, dtype=torch.float32, device=q.device)
     else:
-        run, run_ok, delta = 0, dkv, dkv   # unused by the kernel without runs
+        run, run_ok, scatter, delta = 0, dkv, dkv, dkv   # unused by the kernel without runs
     block = dict(DQK=dqk, DV=d_v, BLOCK_D=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(d_v))
     # per query: one pass (mode 0); per run: dq and rowsum(dO O) (mode 1), then the slots outside
     # runs (mode 2), then the run pass. Each mode's autotuning zeroes dkv before anything else wrote it.
     for mode in ((1, 2) if n_runs else (0,)):
         sparse_mla_bwd_kernel[_grid(n_q, heads, batch)](
-            q, kv, indices, out, grad_out, lse, dq, dkv, run_ok, delta,
+            q, kv, indices, out, grad_out, lse, dq, dkv, run_ok, scatter, delta,
             q.stride(0), q.stride(1), q.stride(2),
             kv.stride(0), kv.stride(1),
             indices.stride(0), indices.stride(1),
