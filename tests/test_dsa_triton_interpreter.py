@@ -214,11 +214,16 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_triton_kernels_under_the_interpreter_equal_the_torch_paths():
+def run_interpreted(script: str) -> None:
+    """Run ``script`` in a subprocess under Triton's interpreter; it prints TRITON_INTERPRETER_OK when its checks pass."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=repo, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "TRITON_INTERPRETER_OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_triton_kernels_under_the_interpreter_equal_the_torch_paths():
+    run_interpreted(SCRIPT)
 
 
 KL_SCRIPT = textwrap.dedent(
@@ -258,7 +263,4 @@ KL_SCRIPT = textwrap.dedent(
 
 
 def test_fused_indexer_kl_under_the_interpreter_equals_the_torch_path():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, "-c", KL_SCRIPT], env=env, cwd=repo, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0 and "TRITON_INTERPRETER_OK" in result.stdout, result.stderr[-3000:]
+    run_interpreted(KL_SCRIPT)
