@@ -94,3 +94,9 @@ def test_unsupported_configs_raise(change, match):
 def test_unknown_dsa_dkv_path_raises():
     with pytest.raises(ConfigError, match="dsa_dkv"):
         preset("tiny", dsa_dkv="atomics")
+
+
+@pytest.mark.parametrize("field", ["kda_conv", "dsa_kl", "moe_permute"])
+def test_unknown_kernel_path_raises_naming_the_field(field):
+    with pytest.raises(ConfigError, match=f"{field}='fused'"):
+        preset("tiny", **{field: "fused"})
