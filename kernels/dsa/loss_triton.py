@@ -105,9 +105,10 @@ def _launch(q_index, weights, pool_keys, rows, target, scale, grad_row=None):
     block_h, block_j = (max(16, triton.next_power_of_2(n)) for n in (heads, n_sel))
     block_d = 32   # key columns per step (the loop in the kernel); 16 is tl.dot's least
     dev = q_index.device
+    backward = grad_row is not None
     loss = torch.empty(batch, n_q, dtype=torch.float32, device=dev)
-    if grad_row is None:
-        grad_row = dq = dw = dkeys = loss   # unused by the forward
+    if not backward:
+        grad_row = dq = dw = dkeys = loss   # placeholders the forward does not touch
     else:
         grad_row = grad_row.float().contiguous()
         dq = torch.empty(batch, n_q, heads, dim, dtype=q_index.dtype, device=dev)
@@ -121,10 +122,9 @@ def _launch(q_index, weights, pool_keys, rows, target, scale, grad_row=None):
         rows.stride(0), rows.stride(1),
         target.stride(0), target.stride(1),
         n_q, heads, n_sel, pool_keys.shape[1], dim, scale, _EPS,
-        BLOCK_H=block_h, BLOCK_J=block_j, BLOCK_D=block_d, BACKWARD=grad_row is not loss,
-        num_warps=4,
+        BLOCK_H=block_h, BLOCK_J=block_j, BLOCK_D=block_d, BACKWARD=backward, num_warps=4,
     )
-    return loss if grad_row is loss else (dq, dw, dkeys)
+    return (dq, dw, dkeys) if backward else loss
 
 
 class _IndexerKL(torch.autograd.Function):

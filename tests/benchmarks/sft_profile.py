@@ -53,7 +53,7 @@ DATASHEET_TFLOPS = 989.0   # H100/H200 SXM dense bf16 (tasks.trainer.PEAK_BF16_T
 FAMILIES: list[tuple[str, str]] = [
     ("sparse MLA fwd", r"sparse_mla_fwd"),
     ("sparse MLA bwd", r"sparse_mla_bwd"),
-    ("DSA indexer", r"pool_scores|select_kernel|expand_kernel|compress_kernel|sparse_mla_mass"),
+    ("DSA indexer", r"pool_scores|select_kernel|expand_kernel|compress_kernel|sparse_mla_mass|indexer_kl"),
     ("KDA/fla", r"chunk_|kda|delta_rule|solve_tril|cumsum_|l2norm|wy_|causal_conv1d|recompute_w_u|kkt"),
     # torch.compile's fused glue (mHC maps/merge, norms, gates, SwiGLU): pointwise, reduction and
     # persistent-reduction kernels, whose names also hold the ops they fuse ("_to_copy", "sum").
