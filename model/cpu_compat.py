@@ -270,14 +270,27 @@ def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
         torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
 
 
+def _foreach_scale_tensor(chunk_size, noop_flag, tensor_lists, scale):
+    """Transformer Engine's ``multi_tensor_scale_tensor`` contract, in place only: ``t *= scale`` for
+    a float32 ``[1]`` device ``scale`` (the clip factor), so the factor is never read on the host."""
+    src, dst = tensor_lists
+    if any(s is not d for s, d in zip(src, dst)):
+        raise NotImplementedError("megatron scales gradients by a tensor factor in place only")
+    if dst:
+        torch._foreach_mul_(dst, scale.reshape(()))
+
+
 @contextlib.contextmanager
 def foreach_multi_tensor_ops():
     """megatron's gradient norm / clipping / copies through torch's ``_foreach`` kernels, for the block.
 
     Replaces megatron's local (no Transformer Engine, no Apex) ``multi_tensor_l2norm`` and
-    ``multi_tensor_scale`` in ``megatron.core.optimizer.clip_grads`` and ``.optimizer``; with either
-    library present megatron's fused kernels are kept and this does nothing. Same values up to the
-    summation order of the norm.
+    ``multi_tensor_scale`` in ``megatron.core.optimizer.clip_grads`` and ``.optimizer``, and
+    provides ``multi_tensor_scale_tensor``, with which megatron keeps the gradient norm on the
+    device and clips by a tensor factor (its Transformer Engine path: no host read of the norm
+    inside the optimizer step). With Transformer Engine or Apex present megatron's fused kernels
+    are kept and this does nothing. Same values up to the summation order of the norm; the
+    factor ``min(1, clip / (norm + 1e-6))`` multiplies the gradients also when it is 1.
     """
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads, optimizer
@@ -285,10 +298,14 @@ def foreach_multi_tensor_ops():
     if clip_grads.l2_norm_impl is not utils.local_multi_tensor_l2_norm:
         yield
         return
-    saved = (clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, optimizer.multi_tensor_scale_impl)
-    clip_grads.l2_norm_impl = _foreach_l2_norm
-    clip_grads.multi_tensor_scale_impl = optimizer.multi_tensor_scale_impl = _foreach_scale
+    names = ((clip_grads, "l2_norm_impl", _foreach_l2_norm), (clip_grads, "multi_tensor_scale_impl", _foreach_scale),
+             (optimizer, "multi_tensor_scale_impl", _foreach_scale),
+             (clip_grads, "multi_tensor_scale_tensor_impl", _foreach_scale_tensor))
+    saved = [getattr(module, name) for module, name, _ in names]
+    for module, name, impl in names:
+        setattr(module, name, impl)
     try:
         yield
     finally:
-        clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, optimizer.multi_tensor_scale_impl = saved
+        for (module, name, _), value in zip(names, saved):
+            setattr(module, name, value)

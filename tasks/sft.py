@@ -21,7 +21,8 @@ step's token). This stage never opens the held-out chromosomes' shards: they are
 Step (:func:`train_step`): forward -> per-token NLL -> masked sum (+ DSA indexer KL,
 DeepSeek-V3.2) -> backward -> :func:`tasks.trainer.optimizer_step` (DP x CP gradient reduction,
 division by the global number of target tokens, MoE expert-bias update, distributed optimizer
-step with gradient clipping, LR schedule: linear warm-up, cosine decay) -> metrics as JSON lines.
+step with gradient clipping, LR schedule: linear warm-up, cosine decay) -> the next step's windows
+read ahead -> one host read of the step's numbers -> metrics as JSON lines.
 :func:`train` is the loop: step, log, collect garbage, validate, checkpoint.
 
 Checkpoints (:class:`tasks.checkpoint.Checkpointer`) in ``<checkpoint_dir>/step-NNNNNNN`` with
@@ -387,6 +388,7 @@ class SFTRun:
     loss: float = float("nan")
     flops_per_token: float = 0.0    # for MFU
     peak_tflops: float | None = None
+    prefetched: tuple | None = None  # (consumed, the step's device windows) read ahead by prefetch()
 
     @property
     def is_main(self) -> bool:
@@ -435,6 +437,8 @@ class SFTRun:
             (checkpointer.root / "model_config.json").write_text(json.dumps(hf_config_dict(mcfg), indent=1,
                                                                             sort_keys=True))
         run.resume()
+        model.zero_grad_buffer()               # train_step clears the gradients after each update
+        optimizer.zero_grad()
         if run.is_main:                        # a restarted run keeps the history up to its checkpoint
             keep_records_through(run.metrics_path, run.step)
         return run
@@ -462,6 +466,22 @@ class SFTRun:
                                                     progress["best_eval_loss"])
         if self.is_main:
             log.info("resumed from %s at step %d (%d windows consumed)", path, self.step, self.consumed)
+
+    def step_windows(self, consumed: int) -> list[tuple]:
+        """This rank's windows of the step that starts at stream position ``consumed``:
+        ``windows_per_step`` tuples (ids, labels, target) of ``[1, seq_len / cp]`` device tensors
+        (:func:`tasks.trainer.local_window`)."""
+        return [local_window(self.data.window(consumed + micro * self.layout.dp_size + self.layout.dp_rank),
+                             self.layout, self.device) for micro in range(self.cfg.windows_per_step)]
+
+    def prefetch(self) -> None:
+        """Read and copy the next step's windows now (while the device still works on this step)."""
+        self.prefetched = (self.consumed, self.step_windows(self.consumed))
+
+    def take_windows(self) -> list[tuple]:
+        """The windows of the step at ``consumed``: the prefetched ones when they are that step's."""
+        ahead, self.prefetched = self.prefetched, None
+        return ahead[1] if ahead is not None and ahead[0] == self.consumed else self.step_windows(self.consumed)
 
     def emit(self, record: dict) -> None:
         """Append ``record`` to ``metrics.jsonl`` and log it (rank 0)."""
@@ -522,55 +542,70 @@ class SFTRun:
 def train_step(run: SFTRun) -> dict:
     """One optimizer step over ``windows_per_step`` windows per DP rank; returns its metrics record.
 
+    On a GPU the host reads the device once, at the end: the loss, the gradient norm and the MoE
+    load come back together after the update is queued. Before that read the host fetches the
+    next step's windows (:meth:`SFTRun.prefetch`) and clears the gradients, so the optimizer's
+    per-parameter Python loops and the data reads run while the device is still in the backward.
+
     Raises:
-        TrainingDivergedError: non-finite loss (before the update) or gradient norm (after it).
+        TrainingDivergedError: non-finite loss or gradient norm. The step's update has been applied
+            to this process's weights; nothing is saved after it, so the latest checkpoint stays the
+            last good one.
     """
     import torch
     from megatron.core import parallel_state as ps
 
     cfg, layout, device = run.cfg, run.layout, run.device
     start = time.perf_counter()
-    run.model.zero_grad_buffer()
-    run.optimizer.zero_grad()
     sums = torch.zeros(3, dtype=torch.float64, device=device)   # NLL sum, target tokens, indexer KL
-    for micro in range(cfg.windows_per_step):
-        position = run.consumed + micro * layout.dp_size + layout.dp_rank
-        ids, labels, target = local_window(run.data.window(position), layout, device)
+    for ids, labels, target in run.take_windows():
         nll = run.model(ids, labels)                                         # [1, s / cp] float32 nats
         masked = (nll * target).sum()
         if run.step + 1 == cfg.inject_nan_at_step:
             masked = masked * float("nan")
-        indexer_kl = run.indexer_kl.pop()
+        indexer_kl = run.indexer_kl.pop()                                    # a tensor, or 0.0 without DSA
         n_targets = target.sum()
         (masked + cfg.indexer_kl_coeff * indexer_kl * n_targets).backward()
-        sums += torch.stack([masked.detach().double(), n_targets.double(),
-                             torch.as_tensor(indexer_kl, dtype=torch.float64, device=device).detach()])
+        sums[0] += masked.detach()
+        sums[1] += n_targets
+        sums[2] += indexer_kl.detach() if torch.is_tensor(indexer_kl) else indexer_kl
     local_targets = sums[1].to(torch.float32).clone()
     torch.distributed.all_reduce(sums, group=ps.get_data_parallel_group(with_context_parallel=True))
-    loss = float(sums[0] / sums[1].clamp_min(1))
-    if not math.isfinite(loss):
-        run.emit({"event": "diverged", "step": run.step + 1, "loss": str(loss)})
-        raise TrainingDivergedError(f"non-finite training loss {loss} at step {run.step + 1}; stopped before the "
-                                    f"optimizer update; last good checkpoint: {run.last_checkpoint()}")
-    overload, expert_imbalance = moe_overload(run.module, cfg.expert_parallel)   # before finalize resets them
+    load = moe_overload(run.module, cfg.expert_parallel)     # before finalize_model_grads resets the counts
     # Grads are of the summed NLL: the optimizer step divides them by the global number of target tokens.
     grad_norm = optimizer_step(run.model, run.optimizer, run.scheduler, local_targets)
-    if grad_norm is not None and not math.isfinite(grad_norm):
-        raise TrainingDivergedError(f"non-finite gradient norm {grad_norm} at step {run.step + 1}; the update was "
-                                    f"applied: resume from {run.last_checkpoint()}")
     run.consumed += cfg.windows_per_step * layout.dp_size
     run.step += 1
+    if run.step < cfg.steps:
+        run.prefetch()
+    run.model.zero_grad_buffer()        # stream-ordered after the update's reads of the gradients
+    run.optimizer.zero_grad()
+    nan = torch.full((1,), float("nan"), device=device)
+    values = torch.cat([(sums[0] / sums[1].clamp_min(1)).float().reshape(1), sums[2].float().reshape(1),
+                        grad_norm.float().reshape(1) if torch.is_tensor(grad_norm) else nan,
+                        load if load is not None else nan.expand(2)]).tolist()      # the step's one host read
+    loss, kl_sum, norm_value, overload, expert_imbalance = values
+    if not torch.is_tensor(grad_norm):
+        norm_value = grad_norm
+    if not math.isfinite(loss):
+        run.emit({"event": "diverged", "step": run.step, "loss": str(loss)})
+        raise TrainingDivergedError(f"non-finite training loss {loss} at step {run.step}; the run stops without "
+                                    f"saving; last good checkpoint: {run.last_checkpoint()}")
+    if norm_value is not None and not math.isfinite(norm_value):
+        raise TrainingDivergedError(f"non-finite gradient norm {norm_value} at step {run.step}; the run stops "
+                                    f"without saving; last good checkpoint: {run.last_checkpoint()}")
     run.loss = loss
     elapsed = time.perf_counter() - start
     tokens_per_s = cfg.seq_len * cfg.windows_per_step * layout.dp_size / elapsed
     peak = run.peak_tflops
     return {
         "step": run.step, "loss": loss, "bits_per_base": loss / math.log(2), "lr": run.optimizer.param_groups[0]["lr"],
-        "grad_norm": grad_norm,
-        "indexer_kl": float(sums[2]) / (layout.dp_size * cfg.context_parallel * cfg.windows_per_step),
+        "grad_norm": norm_value,
+        "indexer_kl": kl_sum / (layout.dp_size * cfg.context_parallel * cfg.windows_per_step),
         "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / layout.world_size,
         "step_time_s": elapsed, "peak_memory_gib": peak_memory_gib(), "peak_pinned_host_gib": peak_pinned_gib(),
-        "moe_max_overload": overload, "moe_expert_max_over_mean": expert_imbalance,
+        "moe_max_overload": None if load is None else overload,
+        "moe_expert_max_over_mean": None if load is None else expert_imbalance,
         "mfu": run.flops_per_token * tokens_per_s / (peak * 1e12 * layout.world_size) if peak else None,
     }
 

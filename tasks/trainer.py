@@ -100,13 +100,23 @@ def local_device():
 
 def local_window(arrays, layout: ParallelLayout, device):
     """This rank's contiguous CP slice of equal-length 1-D arrays (a window's ids, labels, target...):
-    int tensors ``[1, s / cp]`` on ``device``, one per array (SFT's windows, the trainer's log-probs)."""
+    tensors ``[1, s / cp]`` of the arrays' dtypes on ``device``, one per array (SFT's windows, the
+    trainer's log-probs).
+
+    To a GPU the slices go through pinned host memory as non-blocking copies: a copy from pageable
+    memory synchronises the stream first (``cudaStreamSynchronize`` after the copy in torch), which
+    would drain the device queue at every window. The caching host allocator keeps each pinned
+    block until its copy has run, so the caller may drop the host arrays at once.
+    """
     import numpy as np
     import torch
 
     part = len(arrays[0]) // layout.cp_size
     cut = slice(layout.cp_rank * part, (layout.cp_rank + 1) * part)
-    return tuple(torch.from_numpy(np.ascontiguousarray(a[cut]))[None].to(device) for a in arrays)
+    host = [torch.from_numpy(np.ascontiguousarray(a[cut]))[None] for a in arrays]
+    if torch.device(device).type == "cuda":
+        return tuple(t.pin_memory().to(device, non_blocking=True) for t in host)
+    return tuple(t.to(device) for t in host)
 
 
 def build_trainer(mcfg, module, *, lr: float, min_lr: float, weight_decay: float, betas: tuple[float, float],
@@ -155,13 +165,20 @@ def build_trainer(mcfg, module, *, lr: float, min_lr: float, weight_decay: float
 
 
 
-def optimizer_step(model, optimizer, scheduler, num_tokens) -> float | None:
+def optimizer_step(model, optimizer, scheduler, num_tokens):
     """Reduce the gradients of a summed per-token loss and apply one update; returns the grad norm.
 
     megatron ``finalize_model_grads`` reduces over DP x CP, divides by the global token count
     (the sum of ``num_tokens``, this rank's float32 count) and updates the MoE expert biases
     (aux-loss-free balancing); then the LR schedule advances (the LR of step k is the schedule at
     k + 1: warm-up starts above 0) and the distributed optimizer steps, with gradient clipping.
+
+    Returns:
+        The gradient norm before clipping, over every rank's shard: with ``foreach`` kernels a
+        float32 ``[1]`` tensor on the device, read by nobody here, so nothing in the step waits
+        for the device (the clip factor is applied on the device, as megatron does with Transformer
+        Engine); with ``megatron`` kernels a float (its local norm reads the device); None when
+        megatron skips the update.
     """
     from megatron.core.distributed import finalize_model_grads
 
@@ -284,10 +301,6 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "A100": 312.0}
 
 
 
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "A100": 312.0}
-"""Dense bf16 tensor-core peak per device (vendor datasheets, without sparsity)."""
-
-
 def peak_tflops(override: float = 0.0) -> float | None:
     """Dense bf16 peak TFLOP/s of this rank's device: ``override`` when set, else by device name
     (None on CPU or an unknown device)."""
@@ -321,10 +334,12 @@ def peak_pinned_gib() -> float | None:
 
 
 def moe_overload(module, ep: int):
-    """(busiest EP rank's routed tokens / balanced share, busiest expert / mean) over MoE layers.
+    """The step's MoE load: float32 ``[2]`` on the device, (busiest EP rank's routed tokens / balanced
+    share, busiest expert / mean) over MoE layers; None without MoE layers.
 
     Reads the routers' ``local_tokens_per_expert`` of this step summed over TP x DP x CP ranks;
-    call before ``finalize_model_grads`` (which uses and resets them).
+    call before ``finalize_model_grads`` (which uses and resets them). Stays on the device (no host
+    read), so the step's host work after it overlaps the backward still running.
     """
     import torch
     from megatron.core import parallel_state as ps
@@ -332,10 +347,10 @@ def moe_overload(module, ep: int):
     counts = [m.local_tokens_per_expert.detach().clone().float() for m in module.modules()
               if getattr(m, "local_tokens_per_expert", None) is not None and hasattr(m, "expert_bias")]
     if not counts:
-        return None, None
+        return None
     stacked = torch.stack(counts)                      # [moe layers, experts]
     torch.distributed.all_reduce(stacked, group=ps.get_tensor_and_data_parallel_group(with_context_parallel=True))
     mean = stacked.mean(-1).clamp_min(1e-9)
     per_rank = stacked.unflatten(-1, (ep, -1)).sum(-1)  # [layers, ep]
-    return (float((per_rank.max(-1).values / (mean * stacked.shape[-1] / ep)).max()),
-            float((stacked.max(-1).values / mean).max()))
+    return torch.stack([(per_rank.max(-1).values / (mean * stacked.shape[-1] / ep)).max(),
+                        (stacked.max(-1).values / mean).max()])

@@ -161,3 +161,30 @@ def test_foreach_multi_tensor_ops_match_megatrons_per_tensor_fallbacks():
     with foreach_multi_tensor_ops():
         assert clip_grads.l2_norm_impl is _foreach_l2_norm and optimizer.multi_tensor_scale_impl is _foreach_scale
     assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
+
+
+def test_foreach_ops_keep_the_gradient_norm_on_the_device_and_clip_by_its_tensor_factor(monkeypatch):
+    # With multi_tensor_scale_tensor provided, megatron returns the norm as a tensor (no host read)
+    # and scales every gradient by min(1, clip / (norm + 1e-6)); a single rank's all-reduce is the identity.
+    from megatron.core.optimizer import clip_grads
+
+    from model.cpu_compat import foreach_multi_tensor_ops, megatron_optimizer_on_cpu
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, *args, **kwargs: None)
+    gen = torch.Generator().manual_seed(4)
+    shapes = ((6, 5), (13,), (3, 2, 2))
+    for clip in (0.5, 1e3):                         # clipped, and a factor of 1
+        params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        grads64 = [p.grad.double().clone() for p in params]
+        norm64 = torch.sqrt(sum((g ** 2).sum() for g in grads64))
+        with megatron_optimizer_on_cpu(), foreach_multi_tensor_ops():
+            norm = clip_grads.get_grad_norm_fp32([p.grad for p in params])
+            assert torch.is_tensor(norm) and norm.dtype == torch.float32
+            clip_grads.clip_grad_by_total_norm_fp32(params, clip, norm)
+        assert abs(norm.item() - norm64.item()) <= 1e-6 * norm64.item()
+        factor = min(1.0, clip / (norm64.item() + 1e-6))
+        for p, g in zip(params, grads64):
+            torch.testing.assert_close(p.grad.double(), g * factor, rtol=1e-6, atol=0)
+    assert clip_grads.multi_tensor_scale_tensor_impl is None     # restored after the block

@@ -3,7 +3,9 @@
 One process, in this order: the anchor (a bf16 8192^3 matmul, median of events), then per
 configuration of ``tests/gpu/sft_small.py``'s ``CONFIGS`` (``small`` preset, bf16, real shards)
 the SFT run of :func:`tasks.sft.train_step`: ``--steps`` timed steps (the first compiles and
-autotunes: reported as the first step), then ``--profile-steps`` steps under ``torch.profiler``.
+autotunes: reported as the first step), one untimed step under torch's CUDA sync debug mode (where
+the host waits on the device: :func:`host_syncs`), then ``--profile-steps`` steps under
+``torch.profiler``.
 Run on the device machine (``PARTS=profile bash tests/gpu/session.sh``)::
 
     python tests/benchmarks/sft_profile.py --pack runs/sft_gpu_pack --configs 64k --out $OUT/sft_profile.json
@@ -91,6 +93,44 @@ def matmul_tflops(size: int = 8192, reps: int = 20) -> float:
     return 2 * size**3 / statistics.median(times) / 1e12
 
 
+def host_syncs(step):
+    """Run ``step()`` with torch's CUDA sync debug mode on: ``(its result, the synchronising call sites)``.
+
+    Every operation that makes the host wait for the device (``.item()``/``float()`` of a device
+    tensor, a blocking copy, ``nonzero``...) warns; each warning is attributed to the innermost frame
+    of the Python stack outside torch (the project's, megatron's or fla's line that called it). Syncs
+    inside a backward are reported at the ``backward()`` call. Sites: ``[{"site", "count"}]``, most
+    frequent first.
+    """
+    import collections
+    import traceback
+    import warnings
+
+    import torch
+
+    sites = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if f"{os.sep}torch{os.sep}" not in f.filename and not f.filename.endswith("warnings.py")]
+        site = frames[-1] if frames else None
+        where = "?" if site is None else f"{'/'.join(Path(site.filename).parts[-2:])}:{site.lineno} {site.name}"
+        sites[where] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = step()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return result, [{"site": where, "count": n} for where, n in sites.most_common()]
+
+
 def _union_length(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
     """Length of the union of ``[start, end)`` intervals clipped to ``[lo, hi)`` (same units)."""
     total, reach = 0.0, lo
@@ -173,7 +213,7 @@ def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor:
     from tasks.sft import SFTRun, train_step
     from tasks.trainer import ManualGC
 
-    cfg = dataclasses.replace(sft_config(name, steps + profile_steps), moe_experts=moe_experts,
+    cfg = dataclasses.replace(sft_config(name, steps + 1 + profile_steps), moe_experts=moe_experts,
                               compile_glue=compile_glue, dsa_dkv=dsa_dkv, **parse_variant(variant))
     gc.collect()
     torch.cuda.empty_cache()
@@ -185,6 +225,10 @@ def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor:
             records.append(train_step(run))
             run.emit(records[-1])
             collector.step(run.step)
+        # One more step, untimed, with the host's waits on the device reported by call site.
+        audited, syncs = host_syncs(lambda: train_step(run))
+        run.emit(audited)
+        collector.step(run.step)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(profile_steps):
@@ -220,6 +264,7 @@ def profile_config(name: str, pack: str, steps: int, profile_steps: int, anchor:
         "mfu_datasheet": flops_per_token * tokens_per_s / (DATASHEET_TFLOPS * 1e12),
         "mfu_matmul": flops_per_token * tokens_per_s / (anchor * 1e12),
         "losses": [r["loss"] for r in records], "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "host_syncs_per_step": sum(site["count"] for site in syncs), "host_sync_sites": syncs,
         **summary,
     }
     del run, prof
@@ -252,6 +297,7 @@ def table(anchor: float, rows: list[dict]) -> str:
     add("GPU busy per step (s)", lambda r: f"{r['gpu_busy_s_per_step']:.3f}")
     add("host-idle share", lambda r: f"{100 * r['host_idle_share']:.1f}%")
     add("kernel launches per step", lambda r: f"{r['launches_per_step']:,.0f}")
+    add("host waits on the device per step", lambda r: str(r.get("host_syncs_per_step", "-")))
     for family in FAMILY_NAMES:
         add(f"{family}", lambda r, f=family: f"{100 * r['families'][f]['share']:.1f}% "
                                             f"({r['families'][f]['ms_per_step']:.0f} ms)")
@@ -313,12 +359,16 @@ def main() -> None:
                                        glue == "on", trace, dkv, variant))
             rows[-1]["wall_s"] = time.perf_counter() - started
             Path(args.out).write_text(json.dumps({"matmul_tflops": anchor, "runs": rows}, indent=1))
-            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("top_kernels", "families", "top_ops")}),
+            print(json.dumps({k: v for k, v in rows[-1].items()
+                          if k not in ("top_kernels", "families", "top_ops", "host_sync_sites")}),
                   flush=True)
     for r in rows:
         print(f"\ntop kernels, {_label(r)} (ms per step, calls per step, family):")
         for k in r["top_kernels"][:15]:
             print(f"  {k['ms_per_step']:8.1f} {k['calls_per_step']:7.0f}  {k['family']:<15} {k['name'][:110]}")
+        print(f"host waits on the device in one step, {_label(r)} (count, call site):")
+        for site in r.get("host_sync_sites", []):
+            print(f"  {site['count']:8d}  {site['site'][:110]}")
         print(f"top ops by device time, {_label(r)} (ms per step, calls per step):")
         for o in r["top_ops"][:15]:
             print(f"  {o['ms_per_step']:8.1f} {o['calls_per_step']:7.0f}  {o['op'][:110]}")

@@ -16,7 +16,7 @@
 # the indexer's expansion and k-pool compression kernels), bench (dsa_bench.py alone, with $BENCH_ARGS),
 # dsa (dsa_check.py + dsa_bench.py), ncu (tests/gpu/ncu_indexer.sh: Nsight Compute on single indexer kernel
 # launches, $NCU_CASES), profile (tests/benchmarks/sft_profile.py: whole-step profile of $PROFILE_CONFIGS,
-# default 64k, with $PROFILE_ARGS), layerbench (tests/benchmarks/layer_bench.py: one full-width layer of each kind as
+# default 64k, with $PROFILE_ARGS; profile_base: the same from a carried earlier tree), layerbench (tests/benchmarks/layer_bench.py: one full-width layer of each kind as
 # one b200-64 rank at 256k and 1M, projected to 64 B200, with $LAYERBENCH_ARGS). The DSA parts need no wheels: with no .whl folder the install is skipped.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -83,6 +83,11 @@ part dsa "${T_DSA:-300}" bash -c "python3 tests/gpu/dsa_check.py --out $OUT/dsa_
 part fused "${T_FUSED:-150}" python3 tests/gpu/fused_check.py --tokens "${FUSED_TOKENS:-65536}" --out "$OUT/fused_check.json"
 # paths (tests/gpu/glue_paths_check.py: fla's KDA short conv and the gather MoE permutation vs the paths they replace).
 part paths "${T_PATHS:-120}" python3 tests/gpu/glue_paths_check.py --tokens "${FUSED_TOKENS:-65536}" --out "$OUT/glue_paths.json"
+# profile_base: the same profile run from $BASE_TREE (default .base: `git archive <rev> | tar -x -C .base`, carried),
+# before profile in the same call: the before column of a change that has no switch of its own.
+part profile_base "${T_PROFILE:-420}" bash -c "cd ${BASE_TREE:-.base} && PYTHONPATH=/tmp/site:\$PWD python3 \
+  tests/benchmarks/sft_profile.py --pack \"$PWD/runs/sft_gpu_pack\" --configs ${PROFILE_CONFIGS:-64k} ${PROFILE_ARGS:-} \
+  --out \"$OUT/sft_profile_base.json\""
 part profile "${T_PROFILE:-420}" python3 tests/benchmarks/sft_profile.py --pack runs/sft_gpu_pack \
   --configs ${PROFILE_CONFIGS:-64k} --trace-dir "$OUT" ${PROFILE_ARGS:-} --out "$OUT/sft_profile.json"
 # kdafold (tests/benchmarks/kda_cp_fold_bench.py: the KDA CP state fold, per-rank indexing vs split+unbind, full widths).
