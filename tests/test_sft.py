@@ -121,6 +121,18 @@ def test_cp2_loss_decreases_and_equals_cp1(cp1_run, cp2_run):
     assert all(r["tokens_per_s"] > 0 and r["grad_norm"] > 0 for r in cp2_run[1] if "event" not in r)
 
 
+def test_megatrons_own_norm_and_clip_train_like_the_device_side_ones(shards, cp1_run, tmp_path):
+    # optimizer_kernels="megatron": megatron's per-tensor norm, read on the host, and a float clip
+    # factor; the default keeps the norm on the device and clips by a tensor factor. Same math.
+    proc, records = run_sft(shards, tmp_path / "out", 1, optimizer_kernels="megatron")
+    _check(proc)
+    steps = [r for r in records if "event" not in r]
+    reference = [r for r in cp1_run[1] if "event" not in r]
+    assert len(steps) == len(reference) == BASE["steps"]
+    np.testing.assert_allclose([r["loss"] for r in steps], [r["loss"] for r in reference], rtol=1e-5)
+    np.testing.assert_allclose([r["grad_norm"] for r in steps], [r["grad_norm"] for r in reference], rtol=1e-4)
+
+
 def test_cp2_with_full_layer_recompute_equals_cp1(shards, cp1_run, tmp_path):
     # Full recompute reruns each layer's forward, collectives included (KDA state passing,
     # DSA key gathers), during backward: the ranks must still agree and the math must not change.
