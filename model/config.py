@@ -160,6 +160,10 @@ class Glm5NextConfig(TransformerConfig):
     # kernels.dsa.loss_triton) or "torch" (the blockwise torch path under activation checkpointing, as on
     # CPU); the same function.
     dsa_kl: str = "auto"
+    # The mHC projection's GEMM: "float32" (float32 copies of the streams and weight; FFMA on GPUs) or "auto"
+    # (bf16 streams on CUDA: bf16 tensor cores with float32 accumulation and output, model.fused.hc_projection);
+    # the same function up to summation order in the forward.
+    hc_gemm: str = "float32"
     # HF bookkeeping fields carried through the round trip unchanged.
     hf_extra: dict = field(default_factory=dict)
 
@@ -187,6 +191,8 @@ class Glm5NextConfig(TransformerConfig):
         for name in ("kda_conv", "dsa_kl"):
             if getattr(self, name) not in ("auto", "torch"):
                 raise ConfigError(f"{name}={getattr(self, name)!r}; valid: 'auto', 'torch'")
+        if self.hc_gemm not in ("float32", "auto"):
+            raise ConfigError(f"hc_gemm={self.hc_gemm!r}; valid: 'float32', 'auto'")
         if self.index_topk % self.index_kpool:
             raise ConfigError(f"index_topk={self.index_topk} is not a multiple of index_kpool={self.index_kpool}")
 

@@ -93,7 +93,7 @@ class HyperConnection(torch.nn.Module):
         n, h = config.hc_mult, config.hidden_size
         self.n, self.iters = n, config.hc_sinkhorn_iters
         self.hc_eps, self.norm_eps = config.hc_eps, config.layernorm_epsilon
-        self.compile_glue = config.compile_glue
+        self.compile_glue, self.gemm = config.compile_glue, config.hc_gemm
         self.fn = torch.nn.Parameter(torch.empty((2 + n) * n, n * h))
         self.base = torch.nn.Parameter(torch.zeros((2 + n) * n))
         self.scale = torch.nn.Parameter(torch.ones(3))
@@ -104,7 +104,7 @@ class HyperConnection(torch.nn.Module):
         with the parameters ``fn``, ``base``, ``scale`` (passed in so that a recompute can
         differentiate them); :func:`model.fused.hc_maps`."""
         return glue(hc_maps, self.compile_glue, streams, fn, base, scale, self.n, self.iters, self.hc_eps,
-                    self.norm_eps)
+                    self.norm_eps, self.gemm)
 
     def forward(self, streams: torch.Tensor):
         # Recomputed in backward: plain autograd would keep two float32 copies of the

@@ -109,6 +109,8 @@ class SFTConfig:
         kda_conv: KDA short convolution on GPUs, ``auto`` (fla's Triton ``causal_conv1d``) or ``torch``.
         dsa_kl: the indexer KL loss's indexer side on GPUs, ``auto`` (fused Triton kernels,
             :mod:`kernels.dsa.loss_triton`) or ``torch``; the same function.
+        hc_gemm: the mHC projection's GEMM, ``float32`` or ``auto`` (bf16 tensor cores with float32
+            accumulation for bf16 streams on GPUs, :func:`model.fused.hc_projection`).
         optimizer_kernels: ``foreach`` (gradient norm and clipping through torch's foreach ops,
             :func:`model.cpu_compat.foreach_multi_tensor_ops`, and Adam fused on GPUs,
             :func:`tasks.trainer.fuse_adam`) or ``megatron`` (its per-tensor fallbacks when
@@ -160,6 +162,7 @@ class SFTConfig:
     moe_permute: str = "gather"
     kda_conv: str = "auto"
     dsa_kl: str = "auto"
+    hc_gemm: str = "float32"
     optimizer_kernels: str = "foreach"
     logits_chunk_tokens: int = 4096
     indexer_kl_coeff: float = 0.0
@@ -218,6 +221,7 @@ def model_config(cfg: SFTConfig):
                      expert_model_parallel_size=cfg.expert_parallel, expert_tensor_parallel_size=1, mlp_chunk_tokens=cfg.mlp_chunk_tokens,
                      moe_experts=cfg.moe_experts, compile_glue=cfg.compile_glue, dsa_dkv=cfg.dsa_dkv,
                      moe_permute=cfg.moe_permute, kda_conv=cfg.kda_conv, dsa_kl=cfg.dsa_kl,
+                     hc_gemm=cfg.hc_gemm,
                      recompute_keep_attention=cfg.recompute_keep_attention and cfg.recompute == "full",
                      moe_router_bias_update_rate=cfg.expert_bias_update_rate, params_dtype=dtype,
                      bf16=dtype == torch.bfloat16, calculate_per_token_loss=True, **recompute)

@@ -41,8 +41,12 @@ def _cases():
     post, comb = torch.rand(T, 1, N).double().float() * 2, torch.softmax(_rand(T, 1, N, N, seed=5), -1)
     x, w = _rand(T, H, seed=6), 1 + 0.1 * _rand(H, seed=7)
     hidden = 4 * _rand(T, 2 * H, seed=8)
+    # bf16 streams with the tensor-core projection asked for: on CUDA (tests/gpu/fused_check.py)
+    # model.fused.hc_projection, on the CPU the float32 GEMM; the same float64 definition either way.
+    maps_bf16_args = (streams.to(torch.bfloat16), *maps_args[1:], "auto")
     return {
         "hc_maps": (fused.hc_maps, maps_args, lambda *a: _hc_maps_float64(*a)),
+        "hc_maps_bf16_gemm": (fused.hc_maps, maps_bf16_args, lambda *a: _hc_maps_float64(*a[:8])),
         "hc_collapse": (fused.hc_collapse, (torch.rand(T, 1, N), streams),
                         lambda pre, s: (pre.double().unsqueeze(-1) * s.double()).sum(-2)),
         "hc_merge": (fused.hc_merge, (post, comb, _rand(T, 1, H, seed=9), streams),
@@ -133,3 +137,56 @@ def test_a_glue_function_serves_more_variants_than_dynamos_default_recompile_lim
                 assert torch.equal(compiled(x, weight, 1e-6)[0], fused.rms_norm(x, weight, 1e-6)[0])
                 variants += 1
     assert variants == 18
+
+
+def test_bf16_parts_sum_to_float32_exactly_with_three_parts():
+    x = _rand(4096, seed=30) * torch.logspace(-30, 30, 4096, dtype=torch.float64)
+    x = x.float()
+    three, two = fused.bf16_parts(x, 3), fused.bf16_parts(x, 2)
+    assert three.dtype == torch.bfloat16 and three.shape == (3, 4096)
+    assert torch.equal(three.double().sum(0), x.double())
+    # two parts: about 16 mantissa bits (each part rounds to nearest, so 2^-17 of the value)
+    assert ((two.double().sum(0) - x.double()).abs() <= 2.0 ** -16 * x.double().abs()).all()
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_hc_projection_equals_its_float64_definition_with_bf16_level_gradients(weight_dtype):
+    # rsqrt(mean(x^2) + eps) * (x @ w^T) and its gradients in float64 from the same bf16 / float32 values
+    m, k, p, eps = 300, 4 * H, (2 + N) * N, 1e-6
+    x = _rand(m, k, dtype=torch.bfloat16, seed=31)
+    w = (0.02 * _rand(p, k, seed=32)).to(weight_dtype)
+    cotangent = _rand(m, p, seed=33)
+    x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    want = (x64 @ w64.T) / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    want.backward(cotangent.double())
+    xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    got = fused.hc_projection(xl, wl, eps)
+    got.backward(cotangent)
+    assert got.dtype == torch.float32 and xl.grad.dtype == torch.bfloat16 and wl.grad.dtype == weight_dtype
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+    # dx: one bf16 rounding (2^-9 of each value) plus the ~2^-16 of the split operands
+    dx64 = x64.grad
+    assert ((xl.grad.double() - dx64).abs() <= 2.0 ** -8 * dx64.abs() + 1e-5 * dx64.abs().max()).all()
+    dw64 = w64.grad
+    if weight_dtype == torch.float32:
+        assert torch.allclose(wl.grad.double(), dw64, rtol=0, atol=2e-5 * dw64.abs().max().item())
+    else:
+        assert ((wl.grad.double() - dw64).abs() <= 2.0 ** -8 * dw64.abs() + 1e-5 * dw64.abs().max()).all()
+    with pytest.raises(ValueError, match="bf16 streams"):
+        fused.hc_projection(x.float(), w, eps)
+
+
+def test_hc_projection_traces_whole_with_the_same_values_and_gradients():
+    x = _rand(5, 7, 4 * H, dtype=torch.bfloat16, seed=34)
+    w = 0.02 * _rand((2 + N) * N, 4 * H, seed=35)
+    torch._dynamo.reset()
+    traced = torch.compile(fused.hc_projection, fullgraph=True, backend="aot_eager")
+    results = []
+    for call in (fused.hc_projection, traced):
+        xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = call(xl, wl, 1e-6)
+        (out * _rand(*out.shape, seed=36)).sum().backward()
+        results.append((out, xl.grad, wl.grad))
+    assert results[0][0].shape == (5, 7, (2 + N) * N)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -84,6 +84,9 @@ def timings(tokens: int) -> list[dict]:
         # name: (fn, args, bytes at least: inputs read once + outputs written once, forward + backward)
         "hc_maps": (fused.hc_maps, (streams, rnd((2 + n) * n, n * h, scale=0.02), rnd((2 + n) * n), 1 + rnd(3),
                                     n, 20, 1e-6, 1e-6), 3 * streams.numel() * 2),
+        # the model's bf16 weight, projected on bf16 tensor cores (model.fused.hc_projection)
+        "hc_maps_bf16_gemm": (fused.hc_maps, (streams, rnd((2 + n) * n, n * h, dtype=bf, scale=0.02), rnd((2 + n) * n),
+                                              1 + rnd(3), n, 20, 1e-6, 1e-6, "auto"), 3 * streams.numel() * 2),
         "hc_collapse": (fused.hc_collapse, (pre, streams), 3 * streams.numel() * 2 + 2 * tokens * h * 2),
         "hc_merge": (fused.hc_merge, (post, comb, rnd(tokens, 1, h, dtype=bf), streams), 4 * streams.numel() * 2),
         "rms_norm": (lambda x, w, e: fused.rms_norm(x, w, e)[0], (rnd(tokens, h, dtype=bf), 1 + rnd(h, dtype=bf), 1e-6),
