@@ -584,13 +584,15 @@ def train_step(run: SFTRun) -> dict:
         run.prefetch()
     run.model.zero_grad_buffer()        # stream-ordered after the update's reads of the gradients
     run.optimizer.zero_grad()
-    nan = torch.full((1,), float("nan"), device=device)
-    values = torch.cat([(sums[0] / sums[1].clamp_min(1)).float().reshape(1), sums[2].float().reshape(1),
-                        grad_norm.float().reshape(1) if torch.is_tensor(grad_norm) else nan,
-                        load if load is not None else nan.expand(2)]).tolist()      # the step's one host read
-    loss, kl_sum, norm_value, overload, expert_imbalance = values
-    if not torch.is_tensor(grad_norm):
-        norm_value = grad_norm
+    on_device = [(sums[0] / sums[1].clamp_min(1)).float(), sums[2].float()]
+    if torch.is_tensor(grad_norm):
+        on_device.append(grad_norm.float().reshape(()))
+    if load is not None:
+        on_device.extend(load)
+    values = torch.stack(on_device).tolist()                                 # the step's one host read
+    loss, kl_sum = values[:2]
+    norm_value = values[2] if torch.is_tensor(grad_norm) else grad_norm
+    overload, expert_imbalance = values[-2:] if load is not None else (None, None)
     if not math.isfinite(loss):
         run.emit({"event": "diverged", "step": run.step, "loss": str(loss)})
         raise TrainingDivergedError(f"non-finite training loss {loss} at step {run.step}; the run stops without "
@@ -608,8 +610,7 @@ def train_step(run: SFTRun) -> dict:
         "indexer_kl": kl_sum / (layout.dp_size * cfg.context_parallel * cfg.windows_per_step),
         "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / layout.world_size,
         "step_time_s": elapsed, "peak_memory_gib": peak_memory_gib(), "peak_pinned_host_gib": peak_pinned_gib(),
-        "moe_max_overload": None if load is None else overload,
-        "moe_expert_max_over_mean": None if load is None else expert_imbalance,
+        "moe_max_overload": overload, "moe_expert_max_over_mean": expert_imbalance,
         "mfu": run.flops_per_token * tokens_per_s / (peak * 1e12 * layout.world_size) if peak else None,
     }
 

@@ -299,8 +299,6 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "B200": 2250.0, "A100": 312.0}
 """Dense bf16 tensor-core peak per device (vendor datasheets, without sparsity)."""
 
 
-
-
 def peak_tflops(override: float = 0.0) -> float | None:
     """Dense bf16 peak TFLOP/s of this rank's device: ``override`` when set, else by device name
     (None on CPU or an unknown device)."""

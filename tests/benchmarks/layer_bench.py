@@ -18,7 +18,10 @@ What runs (one process; ``PARTS=layerbench bash tests/gpu/session.sh`` on one H2
    model's own recompute and offload wrapper, one :class:`model.offload.OffloadChain` per call).
 3. Per layer kind and sequence length ``seq``, the share of CP rank ``CP - 1`` (the last: its DSA
    queries see the most keys, and every layer ends at a collective that waits for it):
-   ``seq / CP`` local tokens (4,096 at 256k and 16,384 at 1M for CP = 64).
+   ``seq / CP`` local tokens. ``CP`` is the memory plan's layout for that length (``--cp plan``,
+   :func:`planned_cp`: the smallest power of two at which ``tasks.memory_plan`` fits the run on a B200;
+   the rest of the 64 GPUs are data parallel): 16 at 256k and 64 at 1M for ``b200-64``, 16,384 local
+   tokens each. ``--cp N`` fixes it (earlier runs measured 256k at the preset's CP = 64: 4,096 local tokens).
 
    * **CP, emulated on the real code path.** The mixers receive a :class:`EmulatedCP` (rank
      ``CP - 1`` of ``CP``, no process group) and, for the span of the run, ``all_gather_seq`` in
@@ -503,7 +506,9 @@ def main() -> None:
     parser.add_argument("--training-preset", default="b200-64", help="tasks.presets name: model, layout, knobs")
     parser.add_argument("--model", default="", help="model preset instead of the training preset's (tiny on CPU)")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[262_144, 1_048_576])
-    parser.add_argument("--cp", type=int, default=0, help="context-parallel size (default: the preset's)")
+    parser.add_argument("--cp", default="plan",
+                        help="context-parallel size, or 'plan' (default): per length, the smallest power of two "
+                             "at which tasks.memory_plan fits the training preset's run on its GPU")
     parser.add_argument("--ep", type=int, default=0, help="expert-parallel size (default: the preset's)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations (the second holds a KL backward)")
     parser.add_argument("--iters", type=int, default=3)
@@ -520,27 +525,38 @@ def main() -> None:
     parser.add_argument("--out", help="JSON file (rewritten after every measurement)")
     args = parser.parse_args()
     if args.dry_run:
-        args.device, args.model, args.seq_lens, args.cp, args.ep = "cpu", args.model or "tiny", [4096], 4, 4
+        args.device, args.model, args.seq_lens, args.cp, args.ep = "cpu", args.model or "tiny", [4096], "4", 4
         args.warmup, args.iters = 2, 1
+    if args.cp != "plan" and not args.cp.isdigit():
+        parser.error(f"--cp {args.cp!r}: a context-parallel size or 'plan'")
     install_flytekit_stand_in()
     from tasks.presets import get_preset
     from tasks.sft import model_config, preset_sft_config
 
     training = get_preset(args.training_preset)
     par = training.train_parallel
-    layout = {"tp": par.tensor_parallel, "cp": args.cp or par.context_parallel, "ep": args.ep or par.expert_parallel,
-              "world": par.nnodes * par.nproc_per_node, "nproc_per_node": par.nproc_per_node}
-    for seq in args.seq_lens:
-        if seq % layout["cp"]:
-            parser.error(f"--seq-lens {seq} is not divisible by CP={layout['cp']}")
+    base = {"tp": par.tensor_parallel, "ep": args.ep or par.expert_parallel,
+            "world": par.nnodes * par.nproc_per_node, "nproc_per_node": par.nproc_per_node}
     sft_cfg = dataclasses.replace(preset_sft_config(training), model=args.model or training.model,
-                                  context_parallel=layout["cp"], expert_parallel=layout["ep"], dtype="bfloat16")
+                                  context_parallel=par.context_parallel, expert_parallel=base["ep"], dtype="bfloat16")
     # "every layer offloaded" stays every layer for a model preset with fewer layers (the dry run's)
     num_layers = model_config(dataclasses.replace(sft_cfg, offload_layers=0)).num_layers
     sft_cfg = dataclasses.replace(sft_cfg, offload_layers=min(sft_cfg.offload_layers, num_layers))
     full_cfg = model_config(sft_cfg)
     kinds, counts, first = schedule_kinds(full_cfg)
-    experts_per_rank = (full_cfg.num_moe_experts or 0) // layout["ep"]
+    experts_per_rank = (full_cfg.num_moe_experts or 0) // base["ep"]
+    if args.rows_from:
+        loaded, anchor = merged_rows(args.rows_from)
+        cps = {r["seq_len"]: r["seq_len"] // r["local_tokens"] for r in loaded}   # as measured
+    else:
+        cps = {}
+        for seq in args.seq_lens:
+            cps[seq] = int(args.cp) if args.cp != "plan" else planned_cp(sft_cfg, seq, base)
+            if cps[seq] is None:
+                parser.error(f"no context-parallel size fits {seq:,}-token windows in the memory plan")
+            if seq % cps[seq]:
+                parser.error(f"--seq-lens {seq} is not divisible by CP={cps[seq]}")
+    layouts = {seq: dict(base, cp=cp) for seq, cp in cps.items()}
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: use --dry-run (or --device cpu --model tiny)")
@@ -548,34 +564,60 @@ def main() -> None:
     print(f"{args.training_preset}: model {sft_cfg.model}, recompute {sft_cfg.recompute}, offload_layers "
           f"{sft_cfg.offload_layers}, mlp_chunk_tokens {sft_cfg.mlp_chunk_tokens}, indexer_kl_coeff "
           f"{sft_cfg.indexer_kl_coeff}, moe_experts {full_cfg.moe_experts}, compile_glue {full_cfg.compile_glue}, "
-          f"dispatcher {full_cfg.moe_token_dispatcher_type}; layout {layout}; {experts_per_rank} local experts "
+          f"dispatcher {full_cfg.moe_token_dispatcher_type}; layout {base}, CP by length "
+          f"{ {seq: cp for seq, cp in sorted(cps.items())} }; {experts_per_rank} local experts "
           f"(top-{full_cfg.moe_router_topk})", flush=True)
     print("schedule: " + ", ".join(f"{kind_label(k)} x {counts[k]}" for k in kinds), flush=True)
     rows: list[dict] = []
-    result = {"anchor_tflops": None, "layout": layout, "preset": args.training_preset, "model": sft_cfg.model,
-              "rows": rows, "projections": []}
+    result = {"anchor_tflops": None, "layouts": {str(seq): lay for seq, lay in layouts.items()},
+              "preset": args.training_preset, "model": sft_cfg.model, "rows": rows, "projections": []}
 
     def save():
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
 
     if args.rows_from:
-        loaded, result["anchor_tflops"] = merged_rows(args.rows_from)
+        result["anchor_tflops"] = anchor
         rows.extend(loaded)
         result["rows_from"] = args.rows_from
         lengths = sorted({r["seq_len"] for r in rows})
     else:
-        result["anchor_tflops"] = measure(args, kinds, full_cfg, sft_cfg, first, layout, experts_per_rank, device,
-                                          dtype, rows, save)
+        result["anchor_tflops"] = measure(args, kinds, sft_cfg, first, layouts, experts_per_rank, device, dtype,
+                                          rows, save)
         lengths = args.seq_lens
     measured = [seq for seq in lengths if sum(r["seq_len"] == seq for r in rows) == len(kinds) + 1]
-    report(args, rows, measured, kinds, counts, first, full_cfg, sft_cfg, layout, result["anchor_tflops"], result)
+    report(args, rows, measured, kinds, counts, first, sft_cfg, layouts, result["anchor_tflops"], result)
     save()
 
 
-def measure(args, kinds, full_cfg, sft_cfg, first, layout, experts_per_rank, device, dtype, rows, save) -> float | None:
-    """The anchor (TF/s, CUDA only), the layers and head built as one rank, then :func:`measure_all`
-    into ``rows`` (stopped early by SIGINT, keeping what was measured); returns the anchor."""
+def planned_cp(sft_cfg, seq: int, layout: dict) -> int | None:
+    """The smallest power-of-two CP dividing the world and ``seq`` at which :func:`tasks.memory_plan.memory_plan`
+    fits ``sft_cfg``'s run of ``seq``-token windows on the training preset's GPU (B200); None if none does.
+
+    Fewer CP ranks per sequence is more data parallelism: fewer collectives per token and more tokens per
+    GPU for the same memory (the plan's activations scale with ``seq / CP``)."""
+    from tasks.memory_plan import MemoryPlanError, memory_plan
+    from tasks.presets import DEVICE_MEMORY_BYTES
+    from tasks.sft import model_config
+
+    cp = 1
+    while cp <= layout["world"]:
+        if seq % cp == 0 and layout["world"] % (cp * layout["tp"]) == 0:
+            cfg = dataclasses.replace(sft_cfg, seq_len=seq, context_parallel=cp)
+            try:
+                memory_plan(model_config(cfg), cfg, layout["world"], layout["nproc_per_node"],
+                            device_limit=DEVICE_MEMORY_BYTES["nvidia-b200"], host_limit=1 << 50, on_gpu=True)
+                return cp
+            except MemoryPlanError:
+                pass
+        cp *= 2
+    return None
+
+
+def measure(args, kinds, sft_cfg, first, layouts, experts_per_rank, device, dtype, rows, save) -> float | None:
+    """The anchor (TF/s, CUDA only), then per CP size of ``layouts`` the layers and head built as one rank of
+    it and :func:`measure_all` of its lengths into ``rows`` (stopped early by SIGINT, keeping what was
+    measured); returns the anchor."""
     anchor = None
     if device.type == "cuda":
         from sft_profile import matmul_tflops
@@ -588,17 +630,27 @@ def measure(args, kinds, full_cfg, sft_cfg, first, layout, experts_per_rank, dev
     from megatron.core.transformer.spec_utils import build_module
 
     from model.glm5_next import layer_spec
+    from tasks.sft import model_config
 
-    cfg = bench_config(full_cfg, kinds, experts_per_rank)
-    cp_layout = ParallelLayout(cp=EmulatedCP(layout["cp"] - 1, layout["cp"]))
-    started = time.perf_counter()
-    layers = [to_device(build_module(layer_spec(cfg, i), config=cfg, layer_number=i + 1, layout=cp_layout),
-                        device, dtype) for i in range(len(kinds))]
-    head = head_model(cfg, device, dtype)
-    print(f"built {len(layers)} layers and the head in {time.perf_counter() - started:.1f} s", flush=True)
     try:
-        measure_all(args, kinds, layers, head, cfg, full_cfg, sft_cfg, first, layout, device, dtype, CollectiveLog(),
-                    rows, save)
+        for cp in dict.fromkeys(layouts[seq]["cp"] for seq in args.seq_lens):   # in the order of --seq-lens
+            seqs = [seq for seq in args.seq_lens if layouts[seq]["cp"] == cp]
+            cp_cfg = dataclasses.replace(sft_cfg, context_parallel=cp)
+            full_cfg = model_config(cp_cfg)
+            cfg = bench_config(full_cfg, kinds, experts_per_rank)
+            cp_layout = ParallelLayout(cp=EmulatedCP(cp - 1, cp))
+            started = time.perf_counter()
+            layers = [to_device(build_module(layer_spec(cfg, i), config=cfg, layer_number=i + 1, layout=cp_layout),
+                                device, dtype) for i in range(len(kinds))]
+            head = head_model(cfg, device, dtype)
+            print(f"CP={cp}: built {len(layers)} layers and the head in {time.perf_counter() - started:.1f} s",
+                  flush=True)
+            measure_all(args, seqs, kinds, layers, head, cfg, full_cfg, cp_cfg, first, cp, device, dtype,
+                        CollectiveLog(), rows, save)
+            del layers, head
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     except KeyboardInterrupt:   # the session's time limit (SIGINT): report what was measured
         # where it was stopped (a kernel's compile or autotune, usually) tells the next run what to seed
         traceback.print_exc(limit=-6)
@@ -620,16 +672,17 @@ def merged_rows(paths: list[str]) -> tuple[list[dict], float | None]:
     return list(rows.values()), anchor
 
 
-def measure_all(args, kinds, layers, head, cfg, full_cfg, sft_cfg, first, layout, device, dtype, log, rows, save):
-    """Every layer kind, then the head, at every length; a row appended (and saved) per measurement."""
-    for seq in args.seq_lens:
+def measure_all(args, seqs, kinds, layers, head, cfg, full_cfg, sft_cfg, first, cp, device, dtype, log, rows, save):
+    """Every layer kind, then the head, at every length of ``seqs`` (as rank ``cp - 1`` of ``cp``); a row
+    appended (and saved) per measurement."""
+    for seq in seqs:
         topk = None
         for kind, layer in zip(kinds, layers):
             if not wanted(args, kind_label(kind)):
                 continue
             print(f"{kind_label(kind)} at {seq:,} tokens", flush=True)
             started = time.perf_counter()
-            row, selected = measure_layer(layer, cfg, kind, seq, layout["cp"], device, dtype, args, log,
+            row, selected = measure_layer(layer, cfg, kind, seq, cp, device, dtype, args, log,
                                           topk if kind[2] == "shared" else None, sft_cfg.indexer_kl_coeff)
             if kind[0] == "indexed_attention" and kind[2] == "full":
                 topk = selected
@@ -640,18 +693,21 @@ def measure_all(args, kinds, layers, head, cfg, full_cfg, sft_cfg, first, layout
             print(json.dumps({k: v for k, v in row.items() if k != "times_s"}), flush=True)
         if not wanted(args, HEAD_LABEL):
             continue
-        row = measure_head(head, seq, layout["cp"], device, args)
+        row = measure_head(head, seq, cp, device, args)
         row["flops_per_token"] = head_flops_per_token(full_cfg)
         rows.append(row)
         save()
         print(json.dumps({k: v for k, v in row.items() if k != "times_s"}), flush=True)
 
 
-def report(args, rows, seq_lens, kinds, counts, first, full_cfg, sft_cfg, layout, anchor, result) -> None:
-    """The FLOP-split check, the table and, per length, the projection and the memory plan."""
+def report(args, rows, seq_lens, kinds, counts, first, sft_cfg, layouts, anchor, result) -> None:
+    """The FLOP-split check, the table and, per length, the projection and the memory plan in that length's layout."""
     from tasks.memory_plan import MemoryPlanError, memory_plan
     from tasks.presets import DEVICE_MEMORY_BYTES
+    from tasks.sft import model_config
     from tasks.trainer import model_flops_per_token
+
+    full_cfg = model_config(sft_cfg)
 
     print("\nFLOPs per token: each layer's share of tasks.trainer.model_flops_per_token (6 x active parameters, "
           "sparse MLA 6 x 2 x H x W x 2 x kv_lora, indexer 2 x H_I x D_I x (seq/2) / kpool, KDA 6 x 4 x H x d^2)")
@@ -672,14 +728,15 @@ def report(args, rows, seq_lens, kinds, counts, first, full_cfg, sft_cfg, layout
     print("model TF/s = local tokens x the layer's FLOPs per token above / fwd+bwd s; peak: max allocated in the "
           "measurement, every benchmarked layer's weights and grads and the head resident (in brackets: above them)")
     for seq in seq_lens:
-        projection = project(rows, full_cfg, counts, kinds, seq, layout, args)
+        layout = layouts[seq]
+        cfg = dataclasses.replace(sft_cfg, seq_len=seq, context_parallel=layout["cp"])
+        projection = project(rows, model_config(cfg), counts, kinds, seq, layout, args)
         result["projections"].append(projection)
         print()
         print("\n".join(projection["lines"]))
         try:
-            plan = memory_plan(full_cfg, dataclasses.replace(sft_cfg, seq_len=seq), layout["world"],
-                               layout["nproc_per_node"], device_limit=DEVICE_MEMORY_BYTES["nvidia-b200"],
-                               host_limit=1 << 50, on_gpu=True)
+            plan = memory_plan(model_config(cfg), cfg, layout["world"], layout["nproc_per_node"],
+                               device_limit=DEVICE_MEMORY_BYTES["nvidia-b200"], host_limit=1 << 50, on_gpu=True)
             print(f"  memory plan per B200 at this length: {plan.device_total / 2**30:.1f} GiB "
                   f"(activations {plan.activations / 2**30:.1f}, workspace {plan.workspace / 2**30:.1f}), "
                   f"pinned host {plan.pinned_host / 2**30:.1f} GiB")
