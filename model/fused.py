@@ -50,12 +50,6 @@ def glue(fn, compile: bool, *args):
     return fn(*args)
 
 
-HC_GEMMS = ("float32", "auto")
-"""The mHC projection's GEMM (``Glm5NextConfig.hc_gemm``): ``float32`` (float32 copies of the streams and the
-weight: FFMA on GPUs) or ``auto`` (bf16 streams on CUDA: :func:`hc_projection`, bf16 tensor cores with float32
-accumulation and output; otherwise ``float32``)."""
-
-
 def bf16_parts(x: torch.Tensor, parts: int) -> torch.Tensor:
     """``x`` (float32) as ``parts`` bf16 tensors stacked ``[parts, *x.shape]`` whose float32 sum approximates it.
 
@@ -155,7 +149,9 @@ def hc_maps(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         fn: ``[(2+n)n, n*h]`` projection; base: ``[(2+n)n]``; scale: ``[3]`` (pre, post, comb).
         n: number of streams (``hc_mult``); iters: Sinkhorn-Knopp normalisations of ``comb``.
         hc_eps: added to ``pre`` and ``comb`` and to Sinkhorn's denominators; norm_eps: RMS epsilon.
-        gemm: the projection's GEMM (:data:`HC_GEMMS`).
+        gemm: the projection's GEMM (``Glm5NextConfig.hc_gemm``): ``float32`` (float32 copies of the
+            streams and the weight; FFMA on GPUs) or ``auto`` (bf16 streams on CUDA: :func:`hc_projection`,
+            bf16 tensor cores with float32 accumulation and output; otherwise ``float32``).
 
     Returns:
         float32 ``(pre [..., n], post [..., n], comb [..., n, n])``: ``pre`` collapses the streams
