@@ -547,7 +547,12 @@ def main() -> None:
     experts_per_rank = (full_cfg.num_moe_experts or 0) // base["ep"]
     if args.rows_from:
         loaded, anchor = merged_rows(args.rows_from)
-        cps = {r["seq_len"]: r["seq_len"] // r["local_tokens"] for r in loaded}   # as measured
+        cps = {}
+        for r in loaded:                                       # each length in the layout it was measured in
+            cp = cps.setdefault(r["seq_len"], r["seq_len"] // r["local_tokens"])
+            if cp != r["seq_len"] // r["local_tokens"]:
+                parser.error(f"--rows-from: rows at {r['seq_len']:,} tokens were measured at different CP sizes "
+                             f"({cp} and {r['seq_len'] // r['local_tokens']}, {r['source']})")
     else:
         cps = {}
         for seq in args.seq_lens:
@@ -599,6 +604,7 @@ def planned_cp(sft_cfg, seq: int, layout: dict) -> int | None:
     from tasks.memory_plan import MemoryPlanError, memory_plan
     from tasks.presets import DEVICE_MEMORY_BYTES
     from tasks.sft import model_config
+    from tasks.trainer import ParallelLayoutError
 
     cp = 1
     while cp <= layout["world"]:
@@ -608,7 +614,7 @@ def planned_cp(sft_cfg, seq: int, layout: dict) -> int | None:
                 memory_plan(model_config(cfg), cfg, layout["world"], layout["nproc_per_node"],
                             device_limit=DEVICE_MEMORY_BYTES["nvidia-b200"], host_limit=1 << 50, on_gpu=True)
                 return cp
-            except MemoryPlanError:
+            except (MemoryPlanError, ParallelLayoutError):   # does not fit, or EP does not divide this layout
                 pass
         cp *= 2
     return None
