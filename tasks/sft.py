@@ -36,6 +36,7 @@ and per-device pinned host memory and raises when they do not fit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -111,6 +112,8 @@ class SFTConfig:
             :mod:`kernels.dsa.loss_triton`) or ``torch``; the same function.
         hc_gemm: the mHC projection's GEMM, ``float32`` or ``auto`` (bf16 tensor cores with float32
             accumulation for bf16 streams on GPUs, :func:`model.fused.hc_projection`).
+        overlap_grad_reduce: reduce the gradients bucket by bucket during the backward (megatron
+            DDP's ``overlap_grad_reduce``) when DP x CP > 1; the same sums.
         optimizer_kernels: ``foreach`` (gradient norm and clipping through torch's foreach ops,
             :func:`model.cpu_compat.foreach_multi_tensor_ops`, and Adam fused on GPUs,
             :func:`tasks.trainer.fuse_adam`) or ``megatron`` (its per-tensor fallbacks when
@@ -163,6 +166,7 @@ class SFTConfig:
     kda_conv: str = "auto"
     dsa_kl: str = "auto"
     hc_gemm: str = "float32"
+    overlap_grad_reduce: bool = True
     optimizer_kernels: str = "foreach"
     logits_chunk_tokens: int = 4096
     indexer_kl_coeff: float = 0.0
@@ -247,6 +251,21 @@ def training_windows(pack_dir: str | os.PathLike, cfg: SFTConfig) -> WindowSampl
 
 
 # ---- DSA indexer KL loss -------------------------------------------------------------------
+
+
+def freeze_indexers(module) -> None:
+    """Stop gradients to the DSA lightning indexers' parameters (``requires_grad=False``).
+
+    The indexer gets gradients only from its KL loss (:class:`IndexerKL`; its top-k selection is not
+    differentiable), so without that loss it does not train: frozen, it is left out of the optimizer
+    (no weight decay pulls it to zero) and out of the gradient buckets (megatron's overlapped
+    reduction waits for every bucketed parameter's gradient).
+    """
+    from model.layers import Indexer
+
+    for m in module.modules():
+        if isinstance(m, Indexer):
+            m.requires_grad_(False)
 
 
 class IndexerKL:
@@ -424,10 +443,13 @@ class SFTRun:
             _, text, vision_state = load_hf_checkpoint(Path(cfg.init_hf), lazy=True)
             vision = (vision_state, json.loads((Path(cfg.init_hf) / "config.json").read_text()).get("vision_config"))
             load_hf_into_model(module, text)
+        if not cfg.indexer_kl_coeff:
+            freeze_indexers(module)
         model, optimizer, scheduler = build_trainer(
             mcfg, module, lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, grad_clip=cfg.grad_clip, steps=cfg.steps,
-            warmup_steps=cfg.warmup_steps, decay_style="cosine", optimizer_kernels=cfg.optimizer_kernels)
+            warmup_steps=cfg.warmup_steps, decay_style="cosine", optimizer_kernels=cfg.optimizer_kernels,
+            overlap_grad_reduce=cfg.overlap_grad_reduce and layout.dp_size * layout.cp_size > 1)
         device = local_device()
         checkpointer = Checkpointer(cfg.checkpoint_dir, layout.rank) if cfg.checkpoint_dir else None
         run = cls(cfg, Path(pack_dir), out_dir, layout, device, mcfg, plan, module, model, optimizer, scheduler, data,
@@ -562,14 +584,18 @@ def train_step(run: SFTRun) -> dict:
     cfg, layout, device = run.cfg, run.layout, run.device
     start = time.perf_counter()
     sums = torch.zeros(3, dtype=torch.float64, device=device)   # NLL sum, target tokens, indexer KL
-    for ids, labels, target in run.take_windows():
-        nll = run.model(ids, labels)                                         # [1, s / cp] float32 nats
-        masked = (nll * target).sum()
-        if run.step + 1 == cfg.inject_nan_at_step:
-            masked = masked * float("nan")
-        indexer_kl = run.indexer_kl.pop()                                    # a tensor, or 0.0 without DSA
-        n_targets = target.sum()
-        (masked + cfg.indexer_kl_coeff * indexer_kl * n_targets).backward()
+    windows = run.take_windows()
+    for micro, (ids, labels, target) in enumerate(windows):
+        # The gradient reduction (overlapped with the last backward, or after it) runs once per step.
+        last = micro == len(windows) - 1
+        with contextlib.nullcontext() if last else run.model.no_sync():
+            nll = run.model(ids, labels)                                     # [1, s / cp] float32 nats
+            masked = (nll * target).sum()
+            if run.step + 1 == cfg.inject_nan_at_step:
+                masked = masked * float("nan")
+            indexer_kl = run.indexer_kl.pop()                                # a tensor, or 0.0 without DSA
+            n_targets = target.sum()
+            (masked + cfg.indexer_kl_coeff * indexer_kl * n_targets).backward()
         sums[0] += masked.detach()
         sums[1] += n_targets
         sums[2] += indexer_kl.detach() if torch.is_tensor(indexer_kl) else indexer_kl

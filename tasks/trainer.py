@@ -121,11 +121,15 @@ def local_window(arrays, layout: ParallelLayout, device):
 
 def build_trainer(mcfg, module, *, lr: float, min_lr: float, weight_decay: float, betas: tuple[float, float],
                   eps: float, grad_clip: float, steps: int, warmup_steps: int, decay_style: str,
-                  optimizer_kernels: str = "foreach"):
+                  optimizer_kernels: str = "foreach", overlap_grad_reduce: bool = False):
     """Wrap ``module`` for training: megatron DDP, distributed Adam, LR schedule (SFT and RL).
 
     Gradients reduce in float32 over the DP x CP group; the optimizer state is sharded over DP
-    (``use_distributed_optimizer``); parameters are ``mcfg.params_dtype``. The schedule warms up
+    (``use_distributed_optimizer``); parameters are ``mcfg.params_dtype``. ``overlap_grad_reduce``:
+    megatron's bucketed reduce-scatter, each bucket issued during the backward as soon as its
+    gradients are complete (every parameter that requires a gradient must receive one in every
+    step; micro-batches before the last run under ``model.no_sync()``); otherwise one reduction
+    after the backward. The schedule warms up
     linearly for ``warmup_steps`` then follows ``decay_style`` ("cosine", "constant") to
     ``min_lr`` at ``steps``. ``optimizer_kernels``: ``foreach`` (:func:`optimizer_step` runs the
     gradient norm and clipping through torch's foreach kernels and Adam fused on GPUs) or
@@ -147,7 +151,7 @@ def build_trainer(mcfg, module, *, lr: float, min_lr: float, weight_decay: float
 
     dtype = mcfg.params_dtype
     model = DistributedDataParallel(mcfg, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True), module)
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=True), module)
     with megatron_optimizer_on_cpu():
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=betas[0],

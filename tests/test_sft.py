@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 import pyarrow.parquet as pq
 import pytest
 
@@ -131,6 +132,33 @@ def test_megatrons_own_norm_and_clip_train_like_the_device_side_ones(shards, cp1
     assert len(steps) == len(reference) == BASE["steps"]
     np.testing.assert_allclose([r["loss"] for r in steps], [r["loss"] for r in reference], rtol=1e-5)
     np.testing.assert_allclose([r["grad_norm"] for r in steps], [r["grad_norm"] for r in reference], rtol=1e-4)
+
+
+def _export_tensors(hf: Path, marker: str) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(hf / "model.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys() if marker in k}
+
+
+def test_overlapped_gradient_reduction_over_micro_batches_equals_the_one_after_backward(shards, cp1_run, tmp_path):
+    # CP=2 with two windows per step: the overlapped reduction runs in the last micro-batch's backward
+    # (no_sync before it), the other one after the backward; the same sums. Without the indexer KL the
+    # indexers are frozen: their exported weights are the initial ones, after 4 steps here and 6 in cp1_run.
+    runs = {}
+    for overlap in (True, False):
+        proc, records = run_sft(shards, tmp_path / f"overlap_{overlap}", 2, context_parallel=2, windows_per_step=2,
+                                steps=4, overlap_grad_reduce=overlap)
+        _check(proc)
+        runs[overlap] = [r for r in records if "event" not in r]
+    assert "overlap_grad_reduce=True" in (tmp_path / "overlap_True.log").read_text()
+    assert len(runs[True]) == 4
+    np.testing.assert_allclose([r["loss"] for r in runs[True]], [r["loss"] for r in runs[False]], rtol=1e-6)
+    np.testing.assert_allclose([r["grad_norm"] for r in runs[True]], [r["grad_norm"] for r in runs[False]], rtol=1e-5)
+    frozen = _export_tensors(tmp_path / "overlap_True" / "hf", ".indexer.")
+    initial = _export_tensors(cp1_run[0] / "hf", ".indexer.")
+    assert frozen and frozen.keys() == initial.keys()
+    assert all(torch.equal(frozen[k], initial[k]) for k in frozen)
 
 
 def test_cp2_with_full_layer_recompute_equals_cp1(shards, cp1_run, tmp_path):
