@@ -508,7 +508,7 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
     from model.glm5_next import build_model
     from tasks.engines import SamplingConfig, make_engine
     from tasks.checkpoint import Checkpointer, restore_training_state, training_state
-    from tasks.trainer import ManualGC, build_trainer, init_parallel, local_device
+    from tasks.trainer import ManualGC, build_trainer, freeze_indexers, init_parallel, local_device
 
     layout = init_parallel(cfg.tensor_parallel, cfg.context_parallel, cfg.expert_parallel)
     is_main = layout.rank == 0
@@ -549,6 +549,7 @@ def rl(sft_export: str | os.PathLike, shards_dir: str | os.PathLike, cfg: RLConf
     load_hf_into_model(reference, text_state)
     reference.eval().requires_grad_(False)
     del text_state
+    freeze_indexers(policy)             # the GRPO loss gives the indexers no gradient
     model, optimizer, scheduler = build_trainer(
         model_cfg, policy, lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8,
         grad_clip=cfg.grad_clip, steps=cfg.steps * cfg.mini_batches * cfg.epochs, warmup_steps=0,

@@ -51,8 +51,9 @@ from model.parallel import ParallelLayout
 from tasks.atomic import keep_records_through, sha256_file
 from tasks.checkpoint import Checkpointer, restore_training_state, training_state
 from tasks.memory_plan import MemoryPlan, memory_plan
-from tasks.trainer import (ManualGC, build_trainer, init_parallel, local_device, local_window, model_flops_per_token,
-                           moe_overload, optimizer_step, peak_memory_gib, peak_pinned_gib, peak_tflops)
+from tasks.trainer import (ManualGC, build_trainer, freeze_indexers, init_parallel, local_device, local_window,
+                           model_flops_per_token, moe_overload, optimizer_step, peak_memory_gib, peak_pinned_gib,
+                           peak_tflops)
 from tasks.windows import WindowSampler
 
 log = logging.getLogger("megabase.sft")
@@ -251,21 +252,6 @@ def training_windows(pack_dir: str | os.PathLike, cfg: SFTConfig) -> WindowSampl
 
 
 # ---- DSA indexer KL loss -------------------------------------------------------------------
-
-
-def freeze_indexers(module) -> None:
-    """Stop gradients to the DSA lightning indexers' parameters (``requires_grad=False``).
-
-    The indexer gets gradients only from its KL loss (:class:`IndexerKL`; its top-k selection is not
-    differentiable), so without that loss it does not train: frozen, it is left out of the optimizer
-    (no weight decay pulls it to zero) and out of the gradient buckets (megatron's overlapped
-    reduction waits for every bucketed parameter's gradient).
-    """
-    from model.layers import Indexer
-
-    for m in module.modules():
-        if isinstance(m, Indexer):
-            m.requires_grad_(False)
 
 
 class IndexerKL:

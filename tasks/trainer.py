@@ -119,6 +119,21 @@ def local_window(arrays, layout: ParallelLayout, device):
     return tuple(t.to(device) for t in host)
 
 
+def freeze_indexers(module) -> None:
+    """Stop gradients to the DSA lightning indexers' parameters (``requires_grad=False``).
+
+    The indexer gets gradients only from its KL loss (:class:`tasks.sft.IndexerKL`; its top-k selection
+    is not differentiable), so without that loss (SFT with ``indexer_kl_coeff`` 0, and RL) it does not
+    train. Frozen, it is left out of the optimizer (no weight decay pulls it toward zero) and out of the
+    gradient buckets (megatron's overlapped reduction waits for every bucketed parameter's gradient).
+    """
+    from model.layers import Indexer
+
+    for m in module.modules():
+        if isinstance(m, Indexer):
+            m.requires_grad_(False)
+
+
 def build_trainer(mcfg, module, *, lr: float, min_lr: float, weight_decay: float, betas: tuple[float, float],
                   eps: float, grad_clip: float, steps: int, warmup_steps: int, decay_style: str,
                   optimizer_kernels: str = "foreach", overlap_grad_reduce: bool = False):
