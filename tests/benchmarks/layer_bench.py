@@ -548,7 +548,7 @@ def main() -> None:
     if args.dry_run:
         args.device, args.model, args.seq_lens, args.cp, args.ep = "cpu", args.model or "tiny", [4096], "4", 4
         args.warmup, args.iters = 2, 1
-    if args.cp != "plan" and not args.cp.isdigit():
+    if args.cp != "plan" and not (args.cp.isdigit() and int(args.cp) > 0):
         parser.error(f"--cp {args.cp!r}: a context-parallel size or 'plan'")
     install_flytekit_stand_in()
     from tasks.presets import get_preset
@@ -612,7 +612,7 @@ def main() -> None:
                                           rows, save)
         lengths = args.seq_lens
     measured = [seq for seq in lengths if sum(r["seq_len"] == seq for r in rows) == len(kinds) + 1]
-    report(args, rows, measured, kinds, counts, first, sft_cfg, layouts, result["anchor_tflops"], result)
+    report(args, rows, measured, kinds, counts, first, full_cfg, sft_cfg, layouts, result["anchor_tflops"], result)
     save()
 
 
@@ -727,14 +727,13 @@ def measure_all(args, seqs, kinds, layers, head, cfg, full_cfg, sft_cfg, first, 
         print(json.dumps({k: v for k, v in row.items() if k != "times_s"}), flush=True)
 
 
-def report(args, rows, seq_lens, kinds, counts, first, sft_cfg, layouts, anchor, result) -> None:
+def report(args, rows, seq_lens, kinds, counts, first, full_cfg, sft_cfg, layouts, anchor, result) -> None:
     """The FLOP-split check, the table and, per length, the projection and the memory plan in that length's layout."""
     from tasks.memory_plan import MemoryPlanError, memory_plan
     from tasks.presets import DEVICE_MEMORY_BYTES
     from tasks.sft import model_config
     from tasks.trainer import model_flops_per_token
 
-    full_cfg = model_config(sft_cfg)
 
     print("\nFLOPs per token: each layer's share of tasks.trainer.model_flops_per_token (6 x active parameters, "
           "sparse MLA 6 x 2 x H x W x 2 x kv_lora, indexer 2 x H_I x D_I x (seq/2) / kpool, KDA 6 x 4 x H x d^2)")
@@ -757,12 +756,13 @@ def report(args, rows, seq_lens, kinds, counts, first, sft_cfg, layouts, anchor,
     for seq in seq_lens:
         layout = layouts[seq]
         cfg = dataclasses.replace(sft_cfg, seq_len=seq, context_parallel=layout["cp"])
-        projection = project(rows, model_config(cfg), counts, kinds, seq, layout, args, cfg.overlap_grad_reduce)
+        seq_cfg = model_config(cfg)
+        projection = project(rows, seq_cfg, counts, kinds, seq, layout, args, cfg.overlap_grad_reduce)
         result["projections"].append(projection)
         print()
         print("\n".join(projection["lines"]))
         try:
-            plan = memory_plan(model_config(cfg), cfg, layout["world"], layout["nproc_per_node"],
+            plan = memory_plan(seq_cfg, cfg, layout["world"], layout["nproc_per_node"],
                                device_limit=DEVICE_MEMORY_BYTES["nvidia-b200"], host_limit=1 << 50, on_gpu=True)
             print(f"  memory plan per B200 at this length: {plan.device_total / 2**30:.1f} GiB "
                   f"(activations {plan.activations / 2**30:.1f}, workspace {plan.workspace / 2**30:.1f}), "
