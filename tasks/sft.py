@@ -53,7 +53,7 @@ from tasks.checkpoint import Checkpointer, restore_training_state, training_stat
 from tasks.memory_plan import MemoryPlan, memory_plan
 from tasks.trainer import (ManualGC, build_trainer, freeze_indexers, init_parallel, local_device, local_window,
                            model_flops_per_token, moe_overload, optimizer_step, peak_memory_gib, peak_pinned_gib,
-                           peak_tflops)
+                           peak_tflops, sync_params)
 from tasks.windows import WindowSampler
 
 log = logging.getLogger("megabase.sft")
@@ -115,6 +115,10 @@ class SFTConfig:
             accumulation for bf16 streams on GPUs, :func:`model.fused.hc_projection`).
         overlap_grad_reduce: reduce the gradients bucket by bucket during the backward (megatron
             DDP's ``overlap_grad_reduce``) when DP x CP > 1; the same sums.
+        overlap_param_gather: gather the updated parameters bucket by bucket during the next
+            forward (megatron DDP's ``overlap_param_gather``), not at the end of the optimizer
+            step, when DP x CP > 1; checkpoints and the export gather them first
+            (:func:`tasks.trainer.sync_params`). The same weights.
         optimizer_kernels: ``foreach`` (gradient norm and clipping through torch's foreach ops,
             :func:`model.cpu_compat.foreach_multi_tensor_ops`, and Adam fused on GPUs,
             :func:`tasks.trainer.fuse_adam`) or ``megatron`` (its per-tensor fallbacks when
@@ -168,6 +172,7 @@ class SFTConfig:
     dsa_kl: str = "auto"
     hc_gemm: str = "float32"
     overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
     optimizer_kernels: str = "foreach"
     logits_chunk_tokens: int = 4096
     indexer_kl_coeff: float = 0.0
@@ -435,7 +440,8 @@ class SFTRun:
             mcfg, module, lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, grad_clip=cfg.grad_clip, steps=cfg.steps,
             warmup_steps=cfg.warmup_steps, decay_style="cosine", optimizer_kernels=cfg.optimizer_kernels,
-            overlap_grad_reduce=cfg.overlap_grad_reduce and layout.dp_size * layout.cp_size > 1)
+            overlap_grad_reduce=cfg.overlap_grad_reduce and layout.dp_size * layout.cp_size > 1,
+            overlap_param_gather=cfg.overlap_param_gather and layout.dp_size * layout.cp_size > 1)
         device = local_device()
         checkpointer = Checkpointer(cfg.checkpoint_dir, layout.rank) if cfg.checkpoint_dir else None
         run = cls(cfg, Path(pack_dir), out_dir, layout, device, mcfg, plan, module, model, optimizer, scheduler, data,
@@ -517,6 +523,7 @@ class SFTRun:
         return improved
 
     def save(self, best: bool) -> None:
+        sync_params(self.model)
         path = self.checkpointer.save(self.checkpoint_state(False), self.step, best, self.cfg.keep_checkpoints)
         self.emit({"event": "checkpoint", "step": self.step, "path": str(path), "best": best})
 
@@ -529,6 +536,7 @@ class SFTRun:
 
         from model.convert import export_metadata, hf_state_dict, save_hf_checkpoint
 
+        sync_params(self.model)
         hf = hf_state_dict(self.module)                  # collective over TP/EP
         ckpt = self.checkpointer
         result = SFTResult(self.out_dir, self.out_dir / "hf", self.metrics_path,

@@ -136,7 +136,8 @@ def freeze_indexers(module) -> None:
 
 def build_trainer(mcfg, module, *, lr: float, min_lr: float, weight_decay: float, betas: tuple[float, float],
                   eps: float, grad_clip: float, steps: int, warmup_steps: int, decay_style: str,
-                  optimizer_kernels: str = "foreach", overlap_grad_reduce: bool = False):
+                  optimizer_kernels: str = "foreach", overlap_grad_reduce: bool = False,
+                  overlap_param_gather: bool = False):
     """Wrap ``module`` for training: megatron DDP, distributed Adam, LR schedule (SFT and RL).
 
     Gradients reduce in float32 over the DP x CP group; the optimizer state is sharded over DP
@@ -144,7 +145,11 @@ def build_trainer(mcfg, module, *, lr: float, min_lr: float, weight_decay: float
     megatron's bucketed reduce-scatter, each bucket issued during the backward as soon as its
     gradients are complete (every parameter that requires a gradient must receive one in every
     step; micro-batches before the last run under ``model.no_sync()``); otherwise one reduction
-    after the backward. The schedule warms up
+    after the backward. ``overlap_param_gather``: megatron's bucketed all-gather of the updated
+    parameters during the next forward (each module's forward pre-hook waits for its bucket and
+    issues the next one), not at the end of the optimizer step; until that forward the weights
+    outside this rank's shard are the step's old ones, so anything that reads them without a
+    forward calls :func:`sync_params` first (checkpoints, exports). The schedule warms up
     linearly for ``warmup_steps`` then follows ``decay_style`` ("cosine", "constant") to
     ``min_lr`` at ``steps``. ``optimizer_kernels``: ``foreach`` (:func:`optimizer_step` runs the
     gradient norm and clipping through torch's foreach kernels and Adam fused on GPUs) or
@@ -166,12 +171,13 @@ def build_trainer(mcfg, module, *, lr: float, min_lr: float, weight_decay: float
 
     dtype = mcfg.params_dtype
     model = DistributedDataParallel(mcfg, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, use_distributed_optimizer=True), module)
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+        use_distributed_optimizer=True), module)
     with megatron_optimizer_on_cpu():
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=betas[0],
             adam_beta2=betas[1], adam_eps=eps, clip_grad=grad_clip, bf16=dtype == torch.bfloat16,
-            params_dtype=dtype, use_distributed_optimizer=True), [model])
+            params_dtype=dtype, use_distributed_optimizer=True, overlap_param_gather=overlap_param_gather), [model])
     optimizer.megabase_kernels = optimizer_kernels
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup_steps,
@@ -182,6 +188,18 @@ def build_trainer(mcfg, module, *, lr: float, min_lr: float, weight_decay: float
     return model, optimizer, scheduler
 
 
+
+
+def sync_params(model) -> None:
+    """Finish the parameter all-gather that ``overlap_param_gather`` leaves to the next forward.
+
+    After :func:`optimizer_step` with overlap each rank holds the update of its own shard only; a
+    checkpoint or an export taken then would save the other shards' old weights. This gathers them
+    now (synchronously; the next forward then finds its buckets done). Collective over DP x CP;
+    nothing to do without overlap.
+    """
+    if model.ddp_config.overlap_param_gather:
+        model.start_param_sync(force_sync=True)
 
 
 def optimizer_step(model, optimizer, scheduler, num_tokens):

@@ -161,6 +161,33 @@ def test_overlapped_gradient_reduction_over_micro_batches_equals_the_one_after_b
     assert all(torch.equal(frozen[k], initial[k]) for k in frozen)
 
 
+def _export_latest(checkpoint_root: Path, out: Path) -> dict:
+    """The HF tensors of ``checkpoint_root``'s latest checkpoint, exported by ``tasks.export`` in a subprocess."""
+    script = "import sys; from tasks.export import export_checkpoint; export_checkpoint(sys.argv[1], sys.argv[2])"
+    subprocess.run([sys.executable, "-c", script, str(checkpoint_root), str(out)], check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return _export_tensors(out, "")
+
+
+def test_overlapped_parameter_gather_trains_and_checkpoints_the_same_weights(shards, tmp_path):
+    # With overlap_param_gather (the default at DP x CP > 1) a rank holds only its own shard's new
+    # weights after an update; the rest arrive in the next forward. The step-3 checkpoint is taken
+    # right after an update (no validation forward before it) and must hold what the synchronous
+    # gather holds: the same losses, the same exported weights, bit for bit.
+    runs = {}
+    for overlap in (True, False):
+        out = tmp_path / f"gather_{overlap}"
+        proc, records = run_sft(shards, out / "out", 2, context_parallel=2, checkpoint_dir=str(out / "ckpt"),
+                                inject_crash_at_step=3, overlap_param_gather=overlap)
+        assert proc.returncode != 0 and (out / "ckpt" / "latest").read_text().strip() == "step-0000003"
+        runs[overlap] = losses(records), _export_latest(out / "ckpt", out / "hf")
+    assert '"overlap_param_gather": true' in (tmp_path / "gather_True" / "out.log").read_text()
+    assert len(runs[True][0]) == 3 and runs[True][0] == runs[False][0]
+    gathered, synchronous = runs[True][1], runs[False][1]
+    assert gathered.keys() == synchronous.keys()
+    assert all(torch.equal(gathered[k], synchronous[k]) for k in synchronous)
+
+
 def test_cp2_with_full_layer_recompute_equals_cp1(shards, cp1_run, tmp_path):
     # Full recompute reruns each layer's forward, collectives included (KDA state passing,
     # DSA key gathers), during backward: the ranks must still agree and the math must not change.

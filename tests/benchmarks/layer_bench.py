@@ -68,8 +68,10 @@ What runs (one process; ``PARTS=layerbench bash tests/gpu/session.sh`` on one H2
    under EP, and the other one for comparison), and the distributed optimizer's
    gradient reduce-scatter and parameter all-gather. SFT issues the gradient reduce-scatter bucket by
    bucket during the backward (``overlap_grad_reduce``): up to 2/3 of the compute time of it leaves the
-   step (:data:`BACKWARD_SHARE`); every other collective is synchronous, so the step adds them. The
-   compute-only time is the bound with perfect overlap. tokens/s =
+   step (:data:`BACKWARD_SHARE`); and the parameter all-gather bucket by bucket during the next
+   forward (``overlap_param_gather``): up to the forward's share of it leaves the step (1/4 of the
+   compute under full recompute, 1/3 without, :func:`forward_share`); every other collective is
+   synchronous, so the step adds them. The compute-only time is the bound with perfect overlap. tokens/s =
    ``seq x DP / step`` beside the reference's 24,900 (256k) and 13,700 (1M) tokens/s on 64 B200.
 """
 
@@ -417,13 +419,22 @@ BACKWARD_SHARE = 2 / 3
 the time an overlapped gradient reduce-scatter can hide behind."""
 
 
+def forward_share(recompute: str) -> float:
+    """Share of a step's compute that is the first forward: 1 of 4 forward-equivalents under full-layer
+    recompute (forward, recomputed forward, backward = 2), 1 of 3 otherwise (selective recompute counted
+    as none: the lower bound of the backward's share, the upper one of the forward's)."""
+    return 1 / 4 if recompute == "full" else 1 / 3
+
+
 def project(rows: list[dict], full_cfg, counts: Counter, kinds, seq: int, layout: dict, args,
-            overlap_grad_reduce: bool = False) -> dict:
+            overlap_grad_reduce: bool = False, overlap_param_gather: bool = False, recompute: str = "full") -> dict:
     """The 45-layer step on the training layout from the measured rows of one length, with its arithmetic.
 
     ``overlap_grad_reduce`` (SFT's setting): the distributed optimizer's gradient reduce-scatter is issued
     bucket by bucket during the backward, so up to :data:`BACKWARD_SHARE` of the compute time of it leaves
-    the step; the link it shares with the backward's MoE all-to-all is not modelled."""
+    the step. ``overlap_param_gather`` (SFT's setting): its parameter all-gather is issued bucket by bucket
+    during the next forward, so up to :func:`forward_share` (``recompute``) of the compute time of it leaves
+    the step. The link they share with the MoE all-to-all and the CP gathers is not modelled."""
     from model.config import parameter_count
 
     lines = []
@@ -495,15 +506,22 @@ def project(rows: list[dict], full_cfg, counts: Counter, kinds, seq: int, layout
     comm_a2a += t_opt
     configured = full_cfg.moe_token_dispatcher_type
     comm_serial = comm_a2a if configured == "alltoall" else comm
-    hidden = min(t_rs, BACKWARD_SHARE * compute_b200) if overlap_grad_reduce and dp * cp > 1 else 0.0
-    if hidden:
-        lines.append(f"  gradient reduce-scatter issued during the backward (overlap_grad_reduce): {hidden:.3f} s of "
-                     f"it off the step (at most {BACKWARD_SHARE:.2f} x {compute_b200:.3f} s of compute)")
+    sharded = dp * cp > 1
+    hidden_rs = min(t_rs, BACKWARD_SHARE * compute_b200) if overlap_grad_reduce and sharded else 0.0
+    fwd = forward_share(recompute)
+    hidden_ag = min(t_ag, fwd * compute_b200) if overlap_param_gather and sharded else 0.0
+    hidden = hidden_rs + hidden_ag
+    if hidden_rs:
+        lines.append(f"  gradient reduce-scatter issued during the backward (overlap_grad_reduce): {hidden_rs:.3f} s "
+                     f"of it off the step (at most {BACKWARD_SHARE:.2f} x {compute_b200:.3f} s of compute)")
+    if hidden_ag:
+        lines.append(f"  parameter all-gather issued during the next forward (overlap_param_gather): {hidden_ag:.3f} s "
+                     f"of it off the step (at most {fwd:.2f} x {compute_b200:.3f} s of compute, recompute={recompute})")
     comm_configured = comm_serial - hidden
     step = compute_b200 + comm_configured
     out = {"seq_len": seq, "dispatcher": configured, "compute_h200_s": compute_h200, "compute_b200_s": compute_b200,
            "comm_s": comm_configured, "comm_allgather_s": comm, "comm_all_to_all_s": comm_a2a, "step_b200_s": step,
-           "grad_reduce_hidden_s": hidden, "tokens_per_s_serial": seq * dp / (compute_b200 + comm_serial),
+           "grad_reduce_hidden_s": hidden_rs, "param_gather_hidden_s": hidden_ag, "tokens_per_s_serial": seq * dp / (compute_b200 + comm_serial),
            "tokens_per_s": seq * dp / step, "tokens_per_s_compute_only": seq * dp / compute_b200,
            "tokens_per_s_allgather": seq * dp / (compute_b200 + comm),
            "tokens_per_s_all_to_all": seq * dp / (compute_b200 + comm_a2a)}
@@ -512,7 +530,9 @@ def project(rows: list[dict], full_cfg, counts: Counter, kinds, seq: int, layout
     ref = REFERENCE_TOKENS_PER_S.get(seq)
     other = ("allgather dispatcher instead", "tokens_per_s_allgather") if configured == "alltoall" else \
         ("all-to-all dispatcher instead", "tokens_per_s_all_to_all")
-    overlapped = "gradient reduce-scatter overlapped, other collectives not" if hidden else "collectives not overlapped"
+    overlapped = ", ".join(name for name, t in (("gradient reduce-scatter", hidden_rs), ("parameter all-gather", hidden_ag))
+                           if t)
+    overlapped = f"{overlapped} overlapped, other collectives not" if hidden else "collectives not overlapped"
     for name, key in ((f"as configured ({configured} dispatcher, {overlapped})", "tokens_per_s"),
                       *([("no collective overlapped", "tokens_per_s_serial")] if hidden else []),
                       other, ("compute only (collectives fully overlapped)", "tokens_per_s_compute_only")):
@@ -757,7 +777,8 @@ def report(args, rows, seq_lens, kinds, counts, first, full_cfg, sft_cfg, layout
         layout = layouts[seq]
         cfg = dataclasses.replace(sft_cfg, seq_len=seq, context_parallel=layout["cp"])
         seq_cfg = model_config(cfg)
-        projection = project(rows, seq_cfg, counts, kinds, seq, layout, args, cfg.overlap_grad_reduce)
+        projection = project(rows, seq_cfg, counts, kinds, seq, layout, args, cfg.overlap_grad_reduce,
+                             cfg.overlap_param_gather, cfg.recompute)
         result["projections"].append(projection)
         print()
         print("\n".join(projection["lines"]))
