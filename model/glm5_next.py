@@ -13,7 +13,8 @@ megatron's ``TransformerLayer`` (its residual is one ``[s, b, h]`` tensor), so
 :class:`Glm5NextLayer` is its own module that keeps megatron's hooks:
 
 * recompute: ``recompute_granularity="full"`` checkpoints whole layers
-  (``tensor_parallel.checkpoint``, RNG-tracker aware) and, inside them, each MLP/MoE chunk;
+  (``tensor_parallel.checkpoint``, RNG-tracker aware) and, inside them, each MLP/MoE chunk when
+  there are several (the MLP/MoE runs forward twice per step with one chunk, three times with more);
   ``"selective"`` with ``"mlp"`` / ``"moe"``
   in ``recompute_modules`` checkpoints the MLP/MoE only;
 * activation offload: ``cpu_offloading=True`` saves the activations of the first
@@ -64,7 +65,9 @@ def mlp_recomputed(granularity: str | None, modules, is_moe: bool) -> bool:
 
     ``selective`` with ``"mlp"`` (every MLP) or ``"moe"`` (MoE layers) in ``modules``, and
     ``full``: full-layer recompute checkpoints the chunks too, so the layer's recompute in
-    backward holds one chunk's MLP activations instead of the whole sequence's.
+    backward holds one chunk's MLP activations instead of the whole sequence's. A layer whose
+    tokens are one chunk is not checkpointed again inside its full-layer checkpoint
+    (:meth:`Glm5NextLayer._chunked_mlp`): that would hold the same activations at the same time.
     """
     return granularity == "full" or (
         granularity == "selective" and ("mlp" in modules or (is_moe and "moe" in modules)))
@@ -138,10 +141,14 @@ class Glm5NextLayer(MegatronModule):
 
     def _chunked_mlp(self, x: torch.Tensor) -> torch.Tensor:
         chunk = self.config.mlp_chunk_tokens
+        whole = chunk <= 0 or x.shape[0] * x.shape[1] <= chunk
         fn = self._mlp
-        if self.recompute_mlp:
+        # Inside a full-layer checkpoint a checkpointed single chunk saves nothing: its backward
+        # recomputes the same activations while the layer's recomputed ones are alive, the same
+        # peak, for one more MLP/MoE forward (and MoE dispatch). Only several chunks are checkpointed.
+        if self.recompute_mlp and not (whole and self.config.recompute_granularity == "full"):
             fn = lambda t: tensor_parallel.checkpoint(self._mlp, False, t)  # noqa: E731
-        if chunk <= 0 or x.shape[0] * x.shape[1] <= chunk:
+        if whole:
             return fn(x)
         rows = max(1, chunk // x.shape[1])
         return torch.cat([fn(part) for part in x.split(rows, dim=0)], dim=0)

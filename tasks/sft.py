@@ -93,7 +93,8 @@ class SFTConfig:
         tensor_parallel, context_parallel, expert_parallel: megatron parallel sizes; the data-
             parallel size is ``world_size / (tensor_parallel * context_parallel)``.
         recompute: ``none``, ``selective`` (the modules of ``recompute_modules``: ``mlp`` = every
-            MLP/MoE, ``moe`` = MoE layers only) or ``full`` (whole layers, and each MLP chunk in them).
+            MLP/MoE, ``moe`` = MoE layers only) or ``full`` (whole layers, and each MLP chunk in
+            them when there are several).
         recompute_keep_attention: with ``recompute="full"``, DSA layers keep their sparse attention
             output from the forward and the recompute reuses it (``heads/tp * (2 * kv_lora + 4)``
             bytes per token and DSA layer more on the device, counted by the memory plan).

@@ -113,6 +113,25 @@ def test_zero_head_starts_at_ln_vocab_and_leaves_every_other_weight_as_drawn():
     assert torch.allclose(nll, torch.full_like(nll, math.log(cfg.vocab_size)), atol=1e-6)
 
 
+def test_full_recompute_runs_a_single_mlp_chunk_forward_twice_and_several_chunks_three_times(monkeypatch):
+    # One chunk inside a full-layer checkpoint is not checkpointed again (the same activations would be
+    # alive at the same time in its backward): forward + the layer's recompute. Several chunks are:
+    # forward, the layer's recompute, each chunk's own recompute in backward. The same gradients.
+    from model.glm5_next import Glm5NextLayer
+
+    calls = []
+    mlp = Glm5NextLayer._mlp
+    monkeypatch.setattr(Glm5NextLayer, "_mlp", lambda self, x: calls.append(x.shape[0]) or mlp(self, x))
+    ids = _ids(seed=1)
+    full = dict(index_topk=32, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    layers = preset("tiny").num_layers
+    for chunk, per_layer in ((0, [SEQ] * 2), (200, [200, SEQ - 200] * 3)):
+        calls.clear()
+        recomputed = _loss_and_grads(preset("tiny", mlp_chunk_tokens=chunk, **full), ids)
+        assert sorted(calls) == sorted(per_layer * layers), (chunk, calls)
+        _assert_same(_loss_and_grads(preset("tiny", index_topk=32, mlp_chunk_tokens=chunk), ids), recomputed)
+
+
 def test_full_recompute_keeping_the_attention_output_is_bitwise_the_same_and_skips_its_recompute(monkeypatch):
     from kernels.dsa import sparse_attention
 

@@ -10,8 +10,8 @@ What runs (one process; ``PARTS=layerbench bash tests/gpu/session.sh`` on one H2
 
 1. The anchor: a bf16 8192^3 matmul (``sft_profile.matmul_tflops``), TFLOP/s.
 2. The model config exactly as SFT builds it for the training preset (``tasks.sft.model_config`` of
-   ``preset_sft_config(b200-64)``: the ``full`` preset, bf16, full-layer recompute with each MLP chunk
-   recomputed inside, every layer's input offloaded to pinned host memory, ``mlp_chunk_tokens``
+   ``preset_sft_config(b200-64)``: the ``full`` preset, bf16, full-layer recompute (each MLP
+   chunk recomputed inside when a layer has several), every layer's input offloaded to pinned host memory, ``mlp_chunk_tokens``
    131,072, grouped MoE experts, fused glue). One layer of each (mixer, MLP, indexer) kind of its
    45-layer schedule (KDA+dense x 3, KDA+MoE x 31, DSA+MoE x 11) is built from that config with
    ``model.glm5_next.layer_spec``, cast to bf16, and run through ``Glm5NextModel._layer_call`` (the
@@ -521,7 +521,8 @@ def project(rows: list[dict], full_cfg, counts: Counter, kinds, seq: int, layout
     step = compute_b200 + comm_configured
     out = {"seq_len": seq, "dispatcher": configured, "compute_h200_s": compute_h200, "compute_b200_s": compute_b200,
            "comm_s": comm_configured, "comm_allgather_s": comm, "comm_all_to_all_s": comm_a2a, "step_b200_s": step,
-           "grad_reduce_hidden_s": hidden_rs, "param_gather_hidden_s": hidden_ag, "tokens_per_s_serial": seq * dp / (compute_b200 + comm_serial),
+           "grad_reduce_hidden_s": hidden_rs, "param_gather_hidden_s": hidden_ag,
+           "tokens_per_s_serial": seq * dp / (compute_b200 + comm_serial),
            "tokens_per_s": seq * dp / step, "tokens_per_s_compute_only": seq * dp / compute_b200,
            "tokens_per_s_allgather": seq * dp / (compute_b200 + comm),
            "tokens_per_s_all_to_all": seq * dp / (compute_b200 + comm_a2a)}
@@ -530,8 +531,8 @@ def project(rows: list[dict], full_cfg, counts: Counter, kinds, seq: int, layout
     ref = REFERENCE_TOKENS_PER_S.get(seq)
     other = ("allgather dispatcher instead", "tokens_per_s_allgather") if configured == "alltoall" else \
         ("all-to-all dispatcher instead", "tokens_per_s_all_to_all")
-    overlapped = ", ".join(name for name, t in (("gradient reduce-scatter", hidden_rs), ("parameter all-gather", hidden_ag))
-                           if t)
+    overlapped = ", ".join(name for name, t in (("gradient reduce-scatter", hidden_rs),
+                                                ("parameter all-gather", hidden_ag)) if t)
     overlapped = f"{overlapped} overlapped, other collectives not" if hidden else "collectives not overlapped"
     for name, key in ((f"as configured ({configured} dispatcher, {overlapped})", "tokens_per_s"),
                       *([("no collective overlapped", "tokens_per_s_serial")] if hidden else []),
