@@ -84,10 +84,11 @@ part fused "${T_FUSED:-150}" python3 tests/gpu/fused_check.py --tokens "${FUSED_
 # paths (tests/gpu/glue_paths_check.py: fla's KDA short conv and the gather MoE permutation vs the paths they replace).
 part paths "${T_PATHS:-120}" python3 tests/gpu/glue_paths_check.py --tokens "${FUSED_TOKENS:-65536}" --out "$OUT/glue_paths.json"
 # profile_base: the same profile run from $BASE_TREE (default .base: `git archive <rev> | tar -x -C .base`, carried),
-# before profile in the same call: the before column of a change that has no switch of its own.
+# before profile in the same call: the before column of a change that has no switch of its own
+# ($PROFILE_BASE_ARGS, default $PROFILE_ARGS: a variant the earlier tree does not know stays out of its run).
 part profile_base "${T_PROFILE:-420}" bash -c "cd ${BASE_TREE:-.base} && PYTHONPATH=/tmp/site:\$PWD python3 \
-  tests/benchmarks/sft_profile.py --pack \"$PWD/runs/sft_gpu_pack\" --configs ${PROFILE_CONFIGS:-64k} ${PROFILE_ARGS:-} \
-  --out \"$OUT/sft_profile_base.json\""
+  tests/benchmarks/sft_profile.py --pack \"$PWD/runs/sft_gpu_pack\" --configs ${PROFILE_CONFIGS:-64k} \
+  ${PROFILE_BASE_ARGS-${PROFILE_ARGS:-}} --out \"$OUT/sft_profile_base.json\""
 part profile "${T_PROFILE:-420}" python3 tests/benchmarks/sft_profile.py --pack runs/sft_gpu_pack \
   --configs ${PROFILE_CONFIGS:-64k} --trace-dir "$OUT" ${PROFILE_ARGS:-} --out "$OUT/sft_profile.json"
 # kdafold (tests/benchmarks/kda_cp_fold_bench.py: the KDA CP state fold, per-rank indexing vs split+unbind, full widths).
