@@ -24,6 +24,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kernels.hc.projection import bf16_parts, hc_projection
+
 __all__ = ["glue", "hc_maps", "hc_projection", "bf16_parts", "hc_collapse", "hc_merge", "rms_norm", "rms_norm_backward", "kda_gate",
            "gated_rms_norm", "swiglu_probs"]
 
@@ -50,96 +52,6 @@ def glue(fn, compile: bool, *args):
     return fn(*args)
 
 
-def bf16_parts(x: torch.Tensor, parts: int) -> torch.Tensor:
-    """``x`` (float32) as ``parts`` bf16 tensors stacked ``[parts, *x.shape]`` whose float32 sum approximates it.
-
-    Each part is the bf16 rounding of what the previous ones leave: 2 parts keep about 16 of float32's
-    24 mantissa bits, 3 parts all of them for normal values (so ``sum`` is ``x`` exactly). The split of
-    float32 operands into bf16 pieces for tensor-core GEMMs (Henry, Tang, Heinecke, "Leveraging the bfloat16
-    Artificial Intelligence Datatype For Higher-Precision Computations", ARITH 2019).
-    """
-    out, rest = [], x.float()
-    for _ in range(parts):
-        part = rest.to(torch.bfloat16)
-        out.append(part)
-        rest = rest - part.float()
-    return torch.stack(out)
-
-
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of bf16 ``a [m, k]`` and ``b [k, n]`` as float32 ``[m, n]``, accumulated in float32.
-
-    On CUDA cuBLAS's bf16 GEMM with a float32 output (``torch.mm(..., out_dtype=torch.float32)``);
-    elsewhere the same products in float32 (exact: a bf16 x bf16 product fits float32), for tests.
-    """
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
-
-
-def _weight_parts(w: torch.Tensor, parts: int) -> torch.Tensor:
-    """``w`` as stacked bf16 parts ``[r, *w.shape]``: itself when already bf16, else :func:`bf16_parts`."""
-    return w[None] if w.dtype == torch.bfloat16 else bf16_parts(w, parts)
-
-
-class _HCProjection(torch.autograd.Function):
-    """``rsqrt(mean(x^2) + eps) * (x @ w^T)`` for bf16 ``x [m, k]`` and ``w [p, k]`` (:func:`hc_projection`)."""
-
-    @staticmethod
-    def forward(ctx, x, w, eps):
-        p = w.shape[0]
-        parts = _weight_parts(w, 3)
-        # One GEMM against the stacked parts of w: x is read once.
-        y = _mm_f32(x, parts.flatten(0, 1).t()).unflatten(-1, (len(parts), p)).sum(-2)   # [m, p]
-        rstd = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)                 # [m, 1]
-        ctx.save_for_backward(x, w, y, rstd)
-        return y * rstd
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, w, y, rstd = ctx.saved_tensors
-        p, k = w.shape
-        dy = grad * rstd                                              # [m, p]
-        d_rstd = (grad * y).sum(-1, keepdim=True)                     # [m, 1]
-        hi, lo = bf16_parts(dy, 2)
-        # dy @ w to ~16 bits of each operand in one GEMM: hi.w + lo.w for a bf16 w, else
-        # hi.w_hi + hi.w_lo + lo.w_hi.
-        if w.dtype == torch.bfloat16:
-            a, b = torch.cat([hi, lo], dim=-1), torch.cat([w, w], dim=0)
-        else:
-            w_hi, w_lo = bf16_parts(w, 2)
-            a, b = torch.cat([hi, hi, lo], dim=-1), torch.cat([w_hi, w_lo, w_hi], dim=0)
-        dx = _mm_f32(a, b) - (d_rstd * rstd.pow(3) / k) * x.float()   # d rstd / dx = -rstd^3 x / k
-        dw = _mm_f32(torch.cat([hi, lo], dim=-1).t(), x).unflatten(0, (2, p)).sum(0)   # [p, k]
-        return dx.to(x.dtype), dw.to(w.dtype), None
-
-
-def hc_projection(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """The mHC projection of RMS-normalised streams, ``rsqrt(mean(x^2) + eps) * (x @ w^T)``, from bf16 streams
-    on bf16 tensor cores.
-
-    Args:
-        x: ``[..., k]`` bf16, the flattened streams (``k = n * h``).
-        w: ``[p, k]`` bf16 or float32, the projection ``fn`` (``p = (2 + n) n``).
-        eps: RMS epsilon.
-
-    Returns:
-        float32 ``[..., p]``. Forward: one GEMM with float32 accumulation and output, against ``w``
-        itself (bf16) or its three bf16 parts (float32 ``w``, :func:`bf16_parts`, exact): the float32
-        GEMM's result up to summation order. Backward: ``dx`` (bf16) and ``dw`` (``w``'s dtype) from
-        GEMMs on two-part splits of the gradient (and of a float32 ``w``): relative error about 2^-16 per
-        product, below ``dx``'s bf16 rounding and ``dw``'s float32 accumulation over ``m`` rows; the RMS
-        term's gradient is added in float32 before ``dx``'s one rounding.
-
-    Raises:
-        ValueError: ``x`` is not bf16, or ``w`` neither bf16 nor float32.
-    """
-    if x.dtype != torch.bfloat16 or w.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"hc_projection takes bf16 streams and a bf16 or float32 weight, got {x.dtype} and {w.dtype}")
-    lead = x.shape[:-1]
-    return _HCProjection.apply(x.reshape(-1, x.shape[-1]), w, eps).reshape(*lead, w.shape[0])
-
-
 def hc_maps(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
             hc_eps: float, norm_eps: float, gemm: str = "float32"):
     """mHC maps of ``n`` residual streams (Xie et al. 2026; transformers ``Glm5NextTextHyperConnection``).
@@ -150,8 +62,9 @@ def hc_maps(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         n: number of streams (``hc_mult``); iters: Sinkhorn-Knopp normalisations of ``comb``.
         hc_eps: added to ``pre`` and ``comb`` and to Sinkhorn's denominators; norm_eps: RMS epsilon.
         gemm: the projection's GEMM (``Glm5NextConfig.hc_gemm``): ``float32`` (float32 copies of the
-            streams and the weight; FFMA on GPUs) or ``auto`` (bf16 streams on CUDA: :func:`hc_projection`,
-            bf16 tensor cores with float32 accumulation and output; otherwise ``float32``).
+            streams and the weight; FFMA on GPUs) or ``auto`` (bf16 streams on CUDA:
+            :func:`kernels.hc.projection.hc_projection`, bf16 tensor cores with float32 accumulation in
+            Triton kernels, a custom op that ``torch.compile`` leaves whole; otherwise ``float32``).
 
     Returns:
         float32 ``(pre [..., n], post [..., n], comb [..., n, n])``: ``pre`` collapses the streams

@@ -17,7 +17,8 @@
 # dsa (dsa_check.py + dsa_bench.py), ncu (tests/gpu/ncu_indexer.sh: Nsight Compute on single indexer kernel
 # launches, $NCU_CASES), profile (tests/benchmarks/sft_profile.py: whole-step profile of $PROFILE_CONFIGS,
 # default 64k, with $PROFILE_ARGS; profile_base: the same from a carried earlier tree), layerbench (tests/benchmarks/layer_bench.py: one full-width layer of each kind as
-# one b200-64 rank at 256k and 1M, projected to 64 B200, with $LAYERBENCH_ARGS). The DSA parts need no wheels: with no .whl folder the install is skipped.
+# one b200-64 rank at 256k and 1M, projected to 64 B200, with $LAYERBENCH_ARGS), hcproj (the mHC projection's
+# Triton kernels vs float64, and their time). The DSA parts need no wheels: with no .whl folder the install is skipped.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -81,6 +82,8 @@ part dsa "${T_DSA:-300}" bash -c "python3 tests/gpu/dsa_check.py --out $OUT/dsa_
   python3 tests/benchmarks/dsa_bench.py --out $OUT/dsa_bench.json"
 # fused (tests/gpu/fused_check.py: model.fused's inductor glue vs eager and float64, then each one's time at 64k).
 part fused "${T_FUSED:-150}" python3 tests/gpu/fused_check.py --tokens "${FUSED_TOKENS:-65536}" --out "$OUT/fused_check.json"
+# hcproj (tests/gpu/hc_projection_check.py: the mHC projection's Triton kernels vs float64, then their time).
+part hcproj "${T_HCPROJ:-150}" python3 tests/gpu/hc_projection_check.py --out "$OUT/hc_projection.json"
 # paths (tests/gpu/glue_paths_check.py: fla's KDA short conv and the gather MoE permutation vs the paths they replace).
 part paths "${T_PATHS:-120}" python3 tests/gpu/glue_paths_check.py --tokens "${FUSED_TOKENS:-65536}" --out "$OUT/glue_paths.json"
 # profile_base: the same profile run from $BASE_TREE (default .base: `git archive <rev> | tar -x -C .base`, carried),

@@ -1,0 +1,172 @@
+"""Triton kernels of the mHC projection (:mod:`kernels.hc.projection`): one pass over the streams each way.
+
+``x [m, k]`` bf16 streams (``k = n * h``: 4096 for ``small``, 16384 for ``full``) against ``w [p, k]``,
+``p = (2 + n) n = 24``: a skinny GEMM whose cost is reading ``x`` (and, backward, writing ``dx``). So each
+kernel reads each ``x`` tile once and does everything that needs it there:
+
+* forward (:func:`hc_projection_fwd_kernel`, one program per ``BLOCK_M`` rows): ``y = x @ w^T`` on tensor
+  cores with float32 accumulation (a float32 ``w`` split into three bf16 parts in registers, exact) and the
+  row's sum of squares from the same tile; writes ``y``, ``rstd`` and ``out = y * rstd``.
+* ``dx`` (:func:`hc_projection_dx_kernel`, one program per ``BLOCK_M`` rows and ``BLOCK_K`` columns):
+  ``dy = grad * rstd`` and the RMS term's coefficient from the row's ``grad`` and ``y``; ``dy @ w`` from
+  two-part splits (``hi.w + lo.w``; ``hi.w_hi + hi.w_lo + lo.w_hi`` for a float32 ``w``); minus the RMS
+  term in float32; one bf16 rounding.
+* ``dw`` (:func:`hc_projection_dw_kernel`, one program per ``BLOCK_K`` columns and slice of the rows):
+  ``dy^T @ x`` with ``dy`` in two parts, float32 partial sums per slice, summed in a fixed order by torch
+  (deterministic: no atomics).
+
+The tiles are fixed (no autotuning, nothing to tune at a cold start): ``BLOCK_M = 64`` rows, ``BLOCK_K = 128``
+columns, ``p`` padded to a power of two >= 16. Triton's casts round (``x.to(bf16)`` is round-to-nearest-
+even), unlike inductor's fused ones, which is why these kernels and not a compiled graph split the operands.
+Checked against float64 on an H200 by ``tests/gpu/hc_projection_check.py``; Triton's CPU interpreter has
+no exact bfloat16, so there is no CPU test of these kernels (the torch reference has them).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M, BLOCK_K, WARPS, STAGES = 64, 128, 4, 3
+DW_PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _split_dy(GRAD, Y, RSTD, rows, cols, m, p, stride_g, stride_y):
+    """``dy`` of the rows ``[BLOCK_M, BLOCK_P]`` as bf16 ``(hi, lo)``, and the RMS term's coefficient
+    ``sum(grad * y) * rstd^3`` ``[BLOCK_M]`` (float32)."""
+    ok = (rows[:, None] < m) & (cols[None, :] < p)
+    g = tl.load(GRAD + rows[:, None] * stride_g + cols[None, :], mask=ok, other=0.0)
+    y = tl.load(Y + rows[:, None] * stride_y + cols[None, :], mask=ok, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=rows < m, other=0.0)
+    dy = g * rstd[:, None]
+    hi = dy.to(tl.bfloat16)
+    lo = (dy - hi.to(tl.float32)).to(tl.bfloat16)
+    coef = tl.sum(g * y, axis=1) * rstd * rstd * rstd
+    return hi, lo, coef
+
+
+@triton.jit
+def hc_projection_fwd_kernel(
+    X, W, OUT, Y, RSTD, m, k, p, eps, stride_x, stride_w, stride_o, stride_y,
+    W_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_P)
+    acc = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
+    squares = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=(rows[:, None] < m) & (ks[None, :] < k),
+                    other=0.0)
+        xf = x.to(tl.float32)
+        squares += tl.sum(xf * xf, axis=1)
+        w = tl.load(W + cols[None, :] * stride_w + ks[:, None], mask=(cols[None, :] < p) & (ks[:, None] < k),
+                    other=0.0)                                               # [BLOCK_K, BLOCK_P], w^T
+        if W_F32:   # three bf16 parts: exact for normal values
+            hi = w.to(tl.bfloat16)
+            rest = w - hi.to(tl.float32)
+            mid = rest.to(tl.bfloat16)
+            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+            acc = tl.dot(x, hi, acc)
+            acc = tl.dot(x, mid, acc)
+            acc = tl.dot(x, lo, acc)
+        else:
+            acc = tl.dot(x, w, acc)
+    rstd = tl.rsqrt(squares / k + eps)
+    ok = (rows[:, None] < m) & (cols[None, :] < p)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], acc, mask=ok)
+    tl.store(OUT + rows[:, None] * stride_o + cols[None, :], acc * rstd[:, None], mask=ok)
+    tl.store(RSTD + rows, rstd, mask=rows < m)
+
+
+@triton.jit
+def hc_projection_dx_kernel(
+    GRAD, Y, RSTD, X, W, DX, m, k, p, stride_g, stride_y, stride_x, stride_w, stride_dx,
+    W_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = tl.arange(0, BLOCK_P)
+    hi, lo, coef = _split_dy(GRAD, Y, RSTD, rows, cols, m, p, stride_g, stride_y)
+    w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=(cols[:, None] < p) & (ks[None, :] < k),
+                other=0.0)                                                   # [BLOCK_P, BLOCK_K]
+    if W_F32:
+        w_hi = w.to(tl.bfloat16)
+        w_lo = (w - w_hi.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(hi, w_hi)
+        acc = tl.dot(hi, w_lo, acc)
+        acc = tl.dot(lo, w_hi, acc)
+    else:
+        acc = tl.dot(hi, w)
+        acc = tl.dot(lo, w, acc)
+    ok = (rows[:, None] < m) & (ks[None, :] < k)
+    x = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=ok, other=0.0).to(tl.float32)
+    dx = acc - (coef / k)[:, None] * x                                       # d rstd / dx = -rstd^3 x / k
+    tl.store(DX + rows[:, None] * stride_dx + ks[None, :], dx.to(DX.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def hc_projection_dw_kernel(
+    GRAD, Y, RSTD, X, PART, m, k, p, rows_per_slice, stride_g, stride_y, stride_x, stride_ps, stride_pp,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    part = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_P)
+    acc = tl.zeros([BLOCK_P, BLOCK_K], tl.float32)
+    first = part.to(tl.int64) * rows_per_slice
+    for r0 in range(0, rows_per_slice, BLOCK_M):
+        rows = first + r0 + tl.arange(0, BLOCK_M)
+        hi, lo, _ = _split_dy(GRAD, Y, RSTD, rows, cols, m, p, stride_g, stride_y)
+        x = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=(rows[:, None] < m) & (ks[None, :] < k),
+                    other=0.0)
+        acc = tl.dot(tl.trans(hi), x, acc)
+        acc = tl.dot(tl.trans(lo), x, acc)
+    tl.store(PART + part * stride_ps + cols[:, None] * stride_pp + ks[None, :], acc,
+             mask=(cols[:, None] < p) & (ks[None, :] < k))
+
+
+def _block_p(p: int) -> int:
+    return max(16, triton.next_power_of_2(p))
+
+
+def triton_hc_projection_fwd(x: torch.Tensor, w: torch.Tensor, eps: float):
+    """``(out, y, rstd)`` of :func:`kernels.hc.projection.torch_hc_projection_fwd` for contiguous CUDA ``x [m, k]``
+    bf16 and ``w [p, k]`` (bf16 or float32)."""
+    m, k = x.shape
+    p = w.shape[0]
+    out = torch.empty(m, p, device=x.device, dtype=torch.float32)
+    y = torch.empty_like(out)
+    rstd = torch.empty(m, 1, device=x.device, dtype=torch.float32)
+    hc_projection_fwd_kernel[(triton.cdiv(m, BLOCK_M),)](
+        x, w, out, y, rstd, m, k, p, eps, x.stride(0), w.stride(0), out.stride(0), y.stride(0),
+        W_F32=w.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_P=_block_p(p),
+        num_warps=WARPS, num_stages=STAGES)
+    return out, y, rstd
+
+
+def triton_hc_projection_bwd(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
+                             rstd: torch.Tensor):
+    """``(dx, dw)`` of :func:`kernels.hc.projection.torch_hc_projection_bwd` for contiguous CUDA tensors."""
+    m, k = x.shape
+    p = w.shape[0]
+    bp = _block_p(p)
+    dx = torch.empty_like(x)
+    hc_projection_dx_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))](
+        grad, y, rstd, x, w, dx, m, k, p, grad.stride(0), y.stride(0), x.stride(0), w.stride(0), dx.stride(0),
+        W_F32=w.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_P=bp,
+        num_warps=WARPS, num_stages=STAGES)
+    # enough row slices for a few programs per SM, each a whole number of row blocks
+    col_blocks = triton.cdiv(k, BLOCK_K)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    slices = max(1, min(triton.cdiv(m, BLOCK_M), triton.cdiv(DW_PROGRAMS_PER_SM * sms, col_blocks)))
+    rows_per_slice = triton.cdiv(triton.cdiv(m, slices), BLOCK_M) * BLOCK_M
+    slices = triton.cdiv(m, rows_per_slice)
+    part = torch.empty(slices, p, k, device=x.device, dtype=torch.float32)
+    hc_projection_dw_kernel[(col_blocks, slices)](
+        grad, y, rstd, x, part, m, k, p, rows_per_slice, grad.stride(0), y.stride(0), x.stride(0),
+        part.stride(0), part.stride(1), BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_P=bp,
+        num_warps=WARPS, num_stages=STAGES)
+    return dx, part.sum(0).to(w.dtype)

@@ -1,0 +1,128 @@
+"""The mHC projection's Triton kernels (kernels/hc/projection_triton.py) on a GPU: float64 checks and timings.
+
+For bf16 and float32 weights, eager and under ``torch.compile``: ``out``, ``dx`` and ``dw`` of
+:func:`kernels.hc.projection.hc_projection` against the float64 definition from the same bf16 / float32
+values (``out`` to float32 summation order, ``dx`` within its bf16 rounding, ``dw`` within float32
+accumulation); then forward + backward times at 64k and 256k rows beside the float32 path it replaces
+(``F.linear`` of float32 copies, as ``model.fused.hc_maps`` runs it with ``hc_gemm="float32"``) and the
+bytes it must move (``x`` read forward, ``x`` read twice and ``dx`` written backward).
+
+    python tests/gpu/hc_projection_check.py --out $OUT/hc_projection.json   # session part: hcproj
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from kernels.hc.projection import hc_projection  # noqa: E402
+
+N_STREAMS = 4
+P = (2 + N_STREAMS) * N_STREAMS
+
+
+def _errors(x, w, eps, call) -> dict:
+    """Relative errors of ``call``'s out / dx / dw against float64 (dx, dw: worst element over its bf16 / float32
+    allowance, <= 1 passes)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    cotangent = torch.randn(x.shape[0], w.shape[0], generator=g, device="cuda")
+    x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    want = (x64 @ w64.T) / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    want.backward(cotangent.double())
+    xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    got = call(xl, wl, eps)
+    got.backward(cotangent)
+    out_err = ((got.double() - want).abs() / (1e-6 * want.abs().max() + want.abs())).max().item()
+    dx64, dw64 = x64.grad, w64.grad
+    # dx: one bf16 rounding (2^-9) plus ~2^-16 of the split operands; dw: bf16 rounding for a bf16 weight,
+    # float32 accumulation over the rows for a float32 one
+    dx_ratio = ((xl.grad.double() - dx64).abs() / (2.0 ** -8 * dx64.abs() + 1e-5 * dx64.abs().max())).max().item()
+    if w.dtype == torch.float32:
+        dw_ratio = ((wl.grad.double() - dw64).abs() / (2e-5 * dw64.abs().max())).max().item()
+    else:
+        dw_ratio = ((wl.grad.double() - dw64).abs() / (2.0 ** -8 * dw64.abs() + 1e-5 * dw64.abs().max())).max().item()
+    return {"out_rel_err": out_err, "dx_over_allowance": dx_ratio, "dw_over_allowance": dw_ratio,
+            "ok": out_err < 1e-4 and dx_ratio <= 1 and dw_ratio <= 1}
+
+
+def correctness(k: int) -> list[dict]:
+    rows = []
+    compiled = torch.compile(hc_projection, fullgraph=True)
+    for m in (300, 65_536):
+        g = torch.Generator(device="cuda").manual_seed(m)
+        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+        for dtype in (torch.bfloat16, torch.float32):
+            w = (0.02 * torch.randn(P, k, generator=g, device="cuda")).to(dtype)
+            for name, call in (("eager", hc_projection), ("compiled", compiled)):
+                r = {"rows": m, "k": k, "weight": str(dtype).removeprefix("torch."), "call": name, **_errors(x, w, 1e-6, call)}
+                rows.append(r)
+                print(f"{m:>7} rows k={k} {r['weight']:<8} {name:<8} out {r['out_rel_err']:.2e}  dx {r['dx_over_allowance']:.2f}"
+                      f"  dw {r['dw_over_allowance']:.2f} of allowance  {'ok' if r['ok'] else 'FAIL'}", flush=True)
+    return rows
+
+
+def _time(fn, reps: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def timings(k: int) -> list[dict]:
+    rows = []
+    for m in (65_536, 262_144):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16).requires_grad_(True)
+        w = (0.02 * torch.randn(P, k, device="cuda")).requires_grad_(True)
+        cotangent = torch.randn(m, P, device="cuda")
+
+        def float32_path():
+            flat = x.float()
+            rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + 1e-6)
+            (F.linear(flat, w) * rstd).backward(cotangent)
+
+        def triton_path():
+            hc_projection(x, w, 1e-6).backward(cotangent)
+
+        t32, tt = _time(float32_path), _time(triton_path)
+        nbytes = 4 * m * k * 2          # x read forward, x read twice and dx written backward (bf16)
+        r = {"rows": m, "k": k, "float32_s": t32, "triton_s": tt, "speedup": t32 / tt, "triton_tb_s": nbytes / tt / 1e12}
+        rows.append(r)
+        print(f"{m:>7} rows k={k}: float32 path {1e3 * t32:7.2f} ms, Triton {1e3 * tt:6.2f} ms (x {t32 / tt:.1f}), "
+              f"{r['triton_tb_s']:.2f} TB/s of the bytes it must move", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--widths", type=int, nargs="+", default=[4096, 16384], help="k = n * h (small, full)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    checks = [r for k in args.widths for r in correctness(k)]
+    times = [r for k in args.widths for r in timings(k)]
+    print("\n| rows | k | float32 path ms | Triton ms | speedup | Triton TB/s (min bytes) |\n|---|---|---|---|---|---|")
+    for r in times:
+        print(f"| {r['rows']:,} | {r['k']:,} | {1e3 * r['float32_s']:.2f} | {1e3 * r['triton_s']:.2f} | "
+              f"{r['speedup']:.1f}x | {r['triton_tb_s']:.2f} |")
+    Path(args.out).write_text(json.dumps({"correctness": checks, "timings": times}, indent=1))
+    failed = [r for r in checks if not r["ok"]]
+    print("ALL OK" if not failed else f"{len(failed)} FAILED")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
