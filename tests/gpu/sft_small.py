@@ -39,8 +39,8 @@ CONFIGS = {
     # ("256k-sel") or the first 4 of 8 layers' activations in pinned host memory ("256k-sel-off4").
     "256k-sel": dict(seq_len=262_144, recompute="selective", recompute_modules=("mlp",)),
     "256k-sel-off4": dict(seq_len=262_144, recompute="selective", recompute_modules=("mlp",), offload_layers=4),
-    # full-layer recompute (CP = 1 on one GPU) keeps only the layer inputs between layers (the
-    # whole-sequence MLP is one chunk: not checkpointed again inside the layer's recompute).
+    # full-layer recompute (CP = 1 on one GPU) keeps only the layer inputs between layers (and
+    # checkpoints each of the 4 MLP chunks of 65,536 tokens inside the layer's recompute).
     "256k-full": dict(seq_len=262_144, recompute="full"),
     # One H200 runs out of memory at 512k (docs/measurements.md): these need CP >= 2 (torchrun).
     "512k-full": dict(seq_len=524_288, recompute="full"),
