@@ -161,8 +161,8 @@ class Glm5NextConfig(TransformerConfig):
     # CPU); the same function.
     dsa_kl: str = "auto"
     # The mHC projection's GEMM: "float32" (float32 copies of the streams and weight; FFMA on GPUs) or "auto"
-    # (bf16 streams on CUDA: bf16 tensor cores with float32 accumulation and output, model.fused.hc_projection);
-    # the same function up to summation order in the forward.
+    # (bf16 streams on CUDA: bf16 tensor cores with float32 accumulation and output, kernels.hc.projection's
+    # Triton kernels); the same function up to summation order in the forward.
     hc_gemm: str = "float32"
     # HF bookkeeping fields carried through the round trip unchanged.
     hf_extra: dict = field(default_factory=dict)

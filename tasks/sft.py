@@ -113,7 +113,7 @@ class SFTConfig:
         dsa_kl: the indexer KL loss's indexer side on GPUs, ``auto`` (fused Triton kernels,
             :mod:`kernels.dsa.loss_triton`) or ``torch``; the same function.
         hc_gemm: the mHC projection's GEMM, ``float32`` or ``auto`` (bf16 tensor cores with float32
-            accumulation for bf16 streams on GPUs, :func:`model.fused.hc_projection`).
+            accumulation for bf16 streams on GPUs, :func:`kernels.hc.projection.hc_projection`).
         overlap_grad_reduce: reduce the gradients bucket by bucket during the backward (megatron
             DDP's ``overlap_grad_reduce``) when DP x CP > 1; the same sums.
         overlap_param_gather: gather the updated parameters bucket by bucket during the next

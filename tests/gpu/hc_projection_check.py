@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from fused_check import _time  # noqa: E402  (this folder: CUDA-event medians)
 from kernels.hc.projection import hc_projection  # noqa: E402
 
 N_STREAMS = 4
@@ -67,20 +67,6 @@ def correctness(k: int) -> list[dict]:
                 print(f"{m:>7} rows k={k} {r['weight']:<8} {name:<8} out {r['out_rel_err']:.2e}  dx {r['dx_over_allowance']:.2f}"
                       f"  dw {r['dw_over_allowance']:.2f} of allowance  {'ok' if r['ok'] else 'FAIL'}", flush=True)
     return rows
-
-
-def _time(fn, reps: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def timings(k: int) -> list[dict]:
