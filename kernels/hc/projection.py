@@ -9,11 +9,10 @@ and the gradients are within bf16 rounding of ``dx`` and float32 accumulation of
 
 Both directions are custom ops (``torch.library``): ``torch.compile`` calls them as they are. Traced
 into a graph, inductor fuses ``part.float()`` of ``rest.to(bf16)`` without the rounding (its default,
-``emulate_precision_casts=False``), so the low parts of a split came out zero and the gradients bf16-level
-(found on an H200 by ``tests/gpu/fused_check.py``; on the CPU by
-``test_hc_projection_compiled_by_inductor_keeps_its_low_parts``). On CUDA the ops run the Triton kernels
-of :mod:`kernels.hc.projection_triton` (one pass over ``x`` each way, the RMS fused in); elsewhere the
-torch code below, which is also their reference.
+``emulate_precision_casts=False``), so the low parts of a split come out zero and the gradients bf16-level
+(``tests/test_model_fused.py::test_hc_projection_compiled_by_inductor_keeps_its_low_parts``). On CUDA the
+ops run the Triton kernels of :mod:`kernels.hc.projection_triton` (one pass over ``x`` each way, the RMS
+fused in); elsewhere the torch code below, which is also their reference.
 """
 
 from __future__ import annotations
