@@ -1,9 +1,9 @@
 """The mHC projection's Triton kernels (kernels/hc/projection_triton.py) on a GPU: float64 checks and timings.
 
-For bf16 and float32 weights, eager and under ``torch.compile``: ``out``, ``dx`` and ``dw`` of
-:func:`kernels.hc.projection.hc_projection` against the float64 definition from the same bf16 / float32
-values (``out`` to float32 summation order, ``dx`` within its bf16 rounding, ``dw`` within float32
-accumulation); then forward + backward times at 64k and 256k rows beside the float32 path it replaces
+For bf16 and float32 weights, eager (twice: bitwise the same) and under ``torch.compile``: ``out``, ``dx``
+and ``dw`` of :func:`kernels.hc.projection.hc_projection` against the float64 definition from the same bf16 /
+float32 values (``out`` to float32 summation order, ``dx`` within its bf16 rounding, ``dw`` within float32
+accumulation), beside the float32 path's own errors (the anchor); then forward + backward times at 64k and 256k rows beside the float32 path it replaces
 (``F.linear`` of float32 copies, as ``model.fused.hc_maps`` runs it with ``hc_gemm="float32"``) and the
 bytes it must move (``x`` read forward, ``x`` read twice and ``dx`` written backward).
 
@@ -29,9 +29,16 @@ N_STREAMS = 4
 P = (2 + N_STREAMS) * N_STREAMS
 
 
+def _float32_path(x, w, eps):
+    """The projection as ``hc_gemm="float32"`` computes it: ``F.linear`` of float32 copies (the anchor)."""
+    flat = x.float()
+    return F.linear(flat, w.float()) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+
+
 def _errors(x, w, eps, call) -> dict:
-    """Relative errors of ``call``'s out / dx / dw against float64 (dx, dw: worst element over its bf16 / float32
-    allowance, <= 1 passes)."""
+    """``call``'s out / dx / dw against float64: the worst element over its allowance (out: float32 summation,
+    ``1e-5`` of the value plus ``1e-6`` of the largest; dx: one bf16 rounding, ``2^-8``; dw: bf16 rounding for a
+    bf16 weight, ``2e-5`` of the largest for a float32 one; <= 1 passes), and the row of out's worst element."""
     g = torch.Generator(device="cuda").manual_seed(1)
     cotangent = torch.randn(x.shape[0], w.shape[0], generator=g, device="cuda")
     x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
@@ -40,20 +47,21 @@ def _errors(x, w, eps, call) -> dict:
     xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     got = call(xl, wl, eps)
     got.backward(cotangent)
-    out_err = ((got.double() - want).abs() / (1e-6 * want.abs().max() + want.abs())).max().item()
+    out_ratio = (got.double() - want).abs() / (1e-5 * want.abs() + 1e-6 * want.abs().max())
     dx64, dw64 = x64.grad, w64.grad
-    # dx: one bf16 rounding (2^-9) plus ~2^-16 of the split operands; dw: bf16 rounding for a bf16 weight,
-    # float32 accumulation over the rows for a float32 one
     dx_ratio = ((xl.grad.double() - dx64).abs() / (2.0 ** -8 * dx64.abs() + 1e-5 * dx64.abs().max())).max().item()
     if w.dtype == torch.float32:
         dw_ratio = ((wl.grad.double() - dw64).abs() / (2e-5 * dw64.abs().max())).max().item()
     else:
         dw_ratio = ((wl.grad.double() - dw64).abs() / (2.0 ** -8 * dw64.abs() + 1e-5 * dw64.abs().max())).max().item()
-    return {"out_rel_err": out_err, "dx_over_allowance": dx_ratio, "dw_over_allowance": dw_ratio,
-            "ok": out_err < 1e-4 and dx_ratio <= 1 and dw_ratio <= 1}
+    return {"out_over_allowance": out_ratio.max().item(), "worst_row": int(out_ratio.argmax()) // w.shape[0],
+            "dx_over_allowance": dx_ratio, "dw_over_allowance": dw_ratio, "outputs": (got, xl.grad, wl.grad)}
 
 
 def correctness(k: int) -> list[dict]:
+    """Each case eager, again eager (bitwise the same: the kernels are deterministic), compiled, and the float32
+    path beside them: the projection passes at or below the allowance, or at or below the float32 path's own
+    error where that path exceeds it (the default is then no better)."""
     rows = []
     compiled = torch.compile(hc_projection, fullgraph=True)
     for m in (300, 65_536):
@@ -61,11 +69,26 @@ def correctness(k: int) -> list[dict]:
         x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
         for dtype in (torch.bfloat16, torch.float32):
             w = (0.02 * torch.randn(P, k, generator=g, device="cuda")).to(dtype)
-            for name, call in (("eager", hc_projection), ("compiled", compiled)):
-                r = {"rows": m, "k": k, "weight": str(dtype).removeprefix("torch."), "call": name, **_errors(x, w, 1e-6, call)}
+            anchor = _errors(x, w, 1e-6, _float32_path)
+            first = None
+            for name, call in (("eager", hc_projection), ("eager again", hc_projection), ("compiled", compiled),
+                               ("float32 path", _float32_path)):
+                e = anchor if call is _float32_path else _errors(x, w, 1e-6, call)
+                outputs = e.pop("outputs")
+                same = None
+                if call is hc_projection:
+                    first = first or outputs
+                    same = all(torch.equal(a, b) for a, b in zip(first, outputs))
+                bound = {key: max(1.0, anchor[key]) for key in ("out_over_allowance", "dx_over_allowance",
+                                                                 "dw_over_allowance")}
+                ok = all(e[key] <= bound[key] for key in bound) and same is not False
+                r = {"rows": m, "k": k, "weight": str(dtype).removeprefix("torch."), "call": name,
+                     "bitwise_as_first_eager": same, **e, "ok": ok}
                 rows.append(r)
-                print(f"{m:>7} rows k={k} {r['weight']:<8} {name:<8} out {r['out_rel_err']:.2e}  dx {r['dx_over_allowance']:.2f}"
-                      f"  dw {r['dw_over_allowance']:.2f} of allowance  {'ok' if r['ok'] else 'FAIL'}", flush=True)
+                print(f"{m:>7} rows k={k} {r['weight']:<8} {name:<12} out {e['out_over_allowance']:8.2f} (row "
+                      f"{e['worst_row']:>6})  dx {e['dx_over_allowance']:6.2f}  dw {e['dw_over_allowance']:6.2f} of "
+                      f"allowance{'' if same is None else '  repeat bitwise ' + str(same)}  {'ok' if ok else 'FAIL'}",
+                      flush=True)
     return rows
 
 
@@ -77,9 +100,7 @@ def timings(k: int) -> list[dict]:
         cotangent = torch.randn(m, P, device="cuda")
 
         def float32_path():
-            flat = x.float()
-            rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + 1e-6)
-            (F.linear(flat, w) * rstd).backward(cotangent)
+            _float32_path(x, w, 1e-6).backward(cotangent)
 
         def triton_path():
             hc_projection(x, w, 1e-6).backward(cotangent)
