@@ -16,8 +16,9 @@ kernel reads each ``x`` tile once and does everything that needs it there:
   (deterministic: no atomics).
 
 The tiles are fixed (no autotuning, nothing to tune at a cold start): ``BLOCK_M = 64`` rows, ``BLOCK_K = 128``
-columns, ``p`` padded to a power of two >= 16. Triton's casts round (``x.to(bf16)`` is round-to-nearest-
-even), unlike inductor's fused ones, which is why these kernels and not a compiled graph split the operands.
+columns, ``p`` padded to a power of two >= 16 (the weight with zero rows: its tiles load unmasked). Triton's
+casts round (``x.to(bf16)`` is round-to-nearest-even), unlike inductor's fused ones, which is why these
+kernels and not a compiled graph split the operands.
 Checked against float64 on an H200 by ``tests/gpu/hc_projection_check.py``; Triton's CPU interpreter has
 no exact bfloat16, so there is no CPU test of these kernels (the torch reference has them).
 """
@@ -62,8 +63,8 @@ def hc_projection_fwd_kernel(
                     other=0.0)
         xf = x.to(tl.float32)
         squares += tl.sum(xf * xf, axis=1)
-        w = tl.load(W + cols[None, :] * stride_w + ks[:, None], mask=(cols[None, :] < p) & (ks[:, None] < k),
-                    other=0.0)                                               # [BLOCK_K, BLOCK_P], w^T
+        # [BLOCK_K, BLOCK_P], w^T; W has BLOCK_P rows (zeros past p): no mask along them
+        w = tl.load(W + cols[None, :] * stride_w + ks[:, None], mask=ks[:, None] < k, other=0.0)
         if W_F32:   # three bf16 parts: exact for normal values
             hi = w.to(tl.bfloat16)
             rest = w - hi.to(tl.float32)
@@ -90,8 +91,7 @@ def hc_projection_dx_kernel(
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     cols = tl.arange(0, BLOCK_P)
     hi, lo, coef = _split_dy(GRAD, Y, RSTD, rows, cols, m, p, stride_g, stride_y)
-    w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=(cols[:, None] < p) & (ks[None, :] < k),
-                other=0.0)                                                   # [BLOCK_P, BLOCK_K]
+    w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=ks[None, :] < k, other=0.0)   # [BLOCK_P, BLOCK_K]
     if W_F32:
         w_hi = w.to(tl.bfloat16)
         w_lo = (w - w_hi.to(tl.float32)).to(tl.bfloat16)
@@ -132,6 +132,16 @@ def _block_p(p: int) -> int:
     return max(16, triton.next_power_of_2(p))
 
 
+def _padded_weight(w: torch.Tensor, block_p: int) -> torch.Tensor:
+    """``w [p, k]`` with zero rows up to ``block_p``: the kernels load whole ``[block_p, BLOCK_K]`` tiles of it,
+    with no mask along ``p`` on a load that feeds ``tl.dot`` directly."""
+    if w.shape[0] == block_p:
+        return w
+    padded = w.new_zeros(block_p, w.shape[1])
+    padded[: w.shape[0]] = w
+    return padded
+
+
 def triton_hc_projection_fwd(x: torch.Tensor, w: torch.Tensor, eps: float):
     """``(out, y, rstd)`` of :func:`kernels.hc.projection.torch_hc_projection_fwd` for contiguous CUDA ``x [m, k]``
     bf16 and ``w [p, k]`` (bf16 or float32)."""
@@ -140,9 +150,11 @@ def triton_hc_projection_fwd(x: torch.Tensor, w: torch.Tensor, eps: float):
     out = torch.empty(m, p, device=x.device, dtype=torch.float32)
     y = torch.empty_like(out)
     rstd = torch.empty(m, 1, device=x.device, dtype=torch.float32)
+    bp = _block_p(p)
+    wp = _padded_weight(w, bp)
     hc_projection_fwd_kernel[(triton.cdiv(m, BLOCK_M),)](
-        x, w, out, y, rstd, m, k, p, eps, x.stride(0), w.stride(0), out.stride(0), y.stride(0),
-        W_F32=w.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_P=_block_p(p),
+        x, wp, out, y, rstd, m, k, p, eps, x.stride(0), wp.stride(0), out.stride(0), y.stride(0),
+        W_F32=w.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_P=bp,
         num_warps=WARPS, num_stages=STAGES)
     return out, y, rstd
 
@@ -154,8 +166,9 @@ def triton_hc_projection_bwd(grad: torch.Tensor, x: torch.Tensor, w: torch.Tenso
     p = w.shape[0]
     bp = _block_p(p)
     dx = torch.empty_like(x)
+    wp = _padded_weight(w, bp)
     hc_projection_dx_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))](
-        grad, y, rstd, x, w, dx, m, k, p, grad.stride(0), y.stride(0), x.stride(0), w.stride(0), dx.stride(0),
+        grad, y, rstd, x, wp, dx, m, k, p, grad.stride(0), y.stride(0), x.stride(0), wp.stride(0), dx.stride(0),
         W_F32=w.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_P=bp,
         num_warps=WARPS, num_stages=STAGES)
     # enough row slices for a few programs per SM, each a whole number of row blocks

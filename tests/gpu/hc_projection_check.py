@@ -3,9 +3,10 @@
 For bf16 and float32 weights, eager (twice: bitwise the same) and under ``torch.compile``: ``out``, ``dx``
 and ``dw`` of :func:`kernels.hc.projection.hc_projection` against the float64 definition from the same bf16 /
 float32 values (``out`` to float32 summation order, ``dx`` within its bf16 rounding, ``dw`` within float32
-accumulation), beside the float32 path's own errors (the anchor); then forward + backward times at 64k and 256k rows beside the float32 path it replaces
-(``F.linear`` of float32 copies, as ``model.fused.hc_maps`` runs it with ``hc_gemm="float32"``) and the
-bytes it must move (``x`` read forward, ``x`` read twice and ``dx`` written backward).
+accumulation), beside the float32 path's own errors (the anchor); then forward + backward times at 64k
+and 256k rows beside the float32 path it replaces (``F.linear`` of float32 copies, as ``model.fused.hc_maps``
+runs it with ``hc_gemm="float32"``) and the bytes it must move (``x`` read forward, ``x`` read twice and
+``dx`` written backward).
 
     python tests/gpu/hc_projection_check.py --out $OUT/hc_projection.json   # session part: hcproj
 """
@@ -107,7 +108,8 @@ def timings(k: int) -> list[dict]:
 
         t32, tt = _time(float32_path), _time(triton_path)
         nbytes = 4 * m * k * 2          # x read forward, x read twice and dx written backward (bf16)
-        r = {"rows": m, "k": k, "float32_s": t32, "triton_s": tt, "speedup": t32 / tt, "triton_tb_s": nbytes / tt / 1e12}
+        r = {"rows": m, "k": k, "float32_s": t32, "triton_s": tt, "speedup": t32 / tt,
+             "triton_tb_s": nbytes / tt / 1e12}
         rows.append(r)
         print(f"{m:>7} rows k={k}: float32 path {1e3 * t32:7.2f} ms, Triton {1e3 * tt:6.2f} ms (x {t32 / tt:.1f}), "
               f"{r['triton_tb_s']:.2f} TB/s of the bytes it must move", flush=True)
