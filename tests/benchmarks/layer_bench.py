@@ -14,8 +14,9 @@ What runs (one process; ``PARTS=layerbench bash tests/gpu/session.sh`` on one H2
    chunk recomputed inside when a layer has several), every layer's input offloaded to pinned host
    memory, ``mlp_chunk_tokens`` 131,072, grouped MoE experts, fused glue). One layer of each (mixer,
    MLP, indexer) kind of its 45-layer schedule (KDA+dense x 3, KDA+MoE x 31, DSA+MoE x 11) is built
-   from that config with ``model.glm5_next.layer_spec``, cast to bf16, and run through ``Glm5NextModel._layer_call`` (the
-   model's own recompute and offload wrapper, one :class:`model.offload.OffloadChain` per call).
+   from that config with ``model.glm5_next.layer_spec``, cast to bf16, and run through
+   ``Glm5NextModel._layer_call`` (the model's own recompute and offload wrapper, one
+   :class:`model.offload.OffloadChain` per call).
 3. Per layer kind and sequence length ``seq``, the share of CP rank ``CP - 1`` (the last: its DSA
    queries see the most keys, and every layer ends at a collective that waits for it):
    ``seq / CP`` local tokens. ``CP`` is the memory plan's layout for that length (``--cp plan``,
