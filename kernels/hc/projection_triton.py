@@ -5,18 +5,22 @@
 kernel reads each ``x`` tile once and does everything that needs it there:
 
 * forward (:func:`hc_projection_fwd_kernel`, one program per ``BLOCK_M`` rows): ``y = x @ w^T`` on tensor
-  cores with float32 accumulation (a float32 ``w`` split into three bf16 parts in registers, exact) and the
-  row's sum of squares from the same tile; writes ``y``, ``rstd`` and ``out = y * rstd``.
+  cores with float32 accumulation (a float32 ``w`` split into three bf16 parts in registers, exact; the two
+  small parts' products in an accumulator of their own, so that their sums round at their own small
+  magnitude, not at ``y``'s) and the row's sum of squares from the same tile; writes ``y``, ``rstd`` and
+  ``out = y * rstd``.
 * ``dx`` (:func:`hc_projection_dx_kernel`, one program per ``BLOCK_M`` rows and ``BLOCK_K`` columns):
   ``dy = grad * rstd`` and the RMS term's coefficient from the row's ``grad`` and ``y``; ``dy @ w`` from
   two-part splits (``hi.w + lo.w``; ``hi.w_hi + hi.w_lo + lo.w_hi`` for a float32 ``w``); minus the RMS
   term in float32; one bf16 rounding.
 * ``dw`` (:func:`hc_projection_dw_kernel`, one program per ``BLOCK_K`` columns and slice of the rows):
-  ``dy^T @ x`` with ``dy`` in two parts, float32 partial sums per slice, summed in a fixed order by torch
+  ``dy^T @ x`` with ``dy`` in two parts (each part's products in its own accumulator), float32 partial sums
+  per slice, summed in a fixed order by torch
   (deterministic: no atomics).
 
 The tiles are fixed (no autotuning, nothing to tune at a cold start): ``BLOCK_M = 64`` rows, ``BLOCK_K = 128``
-columns, ``p`` padded to a power of two >= 16 (the weight with zero rows: its tiles load unmasked). Triton's
+columns, ``p`` padded to a power of two >= 16 (the weight as float32 with zero rows: its tiles load unmasked
+and are split into bf16 in registers, :func:`_padded_weight` says why). Triton's
 casts round (``x.to(bf16)`` is round-to-nearest-even), unlike inductor's fused ones, which is why these
 kernels and not a compiled graph split the operands.
 Checked against float64 on an H200 by ``tests/gpu/hc_projection_check.py``; Triton's CPU interpreter has
@@ -51,11 +55,12 @@ def _split_dy(GRAD, Y, RSTD, rows, cols, m, p, stride_g, stride_y):
 @triton.jit
 def hc_projection_fwd_kernel(
     X, W, OUT, Y, RSTD, m, k, p, eps, stride_x, stride_w, stride_o, stride_y,
-    W_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    W_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_P)
     acc = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)
+    acc_lo = tl.zeros([BLOCK_M, BLOCK_P], tl.float32)   # the small parts' products: their own, small roundings
     squares = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -63,18 +68,17 @@ def hc_projection_fwd_kernel(
                     other=0.0)
         xf = x.to(tl.float32)
         squares += tl.sum(xf * xf, axis=1)
-        # [BLOCK_K, BLOCK_P], w^T; W has BLOCK_P rows (zeros past p): no mask along them
+        # [BLOCK_K, BLOCK_P] float32 w^T (W has BLOCK_P rows, zeros past p), split into bf16 in registers
         w = tl.load(W + cols[None, :] * stride_w + ks[:, None], mask=ks[:, None] < k, other=0.0)
-        if W_F32:   # three bf16 parts: exact for normal values
-            hi = w.to(tl.bfloat16)
+        hi = w.to(tl.bfloat16)
+        acc = tl.dot(x, hi, acc)
+        if W_PARTS == 3:   # a float32 weight: three bf16 parts are exact for normal values
             rest = w - hi.to(tl.float32)
             mid = rest.to(tl.bfloat16)
             lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-            acc = tl.dot(x, hi, acc)
-            acc = tl.dot(x, mid, acc)
-            acc = tl.dot(x, lo, acc)
-        else:
-            acc = tl.dot(x, w, acc)
+            acc_lo = tl.dot(x, mid, acc_lo)
+            acc_lo = tl.dot(x, lo, acc_lo)
+    acc += acc_lo
     rstd = tl.rsqrt(squares / k + eps)
     ok = (rows[:, None] < m) & (cols[None, :] < p)
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], acc, mask=ok)
@@ -85,25 +89,21 @@ def hc_projection_fwd_kernel(
 @triton.jit
 def hc_projection_dx_kernel(
     GRAD, Y, RSTD, X, W, DX, m, k, p, stride_g, stride_y, stride_x, stride_w, stride_dx,
-    W_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    W_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     cols = tl.arange(0, BLOCK_P)
     hi, lo, coef = _split_dy(GRAD, Y, RSTD, rows, cols, m, p, stride_g, stride_y)
     w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=ks[None, :] < k, other=0.0)   # [BLOCK_P, BLOCK_K]
-    if W_F32:
-        w_hi = w.to(tl.bfloat16)
-        w_lo = (w - w_hi.to(tl.float32)).to(tl.bfloat16)
-        acc = tl.dot(hi, w_hi)
-        acc = tl.dot(hi, w_lo, acc)
-        acc = tl.dot(lo, w_hi, acc)
-    else:
-        acc = tl.dot(hi, w)
-        acc = tl.dot(lo, w, acc)
+    w_hi = w.to(tl.bfloat16)
+    acc = tl.dot(hi, w_hi)
+    acc_lo = tl.dot(lo, w_hi)
+    if W_PARTS == 3:
+        acc_lo = tl.dot(hi, (w - w_hi.to(tl.float32)).to(tl.bfloat16), acc_lo)
     ok = (rows[:, None] < m) & (ks[None, :] < k)
     x = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=ok, other=0.0).to(tl.float32)
-    dx = acc - (coef / k)[:, None] * x                                       # d rstd / dx = -rstd^3 x / k
+    dx = (acc + acc_lo) - (coef / k)[:, None] * x                            # d rstd / dx = -rstd^3 x / k
     tl.store(DX + rows[:, None] * stride_dx + ks[None, :], dx.to(DX.dtype.element_ty), mask=ok)
 
 
@@ -116,6 +116,7 @@ def hc_projection_dw_kernel(
     part = tl.program_id(1)
     cols = tl.arange(0, BLOCK_P)
     acc = tl.zeros([BLOCK_P, BLOCK_K], tl.float32)
+    acc_lo = tl.zeros([BLOCK_P, BLOCK_K], tl.float32)
     first = part.to(tl.int64) * rows_per_slice
     for r0 in range(0, rows_per_slice, BLOCK_M):
         rows = first + r0 + tl.arange(0, BLOCK_M)
@@ -123,8 +124,8 @@ def hc_projection_dw_kernel(
         x = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=(rows[:, None] < m) & (ks[None, :] < k),
                     other=0.0)
         acc = tl.dot(tl.trans(hi), x, acc)
-        acc = tl.dot(tl.trans(lo), x, acc)
-    tl.store(PART + part * stride_ps + cols[:, None] * stride_pp + ks[None, :], acc,
+        acc_lo = tl.dot(tl.trans(lo), x, acc_lo)
+    tl.store(PART + part * stride_ps + cols[:, None] * stride_pp + ks[None, :], acc + acc_lo,
              mask=(cols[:, None] < p) & (ks[None, :] < k))
 
 
@@ -133,11 +134,14 @@ def _block_p(p: int) -> int:
 
 
 def _padded_weight(w: torch.Tensor, block_p: int) -> torch.Tensor:
-    """``w [p, k]`` with zero rows up to ``block_p``: the kernels load whole ``[block_p, BLOCK_K]`` tiles of it,
-    with no mask along ``p`` on a load that feeds ``tl.dot`` directly."""
-    if w.shape[0] == block_p:
-        return w
-    padded = w.new_zeros(block_p, w.shape[1])
+    """``w [p, k]`` as float32 ``[block_p, k]``, zero rows past ``p``: the kernels load whole ``[block_p, BLOCK_K]``
+    float32 tiles and split them into bf16 in registers.
+
+    A bf16 weight is widened too, not loaded straight into ``tl.dot``: measured on an H200, that pipelined
+    load (``num_stages`` 3) gave wrong ``y`` (errors up to 0.5 on values of 14) that differed from run to run at
+    65,536 rows, while ``num_stages`` 1 and the widened weight gave the same correct bits
+    (``tests/gpu/hc_projection_diag.py``). Widening is exact, and the weight is ``p x k``: a few hundred KB."""
+    padded = w.new_zeros(block_p, w.shape[1], dtype=torch.float32)
     padded[: w.shape[0]] = w
     return padded
 
@@ -154,7 +158,7 @@ def triton_hc_projection_fwd(x: torch.Tensor, w: torch.Tensor, eps: float):
     wp = _padded_weight(w, bp)
     hc_projection_fwd_kernel[(triton.cdiv(m, BLOCK_M),)](
         x, wp, out, y, rstd, m, k, p, eps, x.stride(0), wp.stride(0), out.stride(0), y.stride(0),
-        W_F32=w.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_P=bp,
+        W_PARTS=3 if w.dtype == torch.float32 else 1, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_P=bp,
         num_warps=WARPS, num_stages=STAGES)
     return out, y, rstd
 
@@ -169,7 +173,7 @@ def triton_hc_projection_bwd(grad: torch.Tensor, x: torch.Tensor, w: torch.Tenso
     wp = _padded_weight(w, bp)
     hc_projection_dx_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))](
         grad, y, rstd, x, wp, dx, m, k, p, grad.stride(0), y.stride(0), x.stride(0), wp.stride(0), dx.stride(0),
-        W_F32=w.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_P=bp,
+        W_PARTS=3 if w.dtype == torch.float32 else 1, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_P=bp,
         num_warps=WARPS, num_stages=STAGES)
     # enough row slices for a few programs per SM, each a whole number of row blocks
     col_blocks = triton.cdiv(k, BLOCK_K)

@@ -1,0 +1,136 @@
+"""Sparse MLA tilings one by one, outside the autotuner: which ``(BLOCK_H, BLOCK_K, warps, stages)`` is fastest
+for the forward and for the backward's ``dq`` pass (``MODE`` 1, the per-query half of the per-pool backward),
+at a DSA shape and length, beside the matmul rate measured in the same process.
+
+The autotuner keeps only its winner, and it chooses among :func:`_attention_configs` alone; this script
+times any tiling (``--configs``), including ones not in that list, on the indexer's k-pool layout
+(``dsa_bench.pool_indices``), and checks each against the autotuned kernel's output (the same math in a
+different order: differences at bf16 rounding). The run pass (``dkv``) is timed once at its fixed launch
+beside the autotuned whole backward, so the table also gives the backward's split.
+
+    python tests/benchmarks/sparse_mla_tilings.py --shape full --seq-len 65536 --out $OUT/tilings.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from dsa_bench import KPOOL, SHAPES, WIDTH, ceilings, pool_indices, timed  # noqa: E402
+from kernels.dsa import sparse_attention_triton as sat  # noqa: E402
+
+DEFAULT_CONFIGS = ["64,64,8,1", "64,32,8,1", "64,32,8,2", "64,32,8,3", "64,16,8,2", "64,16,8,3", "64,16,8,4",
+                   "64,64,8,2", "32,32,4,2", "32,64,8,2", "16,64,8,2"]
+
+
+def _parse(text: str) -> tuple[int, int, int, int]:
+    bh, bk, warps, stages = (int(v) for v in text.split(","))
+    return bh, bk, warps, stages
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="full", choices=list(SHAPES))
+    parser.add_argument("--seq-len", type=int, default=65536)
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="BLOCK_H,BLOCK_K,warps,stages")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    shape = SHAPES[args.shape]
+    h, dqk, t = shape["heads"], shape["dqk"], args.seq_len
+    ceil = ceilings()
+    print(f"matmul anchor {ceil['matmul_tflops']:.0f} TF/s, copy {ceil['copy_tbps']:.2f} TB/s", flush=True)
+    torch.manual_seed(0)
+    q = torch.randn(1, t, h, dqk, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, t, dqk, device="cuda", dtype=torch.bfloat16)
+    idx = pool_indices(t, t).contiguous()
+    grad = torch.randn(1, t, h, dqk, device="cuda", dtype=torch.bfloat16)
+    scale = shape["qk_head"] ** -0.5
+    fwd_flops = 2 * t * h * WIDTH * 2 * dqk
+    dq_flops = 2 * t * h * WIDTH * 3 * dqk     # QK recomputed, dO V^T, dS kv
+    bwd_flops = 2 * t * h * WIDTH * 5 * dqk    # as dsa_bench counts the whole backward
+
+    out_ref, lse_ref = sat.triton_sparse_mla_fwd(q, kv, idx, scale, dqk)
+    n_runs = -(-idx.shape[2] // KPOOL)
+    run_ok, scatter, keys, pairs, counts, ends = sat.run_pairs(idx, KPOOL, t)
+    block = dict(DQK=dqk, DV=dqk, BLOCK_D=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dqk))
+
+    def launch_fwd(cfg, out, lse):
+        bh, bk, warps, stages = cfg
+        sat.sparse_mla_fwd_kernel.fn[(t, triton.cdiv(h, bh), 1)](
+            q, kv, idx, out, lse, *q.stride()[:3], *kv.stride()[:2], *idx.stride()[:2], *out.stride()[:3],
+            *lse.stride()[:2], h, idx.shape[2], scale * sat._LOG2E, **block, BLOCK_H=bh, BLOCK_K=bk,
+            num_warps=warps, num_stages=stages)
+
+    def launch_dq(cfg, dq, delta, mode=1):
+        bh, bk, warps, stages = cfg
+        sat.sparse_mla_bwd_kernel.fn[(t, triton.cdiv(h, bh), 1)](
+            q, kv, idx, out_ref, grad, lse_ref, dq, dkv, run_ok, scatter, delta, *q.stride()[:3],
+            *kv.stride()[:2], *idx.stride()[:2], *lse_ref.stride()[:2], *dkv.stride()[:2], h, idx.shape[2], n_runs,
+            scale, scale * sat._LOG2E, RUN=KPOOL, MODE=mode, **block, BLOCK_H=bh, BLOCK_K=bk, num_warps=warps,
+            num_stages=stages)
+
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
+    dq_ref = torch.empty_like(q)
+    delta_ref = torch.empty(1, t, h, dtype=torch.float32, device="cuda")
+    launch_dq((64 if h >= 64 else 16, 32, 8, 2), dq_ref, delta_ref)
+
+    rows = []
+    for text in args.configs:
+        cfg = _parse(text)
+        if cfg[0] > max(16, triton.next_power_of_2(h)):
+            continue
+        row = {"config": text}
+        try:
+            out, lse = torch.empty_like(out_ref), torch.empty_like(lse_ref)
+            row["fwd_s"], _ = timed(lambda: launch_fwd(cfg, out, lse), args.reps)
+            row["fwd_tflops"] = fwd_flops / row["fwd_s"] / 1e12
+            row["fwd_err"] = (out.float() - out_ref.float()).abs().max().item()
+            dq, delta = torch.empty_like(q), torch.empty_like(delta_ref)
+            row["dq_s"], _ = timed(lambda: launch_dq(cfg, dq, delta), args.reps)
+            row["dq_tflops"] = dq_flops / row["dq_s"] / 1e12
+            row["dq_err"] = (dq.float() - dq_ref.float()).abs().max().item()
+        except Exception as exc:   # a tiling that does not compile or fit: its row says why, the sweep goes on
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        rows.append(row)
+        print(row, flush=True)
+
+    # the run pass at its fixed launch, and the autotuned whole, for the backward's split
+    def run_pass():
+        sat.sparse_mla_bwd_runs_kernel[(triton.cdiv(keys.numel(), sat.RUN_CHUNK),)](
+            q, kv, grad, lse_ref, delta_ref, keys, pairs, counts, ends, dkv, *kv.stride()[:2], *dkv.stride()[:2],
+            keys.numel(), t, t, h, scale, scale * sat._LOG2E, RUN=KPOOL, ROWS=sat.RUN_ROWS, CHUNK=sat.RUN_CHUNK,
+            num_warps=sat.RUN_WARPS, num_stages=sat.RUN_STAGES, **block)
+
+    t_rest, _ = timed(run_pass, args.reps)
+    t_whole, _ = timed(lambda: sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk, runs=KPOOL),
+                       args.reps)
+    t_fwd_auto, _ = timed(lambda: sat.triton_sparse_mla_fwd(q, kv, idx, scale, dqk), args.reps)
+    print(f"\n{args.shape} shape, {t // 1024}k tokens, {h} heads; matmul anchor {ceil['matmul_tflops']:.0f} TF/s")
+    print(f"autotuned: fwd {1e3 * t_fwd_auto:.1f} ms ({fwd_flops / t_fwd_auto / 1e12:.0f} TF/s), whole bwd "
+          f"{1e3 * t_whole:.1f} ms, fwd+bwd {(fwd_flops + bwd_flops) / (t_fwd_auto + t_whole) / 1e12:.0f} TF/s; "
+          f"run pass {1e3 * t_rest:.1f} ms")
+    print("\n| BLOCK_H,BLOCK_K,warps,stages | fwd ms | fwd TF/s | dq pass ms | dq pass TF/s | fwd err | dq err |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['config']} | {r['error']} ||||||")
+        else:
+            print(f"| {r['config']} | {1e3 * r['fwd_s']:.1f} | {r['fwd_tflops']:.0f} | {1e3 * r['dq_s']:.1f} | "
+                  f"{r['dq_tflops']:.0f} | {r['fwd_err']:.1e} | {r['dq_err']:.1e} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"anchor": ceil, "shape": args.shape, "seq_len": t, "rows": rows, "rest_s": t_rest,
+                       "bwd_autotuned_s": t_whole, "fwd_autotuned_s": t_fwd_auto}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
