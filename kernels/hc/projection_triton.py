@@ -140,7 +140,8 @@ def _padded_weight(w: torch.Tensor, block_p: int) -> torch.Tensor:
     A bf16 weight is widened too, not loaded straight into ``tl.dot``: measured on an H200, that pipelined
     load (``num_stages`` 3) gave wrong ``y`` (errors up to 0.5 on values of 14) that differed from run to run at
     65,536 rows, while ``num_stages`` 1 and the widened weight gave the same correct bits
-    (``tests/gpu/hc_projection_diag.py``). Widening is exact, and the weight is ``p x k``: a few hundred KB."""
+    (``tests/gpu/hc_projection_diag.py``, ``docs/measurements.md``). Widening is exact, and the weight is
+    ``p x k``: a few hundred KB."""
     padded = w.new_zeros(block_p, w.shape[1], dtype=torch.float32)
     padded[: w.shape[0]] = w
     return padded
