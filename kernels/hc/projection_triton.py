@@ -11,18 +11,17 @@ kernel reads each ``x`` tile once and does everything that needs it there:
   ``out = y * rstd``.
 * ``dx`` (:func:`hc_projection_dx_kernel`, one program per ``BLOCK_M`` rows and ``BLOCK_K`` columns):
   ``dy = grad * rstd`` and the RMS term's coefficient from the row's ``grad`` and ``y``; ``dy @ w`` from
-  two-part splits (``hi.w + lo.w``; ``hi.w_hi + hi.w_lo + lo.w_hi`` for a float32 ``w``); minus the RMS
-  term in float32; one bf16 rounding.
+  two-part splits (``hi.w + lo.w``; ``hi.w_hi + hi.w_lo + lo.w_hi`` for a float32 ``w``; the low parts'
+  products in their own accumulator); minus the RMS term in float32; one bf16 rounding.
 * ``dw`` (:func:`hc_projection_dw_kernel`, one program per ``BLOCK_K`` columns and slice of the rows):
   ``dy^T @ x`` with ``dy`` in two parts (each part's products in its own accumulator), float32 partial sums
-  per slice, summed in a fixed order by torch
-  (deterministic: no atomics).
+  per slice, summed in a fixed order by torch (deterministic: no atomics).
 
 The tiles are fixed (no autotuning, nothing to tune at a cold start): ``BLOCK_M = 64`` rows, ``BLOCK_K = 128``
 columns, ``p`` padded to a power of two >= 16 (the weight as float32 with zero rows: its tiles load unmasked
-and are split into bf16 in registers, :func:`_padded_weight` says why). Triton's
-casts round (``x.to(bf16)`` is round-to-nearest-even), unlike inductor's fused ones, which is why these
-kernels and not a compiled graph split the operands.
+and are split into bf16 in registers, :func:`_padded_weight` says why). Triton's casts round (``x.to(bf16)``
+is round-to-nearest-even), unlike inductor's fused ones, which is why these kernels and not a compiled graph
+split the operands.
 Checked against float64 on an H200 by ``tests/gpu/hc_projection_check.py``; Triton's CPU interpreter has
 no exact bfloat16, so there is no CPU test of these kernels (the torch reference has them).
 """
