@@ -70,12 +70,12 @@ def main() -> None:
             *lse.stride()[:2], h, idx.shape[2], scale * sat._LOG2E, **block, BLOCK_H=bh, BLOCK_K=bk,
             num_warps=warps, num_stages=stages)
 
-    def launch_dq(cfg, dq, delta, mode=1):
+    def launch_dq(cfg, dq, delta):
         bh, bk, warps, stages = cfg
         sat.sparse_mla_bwd_kernel.fn[(t, triton.cdiv(h, bh), 1)](
             q, kv, idx, out_ref, grad, lse_ref, dq, dkv, run_ok, scatter, delta, *q.stride()[:3],
             *kv.stride()[:2], *idx.stride()[:2], *lse_ref.stride()[:2], *dkv.stride()[:2], h, idx.shape[2], n_runs,
-            scale, scale * sat._LOG2E, RUN=KPOOL, MODE=mode, **block, BLOCK_H=bh, BLOCK_K=bk, num_warps=warps,
+            scale, scale * sat._LOG2E, RUN=KPOOL, MODE=1, **block, BLOCK_H=bh, BLOCK_K=bk, num_warps=warps,
             num_stages=stages)
 
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
@@ -110,14 +110,14 @@ def main() -> None:
             keys.numel(), t, t, h, scale, scale * sat._LOG2E, RUN=KPOOL, ROWS=sat.RUN_ROWS, CHUNK=sat.RUN_CHUNK,
             num_warps=sat.RUN_WARPS, num_stages=sat.RUN_STAGES, **block)
 
-    t_rest, _ = timed(run_pass, args.reps)
+    t_run_pass, _ = timed(run_pass, args.reps)
     t_whole, _ = timed(lambda: sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk, runs=KPOOL),
                        args.reps)
     t_fwd_auto, _ = timed(lambda: sat.triton_sparse_mla_fwd(q, kv, idx, scale, dqk), args.reps)
     print(f"\n{args.shape} shape, {t // 1024}k tokens, {h} heads; matmul anchor {ceil['matmul_tflops']:.0f} TF/s")
     print(f"autotuned: fwd {1e3 * t_fwd_auto:.1f} ms ({fwd_flops / t_fwd_auto / 1e12:.0f} TF/s), whole bwd "
           f"{1e3 * t_whole:.1f} ms, fwd+bwd {(fwd_flops + bwd_flops) / (t_fwd_auto + t_whole) / 1e12:.0f} TF/s; "
-          f"run pass {1e3 * t_rest:.1f} ms")
+          f"run pass {1e3 * t_run_pass:.1f} ms")
     print("\n| BLOCK_H,BLOCK_K,warps,stages | fwd ms | fwd TF/s | dq pass ms | dq pass TF/s | fwd err | dq err |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
@@ -128,7 +128,7 @@ def main() -> None:
                   f"{r['dq_tflops']:.0f} | {r['fwd_err']:.1e} | {r['dq_err']:.1e} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"anchor": ceil, "shape": args.shape, "seq_len": t, "rows": rows, "rest_s": t_rest,
+            json.dump({"anchor": ceil, "shape": args.shape, "seq_len": t, "rows": rows, "run_pass_s": t_run_pass,
                        "bwd_autotuned_s": t_whole, "fwd_autotuned_s": t_fwd_auto}, f, indent=1)
 
 

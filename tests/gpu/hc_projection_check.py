@@ -45,6 +45,19 @@ def _gamma(n: int) -> float:
     return n * u / (1 - n * u)
 
 
+REL_RMS_LIMIT = 2.0 ** -11
+"""The largest relative RMS error of ``out`` (and of a float32 weight's ``dw``). Products with a bf16-level
+operand (a split's low part lost) give 2^-9.2 (the torch reference with the low part of ``w`` or of ``dy``
+dropped, on the CPU); exact products summed in float32 give 2^-18 to 2^-22 on the CPU. The H200's tensor
+cores round their float32 sums more coarsely: its largest ``out`` error in the first check, 6.1e-4 at k 16,384
+(``y``'s RMS about 2.6), bounds the relative RMS by 2^-12 even if every element erred that much."""
+
+
+def _rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``||got - want|| / ||want||`` (Frobenius), in float64."""
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
 def _errors(x, w, eps, call) -> dict:
     """``call``'s out / dx / dw against float64: the worst element over its allowance (<= 1 passes), and the row of
     out's worst element.
@@ -88,19 +101,6 @@ def _errors(x, w, eps, call) -> dict:
     return {"out_over_allowance": out_ratio.max().item(), "worst_row": int(out_ratio.argmax()) // w.shape[0],
             "dx_over_allowance": dx_ratio, "dw_over_allowance": dw_ratio, **rel_rms,
             "outputs": (got, xl.grad, wl.grad)}
-
-
-REL_RMS_LIMIT = 2.0 ** -11
-"""The largest relative RMS error of ``out`` (and of a float32 weight's ``dw``). Products with a bf16-level
-operand (a split's low part lost) give 2^-9.2 (the torch reference with the low part of ``w`` or of ``dy``
-dropped, on the CPU); exact products summed in float32 give 2^-18 to 2^-22 on the CPU. The H200's tensor
-cores round their float32 sums more coarsely: its largest ``out`` error in the first check, 6.1e-4 at k 16,384
-(``y``'s RMS about 2.6), bounds the relative RMS by 2^-12 even if every element erred that much."""
-
-
-def _rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``||got - want|| / ||want||`` (Frobenius), in float64."""
-    return ((got.double() - want).norm() / want.norm()).item()
 
 
 def correctness(k: int) -> list[dict]:
