@@ -144,6 +144,10 @@ class Glm5NextConfig(TransformerConfig):
     # per query with atomics ("query"), or "auto" (pool up to model.layers.DKV_POOL_MAX_HEADS heads per
     # TP rank); the same function (kernels.dsa.sparse_attention_triton).
     dsa_dkv: str = "auto"
+    # Sparse MLA forward on CUDA: "triton" (kernels.dsa.sparse_attention_triton, any head count) or "gluon"
+    # (kernels.dsa.sparse_attention_gluon: warp-specialized, Hopper, heads per rank a multiple of 64, d_v ==
+    # Dqk <= 512; raises elsewhere); the same function.
+    dsa_fwd: str = "triton"
     # Token permutation of megatron's allgather MoE dispatcher: "gather" (model.moe.GatherTokenDispatcher:
     # row gathers both ways, counts kept on the device; where every expert is local and no capacity factor
     # drops tokens) or "megatron" (its index_select / scatter_add with atomic backward and a host sync per
@@ -186,6 +190,8 @@ class Glm5NextConfig(TransformerConfig):
             raise ConfigError(f"moe_experts={self.moe_experts!r}; valid: 'grouped', 'sequential'")
         if self.dsa_dkv not in ("auto", "pool", "query"):
             raise ConfigError(f"dsa_dkv={self.dsa_dkv!r}; valid: 'auto', 'pool', 'query'")
+        if self.dsa_fwd not in ("triton", "gluon"):
+            raise ConfigError(f"dsa_fwd={self.dsa_fwd!r}; valid: 'triton', 'gluon'")
         if self.moe_permute not in ("gather", "megatron"):
             raise ConfigError(f"moe_permute={self.moe_permute!r}; valid: 'gather', 'megatron'")
         for name in ("kda_conv", "dsa_kl"):

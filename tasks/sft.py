@@ -107,6 +107,8 @@ class SFTConfig:
         dsa_dkv: the sparse MLA backward's latent gradient on GPUs, summed per selected k-pool
             (``pool``), scattered per query (``query``) or ``auto`` (by heads per rank,
             :data:`model.layers.DKV_POOL_MAX_HEADS`); the same function.
+        dsa_fwd: the sparse MLA forward on GPUs, ``triton`` or ``gluon`` (warp-specialized, Hopper, a
+            multiple of 64 heads per rank; :mod:`kernels.dsa.sparse_attention_gluon`); the same function.
         moe_permute: MoE token permutation of the allgather dispatcher, ``gather`` (row gathers both
             ways, no atomics, no host sync; :class:`model.moe.GatherTokenDispatcher`) or ``megatron``.
         kda_conv: KDA short convolution on GPUs, ``auto`` (fla's Triton ``causal_conv1d``) or ``torch``.
@@ -168,6 +170,7 @@ class SFTConfig:
     moe_experts: str = "grouped"
     compile_glue: bool = True
     dsa_dkv: str = "auto"
+    dsa_fwd: str = "triton"
     moe_permute: str = "gather"
     kda_conv: str = "auto"
     dsa_kl: str = "auto"
@@ -231,6 +234,7 @@ def model_config(cfg: SFTConfig):
     overrides = dict(tensor_model_parallel_size=cfg.tensor_parallel, context_parallel_size=cfg.context_parallel,
                      expert_model_parallel_size=cfg.expert_parallel, expert_tensor_parallel_size=1, mlp_chunk_tokens=cfg.mlp_chunk_tokens,
                      moe_experts=cfg.moe_experts, compile_glue=cfg.compile_glue, dsa_dkv=cfg.dsa_dkv,
+                     dsa_fwd=cfg.dsa_fwd,
                      moe_permute=cfg.moe_permute, kda_conv=cfg.kda_conv, dsa_kl=cfg.dsa_kl,
                      hc_gemm=cfg.hc_gemm,
                      recompute_keep_attention=cfg.recompute_keep_attention and cfg.recompute == "full",

@@ -34,3 +34,31 @@ def test_gluon_scores_keep_one_wgmma_in_flight_without_serialization(shape):
     report = ptxas_report(compiled)
     assert "Used" in report and "registers" in report, report   # ptxas ran and reported
     assert not re.search(r"C75[01]\d", report), report
+
+
+@pytest.mark.parametrize("config", range(3))
+def test_gluon_sparse_forward_gathers_async_and_overlaps_the_products(config):
+    """The warp-specialized sparse MLA forward (kernels/dsa/sparse_attention_gluon.py) at the ``full`` shape, 64
+    heads x 512: it fits one CTA per SM, gathers with 16-byte ``cp.async`` signalled by every producer thread
+    (``.noinc``: the barriers count 128 arrivals), hands registers from the producer to the consumers
+    (``setmaxnreg``), issues ``Q K^T`` while ``P V`` is in flight (a ``wgmma`` wait that leaves one group) and ptxas
+    serializes no ``wgmma``."""
+    from kernels.dsa.sm90 import SM_SHARED, compile_gluon_sparse_fwd
+    from kernels.dsa.sparse_attention_gluon import GLUON_FWD_CONFIGS
+
+    cfg = GLUON_FWD_CONFIGS[config]
+    block_k, stages = cfg.kwargs["BLOCK_K"], cfg.kwargs["STAGES"]
+    compiled = compile_gluon_sparse_fwd(64, 512, cfg)
+    ptx = compiled.asm["ptx"]
+    expected_smem = (64 * 512 + stages * block_k * 512 + 64 * block_k) * 2
+    assert expected_smem <= compiled.metadata.shared <= SM_SHARED
+    copies = re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]+\], \[[^]]+\], (0x[0-9a-f]+|\d+)", ptx)
+    assert copies and all(int(size, 0) == 16 for size in copies), set(copies)
+    assert len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)) == 2   # the query tile, a key block
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+\d+", ptx) and "setmaxnreg.inc" in ptx
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)
+    assert "1" in waits, waits
+    # Q K^T over K = 512 in steps of 16 at two issue sites (block 0, then each next block); P V over BLOCK_K
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * 512 // 16 + block_k // 16
+    report = ptxas_report(compiled)
+    assert not re.search(r"C75[01]\d", report), report

@@ -107,3 +107,28 @@ def test_bad_arguments_raise_dsa_input_error():
     for runs in (0, idx.shape[2] + 1):
         with pytest.raises(DSAInputError, match="runs"):
             sparse_mla_attention(q, kv, idx, 1.0, 8, runs=runs)
+    with pytest.raises(DSAInputError, match="fwd_kernel='cuda'"):
+        sparse_mla_attention(q, kv, idx, 1.0, 8, fwd_kernel="cuda")
+
+
+def test_gluon_forward_names_what_it_cannot_run():
+    """The Gluon forward's preconditions, each named in its error (no silent fallback to the Triton kernel)."""
+    pytest.importorskip("triton")
+    from kernels.dsa.sparse_attention_gluon import gluon_fwd_supported, gluon_sparse_mla_fwd
+
+    def inputs(heads, dqk, dtype=torch.bfloat16):
+        return torch.zeros(1, 2, heads, dqk, dtype=dtype), torch.zeros(1, 4, dqk, dtype=dtype)
+
+    assert "multiple of 64" in gluon_fwd_supported(*inputs(8, 512), 512)
+    assert "d_v == Dqk" in gluon_fwd_supported(*inputs(64, 576), 512)
+    assert "bf16 or fp16" in gluon_fwd_supported(*inputs(64, 512, torch.float32), 512)
+    assert "Hopper" in gluon_fwd_supported(*inputs(64, 512), 512)   # CPU tensors
+    q, kv = inputs(64, 512)
+    with pytest.raises(DSAInputError, match="Hopper"):
+        gluon_sparse_mla_fwd(q, kv, torch.zeros(1, 2, 16, dtype=torch.int32), 1.0, 512)
+
+
+def test_cpu_path_does_not_depend_on_the_forward_kernel():
+    q, kv, idx = _case(1, 6, 10, 2, 8, 4, seed=7)
+    for a, b in zip(sparse_mla_attention(q, kv, idx, 0.3, 8), sparse_mla_attention(q, kv, idx, 0.3, 8, fwd_kernel="gluon")):
+        assert torch.equal(a, b)

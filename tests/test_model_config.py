@@ -96,7 +96,7 @@ def test_unknown_dsa_dkv_path_raises():
         preset("tiny", dsa_dkv="atomics")
 
 
-@pytest.mark.parametrize("field", ["kda_conv", "dsa_kl", "moe_permute", "hc_gemm"])
+@pytest.mark.parametrize("field", ["kda_conv", "dsa_kl", "moe_permute", "hc_gemm", "dsa_fwd"])
 def test_unknown_kernel_path_raises_naming_the_field(field):
     with pytest.raises(ConfigError, match=f"{field}='fused'"):
         preset("tiny", **{field: "fused"})

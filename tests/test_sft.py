@@ -666,6 +666,31 @@ def test_indexer_kl_reuses_the_mixers_attention_and_equals_a_rerun_of_it():
     assert collector.pop() == 0.0 and all(m.kl_inputs is None and not m.keep_kl_inputs for m in mixers)
 
 
+@pytest.mark.parametrize("dsa_fwd", ["triton", "gluon"])
+def test_dsa_fwd_setting_reaches_the_sparse_attention(monkeypatch, dsa_fwd):
+    """``dsa_fwd`` (SFTConfig -> model config -> DSA mixer) is the forward kernel every DSA layer asks for."""
+    import torch
+
+    import kernels.dsa
+    from model.glm5_next import build_model
+    from tasks.sft import SFTConfig, model_config
+
+    cfg = model_config(SFTConfig(model="tiny", dsa_fwd=dsa_fwd))
+    assert cfg.dsa_fwd == dsa_fwd
+    seen = []
+    real = kernels.dsa.sparse_mla_attention
+
+    def spy(*args, fwd_kernel="triton", **kwargs):
+        seen.append(fwd_kernel)
+        return real(*args, fwd_kernel=fwd_kernel, **kwargs)
+
+    monkeypatch.setattr(kernels.dsa, "sparse_mla_attention", spy)
+    model = build_model(cfg, seed=1)
+    with torch.no_grad():
+        model(torch.randint(4, 9, (1, 64), generator=torch.Generator().manual_seed(0)))
+    assert seen and set(seen) == {dsa_fwd}, seen
+
+
 @pytest.mark.parametrize("dsa_dkv, expect_runs", [("auto", True), ("pool", True), ("query", False)])
 def test_dsa_dkv_setting_reaches_the_sparse_attention(monkeypatch, dsa_dkv, expect_runs):
     """``dsa_dkv`` picks the sparse MLA backward's dkv path: k-pool runs (the kpool) or per query (None);

@@ -24,7 +24,7 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.autotuner import Autotuner
 
-from kernels.dsa import indexer_gluon, indexer_triton
+from kernels.dsa import indexer_gluon, indexer_triton, sparse_attention_gluon
 
 TARGET = GPUTarget("cuda", 90, 32)
 SM_REGISTERS, SM_SHARED, SM_WARPS, SM_CTAS = 65536, 227 * 1024, 64, 32
@@ -70,6 +70,21 @@ def compile_gluon_scores(heads: int, dim: int, n_select: int, config: dict, seg:
     src = GluonASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in constexprs}), constexprs=constexprs,
                          attrs=_aligned(fn, sig, scalars))
     return triton.compile(src, target=TARGET, options=dict(num_warps=4))
+
+
+def compile_gluon_sparse_fwd(heads: int, dim: int, config, index_dtype: str = "*i32"):
+    """``triton.compile`` of the warp-specialized sparse MLA forward
+    (:func:`kernels.dsa.sparse_attention_gluon.sparse_mla_fwd_gluon_kernel`) for sm_90 with ``config`` (one of its
+    ``triton.Config``: ``BLOCK_K``, ``STAGES``, ``GATHER_ROWS``, ``PRODUCER_REGS``, warps, ``maxnreg``), ``heads``
+    x ``dim`` bf16 queries and latent (``d_v == dim``); aligned as the launcher specializes."""
+    fn = sparse_attention_gluon.sparse_mla_fwd_gluon_kernel.fn
+    sig = dict(zip(["Q", "KV", "IDX", "OUT", "LSE"], ["*bf16", "*bf16", index_dtype, "*bf16", "*fp32"]))
+    sig.update({n: "i64" for n in fn.arg_names if n.startswith("stride_")})
+    sig.update(n_idx="i32", scale_log2="fp32")
+    constexprs = dict(config.kwargs, H=heads, D=dim)
+    src = GluonASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in constexprs}), constexprs=constexprs,
+                         attrs=_aligned(fn, sig, ("n_idx", "scale_log2")))
+    return triton.compile(src, target=TARGET, options=dict(num_warps=config.num_warps, maxnreg=config.maxnreg))
 
 
 def ptxas_report(compiled) -> str:

@@ -7,7 +7,8 @@ projected through ``W_UV`` afterwards (FlashMLA ``sparse`` kernels). glm5_next's
 layers are NoPE-MLA (``qk_rope_head_dim = 0``), so ``Dqk = d_v = kv_lora_rank`` there.
 
 :func:`sparse_mla_attention` is the public entry (an ``autograd.Function``): Triton
-kernels on CUDA (:mod:`kernels.dsa.sparse_attention_triton`), the blockwise torch path
+kernels on CUDA (:mod:`kernels.dsa.sparse_attention_triton`; the forward optionally the
+warp-specialized Gluon kernel of :mod:`kernels.dsa.sparse_attention_gluon`), the blockwise torch path
 below elsewhere. Neither path builds a ``T x S`` matrix: the forward gathers the ``K``
 selected latents of a block of queries, the backward recomputes the probabilities from
 the saved log-sum-exp and scatter-adds into ``dkv``. The dense definition is
@@ -100,9 +101,13 @@ def torch_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v,
 
 class _SparseMLAAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, indices, softmax_scale, d_v, runs, precomputed=None):
+    def forward(ctx, q, kv, indices, softmax_scale, d_v, runs, precomputed=None, fwd_kernel="triton"):
         if precomputed is not None:   # (out, lse) of an earlier forward on the same inputs
             out, lse = precomputed
+        elif q.is_cuda and fwd_kernel == "gluon":
+            from kernels.dsa.sparse_attention_gluon import gluon_sparse_mla_fwd
+
+            out, lse = gluon_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v)
         elif q.is_cuda:
             from kernels.dsa.sparse_attention_triton import triton_sparse_mla_fwd
 
@@ -125,12 +130,13 @@ class _SparseMLAAttention(torch.autograd.Function):
                                             ctx.runs)
         else:
             dq, dkv = torch_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, ctx.softmax_scale, ctx.d_v)
-        return dq, dkv, None, None, None, None, None
+        return dq, dkv, None, None, None, None, None, None
 
 
 def sparse_mla_attention(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,
     runs: int | None = None, precomputed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fwd_kernel: str = "triton",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every head over the selected tokens of one shared MLA latent.
 
@@ -153,6 +159,9 @@ def sparse_mla_attention(
         precomputed: ``(out, lse)`` this function returned earlier for the same inputs (a full-layer
             recompute that kept them): returned again, with the backward of these inputs, and the
             forward not run. The caller guarantees the inputs are the same (a deterministic recompute).
+        fwd_kernel: the CUDA forward, ``"triton"`` (:mod:`kernels.dsa.sparse_attention_triton`) or ``"gluon"``
+            (:mod:`kernels.dsa.sparse_attention_gluon`, warp-specialized; Hopper, a multiple of 64 heads,
+            ``d_v == Dqk <= 512``, else :class:`DSAInputError`). The CPU path does not depend on it.
 
     Returns:
         ``out [B, T, H, d_v]`` in ``q.dtype`` and ``lse [B, T, H]`` float32 (natural log;
@@ -160,9 +169,11 @@ def sparse_mla_attention(
         gradient. Differentiable in ``q`` and ``kv``.
 
     Raises:
-        DSAInputError: on inconsistent shapes or dtypes.
+        DSAInputError: on inconsistent shapes or dtypes, or an unknown ``fwd_kernel``.
     """
     _check_attention_inputs(q, kv, indices, d_v)
+    if fwd_kernel not in ("triton", "gluon"):
+        raise DSAInputError(f"fwd_kernel={fwd_kernel!r}; valid: 'triton', 'gluon'")
     if runs is not None and not 0 < runs <= indices.shape[2]:
         raise DSAInputError(f"runs must be in 1..{indices.shape[2]} (the index width) or None, got {runs}")
     if precomputed is not None:
@@ -170,4 +181,4 @@ def sparse_mla_attention(
         if out.shape != (*q.shape[:3], d_v) or lse.shape != q.shape[:3]:
             raise DSAInputError(f"precomputed out {tuple(out.shape)} / lse {tuple(lse.shape)} do not match "
                                 f"q {tuple(q.shape)} and d_v={d_v}")
-    return _SparseMLAAttention.apply(q, kv, indices, softmax_scale, d_v, runs, precomputed)
+    return _SparseMLAAttention.apply(q, kv, indices, softmax_scale, d_v, runs, precomputed, fwd_kernel)

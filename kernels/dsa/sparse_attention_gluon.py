@@ -1,0 +1,290 @@
+"""Warp-specialized Gluon forward of sparse MLA attention for Hopper (sm_90): the gather of the selected latent
+rows runs in producer warps while two consumer warpgroups run the products and the softmax.
+
+The Triton forward (:func:`kernels.dsa.sparse_attention_triton.sparse_mla_fwd_kernel`) reaches 249 TF/s at the
+``full`` shape (64 heads, 512-wide latent, 2,048 selected tokens; one H200, 64k tokens, anchor 779 TF/s): its
+``[64, 512]`` float32 accumulator takes a whole SM's registers, one CTA per SM, and within that CTA the gather of
+a key block, its two products and the softmax run one after the other (``docs/measurements.md``, "Sparse MLA
+tilings one by one"). Here the three overlap, as in FlashMLA's sparse prefill kernel for sm_90 (DeepSeek,
+``csrc/sm90/prefill/sparse/phase1.cuh``):
+
+* a producer partition (``PRODUCER_WARPS`` warps, few registers) copies the query tile once and then the
+  ``BLOCK_K`` selected latent rows of each key block into a ``STAGES``-deep ring of shared-memory buffers with
+  ``cp.async`` (a gather: the rows are arbitrary), each buffer signalled by ``cp.async.mbarrier.arrive.noinc``
+  from every producer thread;
+* the default partition, two consumer warpgroups (8 warps), computes ``S = Q K^T`` (``wgmma``, the query and the
+  key block both read from shared memory; each warpgroup takes half of the block's keys), the online softmax in
+  base 2, stores ``P`` (bf16) to shared memory and accumulates ``O += P V`` (each warpgroup owns half of
+  ``d_v``: a ``[64, 256]`` float32 accumulator, 128 registers per thread). ``V`` is the latent itself
+  (absorbed NoPE-MLA, ``d_v == Dqk``), so one buffer serves both products.
+* Per key block ``j`` the consumers issue ``P_j V_j``, then ``Q K_{j+1}^T``, and release block ``j``'s buffer as
+  soon as ``P_j V_j`` retires: the product of the next block runs while the buffer is handed back, and the gather
+  of block ``j + STAGES`` has ``STAGES - 1`` consumer iterations to land. (Issuing ``Q K_{j+1}^T`` before the
+  softmax of block ``j``, FlashAttention-3's order, would leave the gather of block ``j + 1`` no time at all
+  with two stages.) The last iteration recomputes ``Q K^T`` of the last block instead of branching around the
+  issue (an asynchronous product inside a branch has no value on the other path): ``1 / n_blocks`` of the
+  ``QK`` products, 1.6% at 2,048 keys and ``BLOCK_K`` 64, wasted.
+
+Same contract as :func:`kernels.dsa.sparse_attention_triton.triton_sparse_mla_fwd`: ``out`` in ``q.dtype``,
+``lse`` float32 natural log, ``-inf`` and a zero row for a query without a valid index. Needs bf16/fp16, a head
+count that is a multiple of 64 (one ``wgmma`` tile of rows per program), ``d_v == Dqk`` a multiple of 64 up to
+512, and CUDA capability 9.x; :func:`gluon_sparse_mla_fwd` raises :class:`kernels.dsa.errors.DSAInputError`
+otherwise. Not the default forward: it is chosen with ``fwd_kernel="gluon"`` until an H200 run has checked it
+(``tests/gpu/dsa_check.py``) and timed it (``tests/benchmarks/sparse_mla_tilings.py``).
+
+Shared memory per CTA: ``64 * D * 2`` (queries) ``+ STAGES * BLOCK_K * D * 2`` (key ring) ``+ 64 * BLOCK_K * 2``
+(``P``) bytes: 200 KiB at ``D`` 512 with ``(BLOCK_K, STAGES)`` ``(64, 2)`` or ``(32, 4)``; one CTA per SM.
+Registers: 12 warps, ``maxnreg`` :data:`MAXNREG` (``12 * 32 * 168 <= 65,536``), the producer
+``PRODUCER_REGS``, the consumers what is left (``(12 * 168 - 4 * PRODUCER_REGS) / 8``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from kernels.dsa.errors import DSAInputError
+
+BLOCK_H = 64
+"""Heads per program: one ``wgmma`` tile of rows, shared by both consumer warpgroups."""
+CONSUMER_WARPS = 8
+"""The default partition: two warpgroups, one per half of the key block (``S``) and of ``d_v`` (``O``)."""
+PRODUCER_WARPS = 4
+_BLOCK_H = gl.constexpr(BLOCK_H)
+_CONSUMER_WARPS = gl.constexpr(CONSUMER_WARPS)
+_PRODUCER_WARPS = gl.constexpr(PRODUCER_WARPS)
+MAXNREG = 168
+"""Register limit of the kernel's 12 warps: ``12 * 32 * 168 = 64,512`` of an SM's 65,536 registers."""
+
+# Triton 3.7 renamed cp.async (async_copy_global_to_shared -> async_load; the old name raises): the device's
+# Triton 3.6 has only the old one, CI's 3.9 only the new; and gl.barrier -> gl.thread_barrier.
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+GLUON_FWD_CONFIGS = [
+    triton.Config({"BLOCK_K": bk, "STAGES": st, "GATHER_ROWS": rows, "PRODUCER_REGS": regs},
+                  num_warps=CONSUMER_WARPS, maxnreg=MAXNREG)
+    for bk, st, rows, regs in [(64, 2, 16, 56), (32, 4, 16, 56), (32, 3, 16, 56)]
+]
+"""Autotuned configurations: key block and ring depth (same shared memory for ``(64, 2)`` and ``(32, 4)``:
+wider ``S`` products against a deeper ring), rows per ``cp.async`` batch and the producer's registers (a batch of
+16 rows of 512 is 8 16-byte copies per producer thread, each with a 64-bit address; with 8-row batches and 40
+registers ptxas spilled 28 bytes). Offline sm_90 compiles (Triton 3.6, :func:`kernels.dsa.sm90.compile_gluon_sparse_fwd`
+at 64 heads x 512): no spills; ``setmaxnreg`` gives the consumers 224 registers, the producer 56."""
+
+
+@gluon.constexpr_function
+def _nvmma(block_shape, dtype):
+    """The NVMMA shared-memory layout (swizzled for ``wgmma``) of a ``block_shape`` tile of ``dtype``."""
+    return gl.NVMMASharedLayout.get_default_for(block_shape, dtype)
+
+
+@gluon.jit
+def _gather_rows(dst, base, stride_row, rows, valid, D: gl.constexpr, GATHER_ROWS: gl.constexpr,
+                 layout: gl.constexpr):
+    """``cp.async`` of the rows ``base + rows * stride_row`` (``[GATHER_ROWS]`` int64, zero-filled where not
+    ``valid``) of ``D`` elements into ``dst`` (a ``[GATHER_ROWS, D]`` shared-memory view)."""
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    ptrs = base + rows[:, None] * stride_row + offs_d[None, :]
+    _cp_async(dst, ptrs, mask=valid[:, None] & (offs_d[None, :] < D))
+
+
+@gluon.jit
+def _producer(Q, KV, IDX, q_smem, kv_smem, q_bar, ready, empty, q_row, stride_qh, stride_kvs, n_idx, n_blocks,
+              D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATHER_ROWS: gl.constexpr):
+    """The producer partition: the query tile ``[64, D]`` into ``q_smem`` (signals ``q_bar``), then key block
+    ``j``'s latent rows into ring slot ``j % STAGES`` once the consumers have released it (``empty``), each slot
+    signalled on ``ready`` when every producer thread's copies have landed."""
+    warps: gl.constexpr = gl.num_warps()
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [warps, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, layout)
+    offs_r = gl.arange(0, GATHER_ROWS, layout=rows_l)
+    for r0 in gl.static_range(0, _BLOCK_H, GATHER_ROWS):
+        heads = (r0 + offs_r).to(gl.int64)
+        _gather_rows(q_smem.slice(r0, GATHER_ROWS), Q + q_row, stride_qh, heads, heads >= 0, D, GATHER_ROWS, layout)
+    async_copy.mbarrier_arrive(q_bar, increment_count=False)
+    for j in range(n_blocks):
+        slot = j % STAGES
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)   # a new barrier passes parity 1 at once
+        buf = kv_smem.index(slot)
+        for r0 in gl.static_range(0, BLOCK_K, GATHER_ROWS):
+            offs_k = j * BLOCK_K + r0 + offs_r
+            idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1).to(gl.int64)
+            _gather_rows(buf.slice(r0, GATHER_ROWS), KV, stride_kvs, idx, idx >= 0, D, GATHER_ROWS, layout)
+        async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+
+
+@gluon.jit
+def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row, n_idx,
+              n_blocks, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """The default partition (two warpgroups): online softmax over the key blocks the producer delivers, ``O``
+    normalized and stored with its log-sum-exp."""
+    gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_K // 2, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    m_i = gl.full([_BLOCK_H], float("-inf"), gl.float32, rows_s)
+    l_i = gl.zeros([_BLOCK_H], gl.float32, rows_s)
+    acc = gl.zeros([_BLOCK_H, D], gl.float32, o_l)
+    s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
+    offs_kb = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
+
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(ready.index(0), 0)
+    s_tok = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), s_init, use_acc=False, is_async=True)
+    scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+    for j in range(n_blocks):
+        slot = j % STAGES
+        offs_k = j * BLOCK_K + offs_kb
+        idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
+        s = gl.where((idx >= 0)[None, :], scores * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_safe[:, None])
+        alpha = gl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+        p_smem.store(p.to(p_smem.dtype))
+        # every consumer warp's part of P is in shared memory and visible to wgmma's (async) proxy
+        fence_async_shared()
+        _cta_barrier()
+        acc_tok = warpgroup_mma(p_smem, kv_smem.index(slot), acc, is_async=True)
+        nxt = gl.minimum(j + 1, n_blocks - 1)   # the last iteration recomputes its own block's scores, unused
+        mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+        s_tok = warpgroup_mma(q_smem, kv_smem.index(nxt % STAGES).permute((1, 0)), s_init, use_acc=False,
+                              is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc_tok,))   # P_j V_j retired; Q K_{j+1}^T may run on
+        _cta_barrier()   # both warpgroups' P_j V_j: the slot and P are free
+        mbarrier.arrive(empty.index(slot))
+        scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+
+    has_any = l_i > 0
+    l_safe = gl.where(has_any, l_i, 1.0)
+    out = acc / gl.convert_layout(l_safe, rows_o)[:, None]
+    lse = gl.where(has_any, (m_i + gl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    offs_h = gl.arange(0, _BLOCK_H, layout=rows_o)
+    offs_v = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
+    gl.store(OUT + out_row + offs_h[:, None] * stride_oh + offs_v[None, :], out.to(OUT.dtype.element_ty))
+    gl.store(LSE + lse_row + gl.arange(0, _BLOCK_H, layout=rows_s), lse)
+
+
+@triton.autotune(configs=GLUON_FWD_CONFIGS, key=["H", "D"])
+@gluon.jit
+def sparse_mla_fwd_gluon_kernel(
+    Q, KV, IDX, OUT, LSE,
+    stride_qb, stride_qt, stride_qh,
+    stride_kvb, stride_kvs,
+    stride_ib, stride_it,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lt,
+    n_idx, scale_log2,
+    H: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATHER_ROWS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+):
+    """One query ``t`` (program 0), heads ``[64 * pid_h, 64 * pid_h + 64)`` (program 1), batch ``b`` (program
+    2): ``Q [B, T, H, D]`` (``stride(3) == 1``), ``KV [B, S, D]`` (``stride(2) == 1``), ``IDX [B, T, K]`` int32
+    or int64, ``OUT [B, T, H, D]``, ``LSE [B, T, H]`` float32; the arguments of
+    :func:`kernels.dsa.sparse_attention_triton.sparse_mla_fwd_kernel` with ``d_v == Dqk == D``."""
+    gl.static_assert(H % _BLOCK_H == 0)
+    gl.static_assert(D % 64 == 0)
+    gl.static_assert(D <= 512)   # D // 2 columns per warpgroup: wgmma's N is at most 256
+    gl.static_assert(BLOCK_K % GATHER_ROWS == 0)
+    gl.static_assert(STAGES >= 2)   # the consumers wait for block j + 1 before they release block j
+    t = gl.program_id(0).to(gl.int64)   # at 1M tokens x H x D, offsets pass 2^31
+    pid_h = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    n_blocks = gl.cdiv(n_idx, BLOCK_K)
+    q_row = b * stride_qb + t * stride_qt + pid_h * _BLOCK_H * stride_qh
+    out_row = b * stride_ob + t * stride_ot + pid_h * _BLOCK_H * stride_oh
+    lse_row = b * stride_lb + t * stride_lt + pid_h * _BLOCK_H
+    IDX = IDX + b * stride_ib + t * stride_it
+    KV = KV + b * stride_kvb
+
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
+    kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, D], _nvmma([BLOCK_K, D], dtype))
+    p_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, BLOCK_K], _nvmma([_BLOCK_H, BLOCK_K], dtype))
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # every producer thread arrives once per fill (cp.async.mbarrier.arrive.noinc); the consumers once per release
+    mbarrier.init(q_bar, count=32 * _PRODUCER_WARPS)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=32 * _PRODUCER_WARPS)
+        mbarrier.init(empty.index(s), count=1)
+
+    gl.warp_specialize([
+        (_consumer, (IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row, n_idx,
+                     n_blocks, scale_log2, D, BLOCK_K, STAGES)),
+        (_producer, (Q, KV, IDX, q_smem, kv_smem, q_bar, ready, empty, q_row, stride_qh, stride_kvs, n_idx, n_blocks,
+                     D, BLOCK_K, STAGES, GATHER_ROWS)),
+    ], [_PRODUCER_WARPS], [PRODUCER_REGS])
+
+    mbarrier.invalidate(q_bar)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
+def gluon_fwd_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str | None:
+    """Why :func:`gluon_sparse_mla_fwd` cannot run these inputs (``None`` when it can): the dtype, the head
+    count, the widths or the device."""
+    heads, dqk = q.shape[2], q.shape[3]
+    if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype:
+        return f"bf16 or fp16 q and kv, got {q.dtype} / {kv.dtype}"
+    if heads % BLOCK_H:
+        return f"a head count that is a multiple of {BLOCK_H}, got {heads}"
+    if d_v != dqk or dqk % 64 or dqk > 512:
+        return f"d_v == Dqk, a multiple of 64 up to 512 (absorbed NoPE-MLA), got d_v={d_v}, Dqk={dqk}"
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return f"a Hopper GPU (CUDA capability 9.x), got {q.device}"
+    return None
+
+
+def gluon_sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float,
+                         d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out [B, T, H, d_v]`` (q.dtype) and ``lse [B, T, H]`` float32 of
+    :func:`kernels.dsa.sparse_attention.sparse_mla_attention`, from :func:`sparse_mla_fwd_gluon_kernel`.
+
+    Args:
+        q: ``[B, T, H, Dqk]`` bf16/fp16 absorbed queries, ``H`` a multiple of 64.
+        kv: ``[B, S, Dqk]`` latent, same dtype.
+        indices: ``[B, T, K]`` int32/int64 selected tokens, ``-1`` skipped.
+        softmax_scale: logit scale (natural base).
+        d_v: value width; must equal ``Dqk`` (a multiple of 64, at most 512).
+
+    Raises:
+        DSAInputError: for inputs :func:`gluon_fwd_supported` rejects, or ``K == 0``.
+    """
+    why = gluon_fwd_supported(q, kv, d_v)
+    if why:
+        raise DSAInputError(f"the Gluon sparse MLA forward needs {why}")
+    if indices.shape[2] == 0:
+        raise DSAInputError("the Gluon sparse MLA forward needs at least one index slot per query")
+    batch, n_q, heads, dqk = q.shape
+    q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
+    out = torch.empty(batch, n_q, heads, d_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, n_q, heads, dtype=torch.float32, device=q.device)
+    sparse_mla_fwd_gluon_kernel[(n_q, heads // BLOCK_H, batch)](
+        q, kv, indices, out, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        indices.stride(0), indices.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        indices.shape[2], softmax_scale * 1.4426950408889634,
+        H=heads, D=dqk,
+    )
+    return out, lse
