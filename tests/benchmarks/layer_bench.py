@@ -6,6 +6,7 @@ What runs (one process; ``PARTS=layerbench bash tests/gpu/session.sh`` on one H2
     python tests/benchmarks/layer_bench.py --out $OUT/layer_bench.json              # 256k and 1M
     python tests/benchmarks/layer_bench.py --seq-lens 1048576 --iters 5             # one length
     python tests/benchmarks/layer_bench.py --dry-run                                 # CPU, tiny preset
+    python tests/benchmarks/layer_bench.py --variant dsa_fwd=gluon                    # any SFTConfig fields
     python tests/benchmarks/layer_bench.py --device cpu --rows-from A.json B.json    # re-project saved rows
 
 1. The anchor: a bf16 8192^3 matmul (``sft_profile.matmul_tflops``), TFLOP/s.
@@ -565,6 +566,8 @@ def main() -> None:
     parser.add_argument("--ib-gbytes-per-s", type=float, default=50.0, help="per GPU (one 400 Gb/s NIC)")
     parser.add_argument("--nvlink-gbytes-per-s", type=float, default=900.0, help="per GPU and direction (NVLink 5)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny preset, 4,096 tokens, CP=EP=4")
+    parser.add_argument("--variant", default="",
+                        help="SFTConfig overrides on top of the preset's, 'field=value,...' (e.g. dsa_fwd=gluon)")
     parser.add_argument("--out", help="JSON file (rewritten after every measurement)")
     args = parser.parse_args()
     if args.dry_run:
@@ -574,6 +577,7 @@ def main() -> None:
         parser.error(f"--cp {args.cp!r}: a context-parallel size or 'plan'")
     install_flytekit_stand_in()
     from tasks.presets import get_preset
+    from sft_profile import parse_variant
     from tasks.sft import model_config, preset_sft_config
 
     training = get_preset(args.training_preset)
@@ -581,7 +585,8 @@ def main() -> None:
     base = {"tp": par.tensor_parallel, "ep": args.ep or par.expert_parallel,
             "world": par.nnodes * par.nproc_per_node, "nproc_per_node": par.nproc_per_node}
     sft_cfg = dataclasses.replace(preset_sft_config(training), model=args.model or training.model,
-                                  context_parallel=par.context_parallel, expert_parallel=base["ep"], dtype="bfloat16")
+                                  context_parallel=par.context_parallel, expert_parallel=base["ep"], dtype="bfloat16",
+                                  **parse_variant(args.variant))
     # "every layer offloaded" stays every layer for a model preset with fewer layers (the dry run's)
     num_layers = model_config(dataclasses.replace(sft_cfg, offload_layers=0)).num_layers
     sft_cfg = dataclasses.replace(sft_cfg, offload_layers=min(sft_cfg.offload_layers, num_layers))
@@ -618,7 +623,7 @@ def main() -> None:
     print("schedule: " + ", ".join(f"{kind_label(k)} x {counts[k]}" for k in kinds), flush=True)
     rows: list[dict] = []
     result = {"anchor_tflops": None, "layouts": {str(seq): lay for seq, lay in layouts.items()},
-              "preset": args.training_preset, "model": sft_cfg.model, "rows": rows, "projections": []}
+              "preset": args.training_preset, "variant": args.variant, "model": sft_cfg.model, "rows": rows, "projections": []}
 
     def save():
         if args.out:

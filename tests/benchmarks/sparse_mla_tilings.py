@@ -6,7 +6,9 @@ The autotuner keeps only its winner, and it chooses among :func:`_attention_conf
 times any tiling (``--configs``), including ones not in that list, on the indexer's k-pool layout
 (``dsa_bench.pool_indices``), and checks each against the autotuned kernel's output (the same math in a
 different order: differences at bf16 rounding). The run pass (``dkv``) is timed once at its fixed launch
-beside the autotuned whole backward, so the table also gives the backward's split.
+beside the autotuned whole backward, so the table also gives the backward's split. Where the head count is a
+multiple of 64 (the ``full`` shape), each configuration of the warp-specialized Gluon forward
+(:mod:`kernels.dsa.sparse_attention_gluon`) is timed and checked the same way.
 
     python tests/benchmarks/sparse_mla_tilings.py --shape full --seq-len 65536 --out $OUT/tilings.json
 """
@@ -25,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from dsa_bench import KPOOL, SHAPES, WIDTH, ceilings, pool_indices, timed  # noqa: E402
+from kernels.dsa import sparse_attention_gluon as sag  # noqa: E402
 from kernels.dsa import sparse_attention_triton as sat  # noqa: E402
 
 DEFAULT_CONFIGS = ["64,64,8,1", "64,32,8,1", "64,32,8,2", "64,32,8,3", "64,16,8,2", "64,16,8,3", "64,16,8,4",
@@ -103,6 +106,28 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
 
+    # the warp-specialized Gluon forward, each of its configurations (64 heads per program: the full shape)
+    if sag.gluon_fwd_supported(q, kv, dqk) is None:
+        for cfg in sag.GLUON_FWD_CONFIGS:
+            row = {"config": "gluon " + " ".join(f"{k}={v}" for k, v in cfg.kwargs.items())}
+            try:
+                out, lse = torch.empty_like(out_ref), torch.empty_like(lse_ref)
+
+                def launch_gluon():
+                    sag.sparse_mla_fwd_gluon_kernel.fn[(t, h // sag.BLOCK_H, 1)](
+                        q, kv, idx, out, lse, *q.stride()[:3], *kv.stride()[:2], *idx.stride()[:2],
+                        *out.stride()[:3], *lse.stride()[:2], idx.shape[2], scale * sat._LOG2E, H=h, D=dqk,
+                        **cfg.kwargs, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
+
+                row["fwd_s"], _ = timed(launch_gluon, args.reps)
+                row["fwd_tflops"] = fwd_flops / row["fwd_s"] / 1e12
+                row["fwd_err"] = (out.float() - out_ref.float()).abs().max().item()
+                row["lse_err"] = (lse - lse_ref).abs().max().item()
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            rows.append(row)
+            print(row, flush=True)
+
     # the run pass at its fixed launch, and the autotuned whole, for the backward's split
     def run_pass():
         sat.sparse_mla_bwd_runs_kernel[(triton.cdiv(keys.numel(), sat.RUN_CHUNK),)](
@@ -123,6 +148,8 @@ def main() -> None:
     for r in rows:
         if "error" in r:
             print(f"| {r['config']} | {r['error']} ||||||")
+        elif "dq_s" not in r:   # a forward-only row (Gluon)
+            print(f"| {r['config']} | {1e3 * r['fwd_s']:.1f} | {r['fwd_tflops']:.0f} | | | {r['fwd_err']:.1e} | |")
         else:
             print(f"| {r['config']} | {1e3 * r['fwd_s']:.1f} | {r['fwd_tflops']:.0f} | {1e3 * r['dq_s']:.1f} | "
                   f"{r['dq_tflops']:.0f} | {r['fwd_err']:.1e} | {r['dq_err']:.1e} |")

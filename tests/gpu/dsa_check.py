@@ -13,7 +13,9 @@ filled with NaN before every kernel call (so an unwritten output shows up):
   ``sum softmax(I64)[selected] / sum softmax(I64)[true top pools] >= 0.99`` on sampled rows;
 * sparse MLA attention forward on the selected indices: relative Frobenius error of the
   bf16 output vs float64 (sampled rows) <= 1e-2; backward (dq, dkv) vs float64 at the
-  smallest length, with dkv scattered per query and summed per k-pool run;
+  smallest length, with dkv scattered per query and summed per k-pool run; where the heads are a
+  multiple of 64 (the ``full`` shape), the warp-specialized Gluon forward too, to the same bounds, on
+  the indexer's indices and on a ragged width with an all ``-1`` query (zero output, ``lse = -inf``);
 * indexer KL loss: the fused Triton kernel (:mod:`kernels.dsa.loss_triton`) against the torch path
   (``kernels.dsa.loss._block_kl``, float32 on the same GPU) on the first 4096 queries' selected pools:
   loss and the gradients of the weights and pool keys within 1e-4 relative, of the bf16 queries
@@ -47,6 +49,7 @@ from kernels.dsa.indexer_triton import resolve_score_kernel, triton_kpool_compre
 from kernels.dsa.loss import _block_kl  # noqa: E402
 from kernels.dsa.loss_triton import triton_indexer_kl  # noqa: E402
 from kernels.dsa.sparse_attention import torch_sparse_mla_bwd, torch_sparse_mla_fwd  # noqa: E402
+from kernels.dsa.sparse_attention_gluon import gluon_fwd_supported, gluon_sparse_mla_fwd  # noqa: E402
 
 SHAPES = {  # model/config.py presets: MLA heads, kv_lora_rank, qk head dim, indexer heads x dim
     "small": dict(heads=8, dqk=512, qk_head=128, index_heads=16, index_dim=64),
@@ -177,6 +180,10 @@ def check_attention(seq_len: int, shape: dict, indices: torch.Tensor, gen: torch
         lse_max_abs_err=float((lse[:, rows].double() - ref_lse).abs().max()),
     )
     ok = result["out_finite"] and result["out_rel_err"] <= 1e-2 and result["lse_max_abs_err"] <= 5e-2
+    if gluon_fwd_supported(q, kv, dqk) is None:
+        gluon = check_gluon_forward(q.detach(), kv.detach(), indices, scale, dqk, rows, ref_out, ref_lse, out.detach())
+        result["gluon_fwd"] = gluon
+        ok = ok and gluon["ok"]
     if backward:
         grad = torch.randn(out.shape, generator=gen, device="cuda").bfloat16()
         ref_o64, ref_l64 = torch_sparse_mla_fwd(q.detach().double(), kv.detach().double(), indices, scale, dqk, 64)
@@ -193,6 +200,31 @@ def check_attention(seq_len: int, shape: dict, indices: torch.Tensor, gen: torch
             ok = ok and result[f"dq{tag}_rel_err"] <= 1e-2 and result[f"dkv{tag}_rel_err"] <= 1e-2
     result["ok"] = ok
     return result
+
+
+def check_gluon_forward(q, kv, indices, scale, dqk, rows, ref_out, ref_lse, triton_out) -> dict:
+    """The warp-specialized Gluon forward (:mod:`kernels.dsa.sparse_attention_gluon`) on the same inputs: against
+    float64 on ``rows``, against the Triton forward everywhere, and on a ragged index width (not a multiple of
+    any ``BLOCK_K``) with a query whose slots are all ``-1`` (zero output, ``lse = -inf``)."""
+    poison()
+    out, lse = gluon_sparse_mla_fwd(q, kv, indices, scale, dqk)
+    torch.cuda.synchronize()
+    res = dict(out_finite=bool(torch.isfinite(out).all()), out_rel_err=rel_err(out[:, rows], ref_out),
+               lse_max_abs_err=float((lse[:, rows].double() - ref_lse).abs().max()),
+               vs_triton_ulps=bf16_ulps_apart(out, triton_out))
+    ragged = indices[:, :, : indices.shape[2] - 5].clone()
+    ragged[:, rows[:1]] = -1
+    poison()
+    r_out, r_lse = gluon_sparse_mla_fwd(q, kv, ragged, scale, dqk)
+    ref_r_out, ref_r_lse = torch_sparse_mla_fwd(q[:, rows].double(), kv.double(), ragged[:, rows], scale, dqk, 64)
+    res.update(ragged_out_rel_err=rel_err(r_out[:, rows], ref_r_out),
+               empty_row_zero=bool((r_out[:, rows[:1]] == 0).all()),
+               empty_row_lse_neg_inf=bool(torch.isneginf(r_lse[:, rows[:1]]).all()),
+               ragged_lse_max_abs_err=float((r_lse[:, rows[1:]].double() - ref_r_lse[:, 1:]).abs().max()))
+    res["ok"] = (res["out_finite"] and res["out_rel_err"] <= 1e-2 and res["lse_max_abs_err"] <= 5e-2
+                 and res["ragged_out_rel_err"] <= 1e-2 and res["ragged_lse_max_abs_err"] <= 5e-2
+                 and res["empty_row_zero"] and res["empty_row_lse_neg_inf"])
+    return res
 
 
 def check_kl(seq_len: int, shape: dict, indices: torch.Tensor, gen: torch.Generator, n_q: int = 4096) -> dict:
