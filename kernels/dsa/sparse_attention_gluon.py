@@ -142,6 +142,9 @@ def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_r
 
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(ready.index(0), 0)
+    # cp.async writes through the generic proxy, wgmma reads through the async proxy: a proxy fence after each
+    # wait orders the two (the PTX memory model's rule; one fence per key block)
+    fence_async_shared()
     s_tok = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), s_init, use_acc=False, is_async=True)
     scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     for j in range(n_blocks):
@@ -163,6 +166,7 @@ def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_r
         acc_tok = warpgroup_mma(p_smem, kv_smem.index(slot), acc, is_async=True)
         nxt = gl.minimum(j + 1, n_blocks - 1)   # the last iteration recomputes its own block's scores, unused
         mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+        fence_async_shared()
         s_tok = warpgroup_mma(q_smem, kv_smem.index(nxt % STAGES).permute((1, 0)), s_init, use_acc=False,
                               is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc_tok,))   # P_j V_j retired; Q K_{j+1}^T may run on
