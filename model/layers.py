@@ -278,8 +278,10 @@ class KDAMixer(MegatronModule):
         # Replicated weight, local heads: its gradient is summed over TP ranks by the copy region.
         w = copy_to_tensor_model_parallel_region(self.o_norm_weight) if self.layout.tp_size > 1 else self.o_norm_weight
         gate = gate.unflatten(-1, (self.heads, self.head_dim))
-        # recomputed in backward: saves o and gate in their dtypes, not four float32 [s, b, KD] steps
-        o = recompute(lambda o, gate, w: self._gated_norm(o, gate, w, x.dtype), o, gate, w)
+        # recomputed in backward: saves o and gate in their dtypes, not four float32 [s, b, KD] steps. The
+        # function closes over the dtype, not x: the node keeps its function, and x would keep the step's graph
+        dtype = x.dtype
+        o = recompute(lambda o, gate, w: self._gated_norm(o, gate, w, dtype), o, gate, w)
         out, _ = self.o_proj(o.flatten(-2))
         return out.transpose(0, 1)
 

@@ -213,6 +213,12 @@ class GatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         self._rows = self._inverse = None
         return out
 
+    def combine_postprocess(self, hidden_states):
+        # token_combine read local_probs (its dtype); kept past the layer it would hold the step's autograd
+        # graph, and through the gradient hooks on that graph the whole model, after the step and the run
+        self.local_probs = None
+        return super().combine_postprocess(hidden_states)
+
 
 class GatherMoELayer(MoELayer):
     """megatron's MoELayer whose allgather dispatcher is a :class:`GatherTokenDispatcher` when

@@ -277,6 +277,19 @@ def test_a_training_step_reads_the_device_once(shards, tmp_path):
     assert next(iter(step_sites)).startswith("tasks/sft.py:"), sites
 
 
+def test_a_dropped_run_frees_its_model(shards, tmp_path):
+    # A tensor that keeps its step's autograd graph past the step (the MoE dispatcher's probabilities, a
+    # recompute function's closure) keeps the model alive through DDP's gradient hooks once the run is dropped.
+    config = json.dumps({**BASE, "steps": 3})
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "sft_run_released.py"), str(shards),
+                           str(tmp_path / "out"), config], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    released = json.loads(proc.stdout.split("RELEASED ", 1)[1])
+    assert released["parameters"] > 0
+    assert released["parameters_alive"] == 0 and released["graph_tensors_alive"] == 0, released
+
+
 def test_memory_plan_refuses_an_impossible_configuration():
     from model.config import preset
 
