@@ -142,7 +142,8 @@ class Glm5NextConfig(TransformerConfig):
     dsa_query_block: int = 1024
     # Sparse MLA backward on CUDA: the latent's gradient summed per selected k-pool ("pool"), scattered
     # per query with atomics ("query"), or "auto" (pool up to model.layers.DKV_POOL_MAX_HEADS heads per
-    # TP rank); the same function (kernels.dsa.sparse_attention_triton).
+    # TP rank); the same function (kernels.dsa.sparse_attention_triton). "gluon": per query, 64 heads per
+    # program (kernels.dsa.sparse_attention_gluon; Hopper, heads per rank a multiple of 64, raises elsewhere).
     dsa_dkv: str = "auto"
     # Sparse MLA forward on CUDA: "triton" (kernels.dsa.sparse_attention_triton, any head count) or "gluon"
     # (kernels.dsa.sparse_attention_gluon: warp-specialized, Hopper, heads per rank a multiple of 64, d_v ==
@@ -188,8 +189,8 @@ class Glm5NextConfig(TransformerConfig):
                     )
         if self.moe_experts not in ("grouped", "sequential"):
             raise ConfigError(f"moe_experts={self.moe_experts!r}; valid: 'grouped', 'sequential'")
-        if self.dsa_dkv not in ("auto", "pool", "query"):
-            raise ConfigError(f"dsa_dkv={self.dsa_dkv!r}; valid: 'auto', 'pool', 'query'")
+        if self.dsa_dkv not in ("auto", "pool", "query", "gluon"):
+            raise ConfigError(f"dsa_dkv={self.dsa_dkv!r}; valid: 'auto', 'pool', 'query', 'gluon'")
         if self.dsa_fwd not in ("triton", "gluon"):
             raise ConfigError(f"dsa_fwd={self.dsa_fwd!r}; valid: 'triton', 'gluon'")
         if self.moe_permute not in ("gather", "megatron"):

@@ -493,7 +493,8 @@ class DSAMixer(MegatronModule):
             kept = self.kept_attention.popleft()
         o_lat, lse = sparse_mla_attention(q_abs, latent_all, topk, self.softmax_scale, self.kv_lora,
                                           runs=self.cfg.index_kpool if per_pool else None, precomputed=kept,
-                                          fwd_kernel=self.cfg.dsa_fwd)
+                                          fwd_kernel=self.cfg.dsa_fwd,
+                                          dkv_kernel="gluon" if self.cfg.dsa_dkv == "gluon" else "triton")
         if keep_attention and not torch.is_grad_enabled():
             self.kept_attention.append((o_lat, lse))
         if self.keep_kl_inputs:

@@ -106,7 +106,8 @@ class SFTConfig:
             (:mod:`model.fused`; the same function, CPU runs stay eager).
         dsa_dkv: the sparse MLA backward's latent gradient on GPUs, summed per selected k-pool
             (``pool``), scattered per query (``query``) or ``auto`` (by heads per rank,
-            :data:`model.layers.DKV_POOL_MAX_HEADS`); the same function.
+            :data:`model.layers.DKV_POOL_MAX_HEADS`), or per query with 64 heads per program (``gluon``:
+            Hopper, a multiple of 64 heads per rank); the same function.
         dsa_fwd: the sparse MLA forward on GPUs, ``triton`` or ``gluon`` (warp-specialized, Hopper, a
             multiple of 64 heads per rank; :mod:`kernels.dsa.sparse_attention_gluon`); the same function.
         moe_permute: MoE token permutation of the allgather dispatcher, ``gather`` (row gathers both

@@ -62,3 +62,23 @@ def test_gluon_sparse_forward_gathers_async_and_overlaps_the_products(config):
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * 512 // 16 + block_k // 16
     report = ptxas_report(compiled)
     assert not re.search(r"C75[01]\d", report), report
+
+
+def test_gluon_sparse_dkv_holds_q_and_do_once():
+    """The sparse MLA latent-gradient kernel at 64 heads x 512: ``q`` and ``dO`` one copy each in shared memory
+    (64 KiB apiece, read by ``wgmma`` in both major orders), one 64-key latent buffer and the ``P^T`` / ``dS^T``
+    tiles: it fits one CTA per SM, where Triton's per-query backward needs 256-352 KiB at 64 heads. Per key block,
+    ``Q K^T`` and ``dO V^T`` over K = 512 and ``dS^T q`` and ``P^T dO`` over the 64 heads; vector float32 atomics."""
+    from kernels.dsa.sm90 import SM_SHARED, compile_gluon_sparse_dkv
+    from kernels.dsa.sparse_attention_gluon import GLUON_DKV_CONFIGS
+
+    compiled = compile_gluon_sparse_dkv(64, 512, GLUON_DKV_CONFIGS[0])
+    ptx = compiled.asm["ptx"]
+    expected_smem = (2 * 64 * 512 + 64 * 512 + 2 * 64 * 64) * 2
+    assert expected_smem <= compiled.metadata.shared <= SM_SHARED
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * 512 // 16 + 2 * 64 // 16
+    atomics = re.findall(r"\b(?:red|atom)\.global\.[\w.]*add\.(v[24])\.f32", ptx)
+    assert atomics and len(atomics) == len(re.findall(r"\b(?:red|atom)\.global", ptx)), atomics[:4]
+    assert len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)) == 2
+    report = ptxas_report(compiled)
+    assert not re.search(r"C75[01]\d", report), report

@@ -109,12 +109,16 @@ def test_bad_arguments_raise_dsa_input_error():
             sparse_mla_attention(q, kv, idx, 1.0, 8, runs=runs)
     with pytest.raises(DSAInputError, match="fwd_kernel='cuda'"):
         sparse_mla_attention(q, kv, idx, 1.0, 8, fwd_kernel="cuda")
+    with pytest.raises(DSAInputError, match="dkv_kernel='cuda'"):
+        sparse_mla_attention(q, kv, idx, 1.0, 8, dkv_kernel="cuda")
+    with pytest.raises(DSAInputError, match="runs must be None"):
+        sparse_mla_attention(q, kv, idx, 1.0, 8, runs=2, dkv_kernel="gluon")
 
 
 def test_gluon_forward_names_what_it_cannot_run():
     """The Gluon forward's preconditions, each named in its error (no silent fallback to the Triton kernel)."""
     pytest.importorskip("triton")
-    from kernels.dsa.sparse_attention_gluon import gluon_fwd_supported, gluon_sparse_mla_fwd
+    from kernels.dsa.sparse_attention_gluon import gluon_fwd_supported, gluon_sparse_mla_dkv, gluon_sparse_mla_fwd
 
     def inputs(heads, dqk, dtype=torch.bfloat16):
         return torch.zeros(1, 2, heads, dqk, dtype=dtype), torch.zeros(1, 4, dqk, dtype=dtype)
@@ -126,9 +130,18 @@ def test_gluon_forward_names_what_it_cannot_run():
     q, kv = inputs(64, 512)
     with pytest.raises(DSAInputError, match="Hopper"):
         gluon_sparse_mla_fwd(q, kv, torch.zeros(1, 2, 16, dtype=torch.int32), 1.0, 512)
+    lse = torch.zeros(1, 2, 64)
+    with pytest.raises(DSAInputError, match="latent gradient needs a Hopper"):
+        gluon_sparse_mla_dkv(q, kv, torch.zeros(1, 2, 16, dtype=torch.int32), q, lse, lse, 1.0, kv.float())
 
 
-def test_cpu_path_does_not_depend_on_the_forward_kernel():
+def test_cpu_path_does_not_depend_on_the_kernel_choices():
     q, kv, idx = _case(1, 6, 10, 2, 8, 4, seed=7)
-    for a, b in zip(sparse_mla_attention(q, kv, idx, 0.3, 8), sparse_mla_attention(q, kv, idx, 0.3, 8, fwd_kernel="gluon")):
+    grads = []
+    for kernels in ({}, {"fwd_kernel": "gluon", "dkv_kernel": "gluon"}):
+        qq, kk = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        out, lse = sparse_mla_attention(qq, kk, idx, 0.3, 8, **kernels)
+        out.sum().backward()
+        grads.append((out.detach(), lse, qq.grad, kk.grad))
+    for a, b in zip(*grads):
         assert torch.equal(a, b)

@@ -704,10 +704,11 @@ def test_dsa_fwd_setting_reaches_the_sparse_attention(monkeypatch, dsa_fwd):
     assert seen and set(seen) == {dsa_fwd}, seen
 
 
-@pytest.mark.parametrize("dsa_dkv, expect_runs", [("auto", True), ("pool", True), ("query", False)])
+@pytest.mark.parametrize("dsa_dkv, expect_runs", [("auto", True), ("pool", True), ("query", False), ("gluon", False)])
 def test_dsa_dkv_setting_reaches_the_sparse_attention(monkeypatch, dsa_dkv, expect_runs):
     """``dsa_dkv`` picks the sparse MLA backward's dkv path: k-pool runs (the kpool) or per query (None);
-    ``auto`` takes runs at the tiny preset's head count (<= model.layers.DKV_POOL_MAX_HEADS)."""
+    ``auto`` takes runs at the tiny preset's head count (<= model.layers.DKV_POOL_MAX_HEADS); ``gluon`` is per
+    query through the Gluon kernel (``dkv_kernel``)."""
     import torch
 
     import kernels.dsa
@@ -720,12 +721,13 @@ def test_dsa_dkv_setting_reaches_the_sparse_attention(monkeypatch, dsa_dkv, expe
     seen = []
     real = kernels.dsa.sparse_mla_attention
 
-    def spy(*args, runs=None, **kwargs):
-        seen.append(runs)
-        return real(*args, runs=runs, **kwargs)
+    def spy(*args, runs=None, dkv_kernel="triton", **kwargs):
+        seen.append((runs, dkv_kernel))
+        return real(*args, runs=runs, dkv_kernel=dkv_kernel, **kwargs)
 
     monkeypatch.setattr(kernels.dsa, "sparse_mla_attention", spy)
     model = build_model(cfg, seed=1)
     with torch.no_grad():
         model(torch.randint(4, 9, (1, 64), generator=torch.Generator().manual_seed(0)))
-    assert seen and all(r == (cfg.index_kpool if expect_runs else None) for r in seen), seen
+    expected = (cfg.index_kpool if expect_runs else None, "gluon" if dsa_dkv == "gluon" else "triton")
+    assert seen and all(s == expected for s in seen), seen

@@ -87,6 +87,21 @@ def compile_gluon_sparse_fwd(heads: int, dim: int, config, index_dtype: str = "*
     return triton.compile(src, target=TARGET, options=dict(num_warps=config.num_warps, maxnreg=config.maxnreg))
 
 
+def compile_gluon_sparse_dkv(heads: int, dim: int, config, index_dtype: str = "*i32"):
+    """``triton.compile`` of the sparse MLA latent-gradient kernel
+    (:func:`kernels.dsa.sparse_attention_gluon.sparse_mla_dkv_gluon_kernel`) for sm_90 with ``config``, ``heads``
+    x ``dim`` bf16 queries, latent and output gradient; aligned as the launcher specializes."""
+    fn = sparse_attention_gluon.sparse_mla_dkv_gluon_kernel.fn
+    sig = dict(zip(["Q", "KV", "IDX", "DO", "LSE", "DELTA", "DKV"],
+                   ["*bf16", "*bf16", index_dtype, "*bf16", "*fp32", "*fp32", "*fp32"]))
+    sig.update({n: "i64" for n in fn.arg_names if n.startswith("stride_")})
+    sig.update(n_idx="i32", scale="fp32", scale_log2="fp32")
+    constexprs = dict(config.kwargs, H=heads, D=dim)
+    src = GluonASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in constexprs}), constexprs=constexprs,
+                         attrs=_aligned(fn, sig, ("n_idx", "scale", "scale_log2")))
+    return triton.compile(src, target=TARGET, options=dict(num_warps=config.num_warps, maxnreg=config.maxnreg))
+
+
 def ptxas_report(compiled) -> str:
     """``ptxas -v`` (Triton's bundled ptxas) on a compiled kernel's PTX for sm_90a: its register and spill lines
     and its performance warnings, e.g. C7510-C7519 when it serializes ``wgmma`` instructions."""

@@ -101,7 +101,8 @@ def torch_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v,
 
 class _SparseMLAAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, indices, softmax_scale, d_v, runs, precomputed=None, fwd_kernel="triton"):
+    def forward(ctx, q, kv, indices, softmax_scale, d_v, runs, precomputed=None, fwd_kernel="triton",
+                dkv_kernel="triton"):
         if precomputed is not None:   # (out, lse) of an earlier forward on the same inputs
             out, lse = precomputed
         elif q.is_cuda and fwd_kernel == "gluon":
@@ -115,7 +116,7 @@ class _SparseMLAAttention(torch.autograd.Function):
         else:
             out, lse = torch_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v)
         ctx.save_for_backward(q, kv, indices, out, lse)
-        ctx.softmax_scale, ctx.d_v, ctx.runs = softmax_scale, d_v, runs
+        ctx.softmax_scale, ctx.d_v, ctx.runs, ctx.dkv_kernel = softmax_scale, d_v, runs, dkv_kernel
         lse = lse.float()
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -127,16 +128,16 @@ class _SparseMLAAttention(torch.autograd.Function):
             from kernels.dsa.sparse_attention_triton import triton_sparse_mla_bwd
 
             dq, dkv = triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out.contiguous(), ctx.softmax_scale, ctx.d_v,
-                                            ctx.runs)
+                                            ctx.runs, ctx.dkv_kernel)
         else:
             dq, dkv = torch_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, ctx.softmax_scale, ctx.d_v)
-        return dq, dkv, None, None, None, None, None, None
+        return dq, dkv, None, None, None, None, None, None, None
 
 
 def sparse_mla_attention(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,
     runs: int | None = None, precomputed: tuple[torch.Tensor, torch.Tensor] | None = None,
-    fwd_kernel: str = "triton",
+    fwd_kernel: str = "triton", dkv_kernel: str = "triton",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every head over the selected tokens of one shared MLA latent.
 
@@ -162,6 +163,9 @@ def sparse_mla_attention(
         fwd_kernel: the CUDA forward, ``"triton"`` (:mod:`kernels.dsa.sparse_attention_triton`) or ``"gluon"``
             (:mod:`kernels.dsa.sparse_attention_gluon`, warp-specialized; Hopper, a multiple of 64 heads,
             ``d_v == Dqk <= 512``, else :class:`DSAInputError`). The CPU path does not depend on it.
+        dkv_kernel: the CUDA backward's latent gradient, ``"triton"`` (per query or per ``runs``) or ``"gluon"``
+            (every slot per query, 64 heads per program: :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dkv`;
+            ``runs`` must be ``None``; same conditions as ``fwd_kernel="gluon"``).
 
     Returns:
         ``out [B, T, H, d_v]`` in ``q.dtype`` and ``lse [B, T, H]`` float32 (natural log;
@@ -169,11 +173,15 @@ def sparse_mla_attention(
         gradient. Differentiable in ``q`` and ``kv``.
 
     Raises:
-        DSAInputError: on inconsistent shapes or dtypes, or an unknown ``fwd_kernel``.
+        DSAInputError: on inconsistent shapes or dtypes, an unknown ``fwd_kernel`` or ``dkv_kernel``, or ``runs``
+            with ``dkv_kernel="gluon"``.
     """
     _check_attention_inputs(q, kv, indices, d_v)
-    if fwd_kernel not in ("triton", "gluon"):
-        raise DSAInputError(f"fwd_kernel={fwd_kernel!r}; valid: 'triton', 'gluon'")
+    for name, kernel in (("fwd_kernel", fwd_kernel), ("dkv_kernel", dkv_kernel)):
+        if kernel not in ("triton", "gluon"):
+            raise DSAInputError(f"{name}={kernel!r}; valid: 'triton', 'gluon'")
+    if dkv_kernel == "gluon" and runs is not None:
+        raise DSAInputError(f"dkv_kernel='gluon' sums every slot per query: runs must be None, got {runs}")
     if runs is not None and not 0 < runs <= indices.shape[2]:
         raise DSAInputError(f"runs must be in 1..{indices.shape[2]} (the index width) or None, got {runs}")
     if precomputed is not None:
@@ -181,4 +189,4 @@ def sparse_mla_attention(
         if out.shape != (*q.shape[:3], d_v) or lse.shape != q.shape[:3]:
             raise DSAInputError(f"precomputed out {tuple(out.shape)} / lse {tuple(lse.shape)} do not match "
                                 f"q {tuple(q.shape)} and d_v={d_v}")
-    return _SparseMLAAttention.apply(q, kv, indices, softmax_scale, d_v, runs, precomputed, fwd_kernel)
+    return _SparseMLAAttention.apply(q, kv, indices, softmax_scale, d_v, runs, precomputed, fwd_kernel, dkv_kernel)

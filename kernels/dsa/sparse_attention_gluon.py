@@ -99,11 +99,13 @@ def _gather_rows(dst, base, stride_row, rows, valid, D: gl.constexpr, GATHER_ROW
 
 
 @gluon.jit
-def _producer(Q, KV, IDX, q_smem, kv_smem, q_bar, ready, empty, q_row, stride_qh, stride_kvs, n_idx, n_blocks,
-              D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATHER_ROWS: gl.constexpr):
-    """The producer partition: the query tile ``[64, D]`` into ``q_smem`` (signals ``q_bar``), then key block
-    ``j``'s latent rows into ring slot ``j % STAGES`` once the consumers have released it (``empty``), each slot
-    signalled on ``ready`` when every producer thread's copies have landed."""
+def _producer(Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_row, do_row, stride_qh, stride_kvs,
+              n_idx, n_blocks, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+              GATHER_ROWS: gl.constexpr, WITH_DO: gl.constexpr):
+    """The producer partition: the query tile ``[64, D]`` into ``q_smem`` (and with ``WITH_DO`` the output
+    gradient's tile, rows ``do_row + h * D``, into ``do_smem``; signals ``q_bar``), then key block ``j``'s latent
+    rows into ring slot ``j % STAGES`` once the consumers have released it (``empty``), each slot signalled on
+    ``ready`` when every producer thread's copies have landed."""
     warps: gl.constexpr = gl.num_warps()
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [warps, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, layout)
@@ -111,6 +113,8 @@ def _producer(Q, KV, IDX, q_smem, kv_smem, q_bar, ready, empty, q_row, stride_qh
     for r0 in gl.static_range(0, _BLOCK_H, GATHER_ROWS):
         heads = (r0 + offs_r).to(gl.int64)
         _gather_rows(q_smem.slice(r0, GATHER_ROWS), Q + q_row, stride_qh, heads, heads >= 0, D, GATHER_ROWS, layout)
+        if WITH_DO:
+            _gather_rows(do_smem.slice(r0, GATHER_ROWS), DO + do_row, D, heads, heads >= 0, D, GATHER_ROWS, layout)
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
     for j in range(n_blocks):
         slot = j % STAGES
@@ -232,14 +236,136 @@ def sparse_mla_fwd_gluon_kernel(
     gl.warp_specialize([
         (_consumer, (IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row, n_idx,
                      n_blocks, scale_log2, D, BLOCK_K, STAGES)),
-        (_producer, (Q, KV, IDX, q_smem, kv_smem, q_bar, ready, empty, q_row, stride_qh, stride_kvs, n_idx, n_blocks,
-                     D, BLOCK_K, STAGES, GATHER_ROWS)),
+        (_producer, (Q, Q, KV, IDX, q_smem, q_smem, kv_smem, q_bar, ready, empty, q_row, q_row, stride_qh, stride_kvs,
+                     n_idx, n_blocks, D, BLOCK_K, STAGES, GATHER_ROWS, False)),
     ], [_PRODUCER_WARPS], [PRODUCER_REGS])
 
     mbarrier.invalidate(q_bar)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(empty.index(s))
+
+
+GLUON_DKV_CONFIGS = [
+    triton.Config({"BLOCK_K": 64, "GATHER_ROWS": 16, "PRODUCER_REGS": regs}, num_warps=CONSUMER_WARPS, maxnreg=MAXNREG)
+    for regs in (56,)
+]
+"""Configurations of :func:`sparse_mla_dkv_gluon_kernel`: one 64-key buffer (``q`` and ``dO`` take 128 KiB of
+the SM's shared memory), released as soon as ``Q K^T`` and ``dO V^T`` of its block retire."""
+
+
+@gluon.jit
+def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready, empty, lse_row,
+                  stride_dks, n_idx, n_blocks, scale, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr):
+    """The default partition of :func:`sparse_mla_dkv_gluon_kernel` (two warpgroups): per key block, ``P`` and
+    ``dS`` of the 64 heads (``[64, BLOCK_K]``, recomputed from ``lse`` and ``delta``), then the block's latent
+    gradient ``dS^T q + P^T dO`` (``[BLOCK_K, D]``, each warpgroup half of ``D``) added to ``DKV``'s rows."""
+    gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_K // 2, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
+    heads_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    offs_h = gl.arange(0, _BLOCK_H, layout=heads_s)
+    lse = gl.load(LSE + lse_row + offs_h)
+    row_ok = lse > float("-inf")
+    lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
+    delta = gl.load(DELTA + lse_row + offs_h)
+    s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
+    o_init = gl.zeros([BLOCK_K, D], gl.float32, o_l)
+    offs_kb = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
+    offs_kr = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, o_l))
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
+
+    mbarrier.wait(q_bar, 0)
+    for j in range(n_blocks):
+        mbarrier.wait(ready.index(0), j & 1)
+        fence_async_shared()   # the producer's cp.async (generic proxy) before wgmma's reads (async proxy)
+        kv_t = kv_smem.index(0).permute((1, 0))
+        s_tok = warpgroup_mma(q_smem, kv_t, s_init, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do_smem, kv_t, s_init, use_acc=False, is_async=True)
+        scores, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dp_tok))
+        # Both warpgroups' products of the block have retired: the buffer takes block j + 1 while this block's
+        # gradient is formed (it needs q, dO, P and dS, not the latent)
+        _cta_barrier()
+        mbarrier.arrive(empty.index(0))
+        offs_k = j * BLOCK_K + offs_kb
+        idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
+        p = gl.exp2(scores * scale_log2 - lse2[:, None])
+        p = gl.where((idx >= 0)[None, :] & row_ok[:, None], p, 0.0)
+        ds = p * (dp - delta[:, None]) * scale
+        pt_smem.store(gl.permute(p.to(pt_smem.dtype), (1, 0)))
+        dst_smem.store(gl.permute(ds.to(dst_smem.dtype), (1, 0)))
+        fence_async_shared()
+        _cta_barrier()
+        acc = warpgroup_mma(dst_smem, q_smem, o_init, use_acc=False, is_async=True)
+        acc = warpgroup_mma(pt_smem, do_smem, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        rows_k = j * BLOCK_K + offs_kr
+        rows = gl.load(IDX + rows_k, mask=rows_k < n_idx, other=-1).to(gl.int64)
+        gl.atomic_add(DKV + rows[:, None] * stride_dks + offs_d[None, :], acc, mask=(rows >= 0)[:, None],
+                      sem="relaxed")
+
+
+@triton.autotune(configs=GLUON_DKV_CONFIGS, key=["H", "D"], reset_to_zero=["DKV"])
+@gluon.jit
+def sparse_mla_dkv_gluon_kernel(
+    Q, KV, IDX, DO, LSE, DELTA, DKV,
+    stride_qb, stride_qt, stride_qh,
+    stride_kvb, stride_kvs,
+    stride_ib, stride_it,
+    stride_lb, stride_lt,
+    stride_dkb, stride_dks,
+    n_idx, scale, scale_log2,
+    H: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, GATHER_ROWS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    """The latent's gradient of one query ``t`` (program 0) and heads ``[64 * pid_h, 64 * pid_h + 64)`` (program
+    1), batch ``b`` (program 2), added to ``DKV [B, S, D]`` float32 with atomics: ``sum_h scale * dS[h, k] q[h]
+    + P[h, k] dO[h]`` for each selected key ``k``. ``Q [B, T, H, D]`` (``stride(3) == 1``), ``KV [B, S, D]``,
+    ``IDX [B, T, K]``, ``DO [B, T, H, D]`` contiguous, ``LSE`` and ``DELTA`` (``rowsum(dO * O)``, as the
+    ``dq`` pass of :func:`kernels.dsa.sparse_attention_triton.sparse_mla_bwd_kernel` writes it) ``[B, T, H]``
+    float32 with ``LSE``'s strides. ``q`` and ``dO`` are each held once in shared memory and read by ``wgmma``
+    in both major orders (as ``A`` of ``Q K^T`` / ``dO V^T``, as ``B`` of ``dS^T q`` / ``P^T dO``): 208 KiB with
+    one 64-key latent buffer, where Triton's per-operand copies need 256-352 KiB at 64 heads."""
+    gl.static_assert(H % _BLOCK_H == 0)
+    gl.static_assert(D % 64 == 0)
+    gl.static_assert(D <= 512)
+    gl.static_assert(BLOCK_K == 64)   # the M of the dkv products: one wgmma tile of rows per warpgroup
+    gl.static_assert(BLOCK_K % GATHER_ROWS == 0)
+    t = gl.program_id(0).to(gl.int64)
+    pid_h = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    n_q = gl.num_programs(0).to(gl.int64)
+    n_blocks = gl.cdiv(n_idx, BLOCK_K)
+    q_row = b * stride_qb + t * stride_qt + pid_h * _BLOCK_H * stride_qh
+    do_row = ((b * n_q + t) * H + pid_h * _BLOCK_H) * D
+    lse_row = b * stride_lb + t * stride_lt + pid_h * _BLOCK_H
+    IDX = IDX + b * stride_ib + t * stride_it
+    KV = KV + b * stride_kvb
+    DKV = DKV + b * stride_dkb
+
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
+    do_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
+    kv_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_K, D], _nvmma([BLOCK_K, D], dtype))
+    pt_smem = gl.allocate_shared_memory(dtype, [BLOCK_K, _BLOCK_H], _nvmma([BLOCK_K, _BLOCK_H], dtype))
+    dst_smem = gl.allocate_shared_memory(dtype, [BLOCK_K, _BLOCK_H], _nvmma([BLOCK_K, _BLOCK_H], dtype))
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=32 * _PRODUCER_WARPS)
+    mbarrier.init(ready.index(0), count=32 * _PRODUCER_WARPS)
+    mbarrier.init(empty.index(0), count=1)
+
+    gl.warp_specialize([
+        (_dkv_consumer, (IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready, empty,
+                         lse_row, stride_dks, n_idx, n_blocks, scale, scale_log2, D, BLOCK_K)),
+        (_producer, (Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_row, do_row, stride_qh,
+                     stride_kvs, n_idx, n_blocks, D, BLOCK_K, 1, GATHER_ROWS, True)),
+    ], [_PRODUCER_WARPS], [PRODUCER_REGS])
+
+    mbarrier.invalidate(q_bar)
+    mbarrier.invalidate(ready.index(0))
+    mbarrier.invalidate(empty.index(0))
 
 
 def gluon_fwd_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str | None:
@@ -292,3 +418,38 @@ def gluon_sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         H=heads, D=dqk,
     )
     return out, lse
+
+
+def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
+                         lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float, dkv: torch.Tensor) -> None:
+    """Add the latent's gradient of :func:`kernels.dsa.sparse_attention.sparse_mla_attention` to ``dkv``, from
+    :func:`sparse_mla_dkv_gluon_kernel`: every selected key of every query, 64 heads per program.
+
+    Args:
+        q: ``[B, T, H, Dqk]`` bf16/fp16, ``H`` a multiple of 64; kv: ``[B, S, Dqk]``, same dtype.
+        indices: ``[B, T, K]`` int32/int64, ``-1`` skipped.
+        grad_out: ``[B, T, H, d_v]`` (``d_v == Dqk``), contiguous.
+        lse, delta: ``[B, T, H]`` float32 contiguous: the forward's log-sum-exp and ``rowsum(dO * O)``.
+        dkv: ``[B, S, Dqk]`` float32, accumulated into (atomics).
+
+    Raises:
+        DSAInputError: for inputs :func:`gluon_fwd_supported` rejects, or ``K == 0``.
+    """
+    why = gluon_fwd_supported(q, kv, grad_out.shape[-1])
+    if why:
+        raise DSAInputError(f"the Gluon sparse MLA latent gradient needs {why}")
+    if indices.shape[2] == 0:
+        raise DSAInputError("the Gluon sparse MLA latent gradient needs at least one index slot per query")
+    batch, n_q, heads, dqk = q.shape
+    q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
+    grad_out, lse, delta = grad_out.contiguous(), lse.contiguous(), delta.contiguous()
+    sparse_mla_dkv_gluon_kernel[(n_q, heads // BLOCK_H, batch)](
+        q, kv, indices, grad_out, lse, delta, dkv,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        indices.stride(0), indices.stride(1),
+        lse.stride(0), lse.stride(1),
+        dkv.stride(0), dkv.stride(1),
+        indices.shape[2], softmax_scale, softmax_scale * 1.4426950408889634,
+        H=heads, D=dqk,
+    )

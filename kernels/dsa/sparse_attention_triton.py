@@ -431,7 +431,7 @@ def run_pairs(indices: torch.Tensor, run: int, n_keys: int, query_block: int = 3
     return run_ok, scatter, keys, pairs, counts, ends
 
 
-def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v, runs=None):
+def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v, runs=None, dkv_kernel="triton"):
     """``dq`` (q.dtype) and ``dkv`` (kv.dtype, accumulated in float32) of ``sparse_mla_attention``.
 
     ``runs``: ``None`` scatters every selected key's ``dkv`` from its query's program with atomics;
@@ -439,6 +439,8 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     (:func:`run_pairs`, :func:`sparse_mla_bwd_runs_kernel`), the other slots as before. Runs
     shorter than 16 or not a power of two are too small for the run pass's tiles and are
     scattered per query like ``None`` (the result is the same either way).
+    ``dkv_kernel="gluon"`` (``runs`` must be ``None``): ``dq`` from the ``dq`` pass (``MODE`` 1), every slot's
+    ``dkv`` from :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dkv` (64 heads per program, Hopper).
     """
     batch, n_q, heads, dqk = q.shape
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
@@ -448,7 +450,13 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     # the run pass's tiles need a power-of-two run of at least 16 rows (tl.arange, tl.dot)
     run = runs if runs and runs >= 16 and runs & (runs - 1) == 0 else 0
     n_runs = -(-indices.shape[2] // run) if run else 0
-    if n_runs:
+    gluon_dkv = dkv_kernel == "gluon"
+    if gluon_dkv:
+        if runs is not None:
+            raise DSAInputError(f"dkv_kernel='gluon' sums every slot per query: runs must be None, got {runs}")
+        run_ok = scatter = dkv   # unused by the dq pass
+        delta = torch.empty(batch, n_q, heads, dtype=torch.float32, device=q.device)
+    elif n_runs:
         run_ok, scatter, keys, pairs, counts, ends = run_pairs(indices, run, kv.shape[1])
         delta = torch.empty(batch, n_q, heads, dtype=torch.float32, device=q.device)
     else:
@@ -456,7 +464,7 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     block = dict(DQK=dqk, DV=d_v, BLOCK_D=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(d_v))
     # per query: one pass (mode 0); per run: dq and rowsum(dO O) (mode 1), then the slots outside
     # runs (mode 2), then the run pass. Each mode's autotuning zeroes dkv before anything else wrote it.
-    for mode in ((1, 2) if n_runs else (0,)):
+    for mode in ((1,) if gluon_dkv else (1, 2) if n_runs else (0,)):
         sparse_mla_bwd_kernel[_grid(n_q, heads, batch)](
             q, kv, indices, out, grad_out, lse, dq, dkv, run_ok, scatter, delta,
             q.stride(0), q.stride(1), q.stride(2),
@@ -467,7 +475,11 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
             heads, indices.shape[2], n_runs, softmax_scale, softmax_scale * _LOG2E,
             RUN=run, MODE=mode, **block,
         )
-    if n_runs:
+    if gluon_dkv:
+        from kernels.dsa.sparse_attention_gluon import gluon_sparse_mla_dkv
+
+        gluon_sparse_mla_dkv(q, kv, indices, grad_out, lse, delta, softmax_scale, dkv)
+    elif n_runs:
         n_pairs = keys.numel()
         sparse_mla_bwd_runs_kernel[(triton.cdiv(n_pairs, RUN_CHUNK),)](
             q, kv, grad_out, lse, delta, keys, pairs, counts, ends, dkv,

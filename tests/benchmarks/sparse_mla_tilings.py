@@ -139,10 +139,35 @@ def main() -> None:
     t_whole, _ = timed(lambda: sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk, runs=KPOOL),
                        args.reps)
     t_fwd_auto, _ = timed(lambda: sat.triton_sparse_mla_fwd(q, kv, idx, scale, dqk), args.reps)
+    # at 64 heads: the per-query backward (autotuned; 32- or 16-head programs fit) against the dq pass plus the
+    # Gluon latent gradient (64 heads per program), whole and the Gluon kernel alone
+    per_query = {}
+    if sag.gluon_fwd_supported(q, kv, dqk) is None:
+        dq_q, dkv_q = sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk)
+        dq_g, dkv_g = sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk, dkv_kernel="gluon")
+        dkv_acc = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
+        per_query = {
+            "bwd_per_query_s": timed(lambda: sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk),
+                                     args.reps)[0],
+            "bwd_gluon_dkv_s": timed(lambda: sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk,
+                                                                        dkv_kernel="gluon"), args.reps)[0],
+            "gluon_dkv_kernel_s": timed(lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta_ref, scale,
+                                                                         dkv_acc), args.reps)[0],
+            "dq_max_abs_diff": (dq_g.float() - dq_q.float()).abs().max().item(),
+            "dkv_rel_diff": ((dkv_g.float() - dkv_q.float()).norm() / dkv_q.float().norm()).item(),
+        }
     print(f"\n{args.shape} shape, {t // 1024}k tokens, {h} heads; matmul anchor {ceil['matmul_tflops']:.0f} TF/s")
     print(f"autotuned: fwd {1e3 * t_fwd_auto:.1f} ms ({fwd_flops / t_fwd_auto / 1e12:.0f} TF/s), whole bwd "
           f"{1e3 * t_whole:.1f} ms, fwd+bwd {(fwd_flops + bwd_flops) / (t_fwd_auto + t_whole) / 1e12:.0f} TF/s; "
           f"run pass {1e3 * t_run_pass:.1f} ms")
+    if per_query:
+        dkv_flops = 2 * t * h * WIDTH * 2 * dqk
+        print(f"64 heads per program: backward per query (autotuned) {1e3 * per_query['bwd_per_query_s']:.1f} ms, "
+              f"dq pass + Gluon dkv {1e3 * per_query['bwd_gluon_dkv_s']:.1f} ms (fwd+bwd "
+              f"{(fwd_flops + bwd_flops) / (t_fwd_auto + per_query['bwd_gluon_dkv_s']) / 1e12:.0f} TF/s), the Gluon "
+              f"dkv kernel alone {1e3 * per_query['gluon_dkv_kernel_s']:.1f} ms "
+              f"({dkv_flops / per_query['gluon_dkv_kernel_s'] / 1e12:.0f} TF/s of its dS^T q + P^T dO); "
+              f"dq {per_query['dq_max_abs_diff']:.1e} apart, dkv {per_query['dkv_rel_diff']:.1e} relative")
     print("\n| BLOCK_H,BLOCK_K,warps,stages | fwd ms | fwd TF/s | dq pass ms | dq pass TF/s | fwd err | dq err |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
@@ -156,7 +181,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"anchor": ceil, "shape": args.shape, "seq_len": t, "rows": rows, "run_pass_s": t_run_pass,
-                       "bwd_autotuned_s": t_whole, "fwd_autotuned_s": t_fwd_auto}, f, indent=1)
+                       "bwd_autotuned_s": t_whole, "fwd_autotuned_s": t_fwd_auto, **per_query}, f, indent=1)
 
 
 if __name__ == "__main__":

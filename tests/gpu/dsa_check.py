@@ -15,7 +15,8 @@ filled with NaN before every kernel call (so an unwritten output shows up):
   bf16 output vs float64 (sampled rows) <= 1e-2; backward (dq, dkv) vs float64 at the
   smallest length, with dkv scattered per query and summed per k-pool run; where the heads are a
   multiple of 64 (the ``full`` shape), the warp-specialized Gluon forward too, to the same bounds, on
-  the indexer's indices and on a ragged width with an all ``-1`` query (zero output, ``lse = -inf``);
+  the indexer's indices and on a ragged width with an all ``-1`` query (zero output, ``lse = -inf``),
+  and the backward with the Gluon latent gradient (64 heads per program);
 * indexer KL loss: the fused Triton kernel (:mod:`kernels.dsa.loss_triton`) against the torch path
   (``kernels.dsa.loss._block_kl``, float32 on the same GPU) on the first 4096 queries' selected pools:
   loss and the gradients of the weights and pool keys within 1e-4 relative, of the bf16 queries
@@ -190,10 +191,14 @@ def check_attention(seq_len: int, shape: dict, indices: torch.Tensor, gen: torch
         dq64, dkv64 = torch_sparse_mla_bwd(
             q.detach().double(), kv.detach().double(), indices, ref_o64, ref_l64, grad.double(), scale, dqk, 64
         )
-        # dkv scattered per query, and summed per k-pool run (the indexer's layout; the model's path)
-        for runs, tag in ((None, ""), (16, "_per_pool")):
+        # dkv scattered per query, and summed per k-pool run (the indexer's layout; the model's path), and
+        # where the heads allow, per query with 64 heads per program (the Gluon kernel)
+        paths = [(None, "triton", ""), (16, "triton", "_per_pool")]
+        if gluon_fwd_supported(q, kv, dqk) is None:
+            paths.append((None, "gluon", "_gluon"))
+        for runs, dkv_kernel, tag in paths:
             q.grad = kv.grad = None
-            out, _ = sparse_mla_attention(q, kv, indices, scale, dqk, runs=runs)
+            out, _ = sparse_mla_attention(q, kv, indices, scale, dqk, runs=runs, dkv_kernel=dkv_kernel)
             poison()
             out.backward(grad)
             result.update({f"dq{tag}_rel_err": rel_err(q.grad, dq64), f"dkv{tag}_rel_err": rel_err(kv.grad, dkv64)})
