@@ -1,5 +1,6 @@
-"""Warp-specialized Gluon forward of sparse MLA attention for Hopper (sm_90): the gather of the selected latent
-rows runs in producer warps while two consumer warpgroups run the products and the softmax.
+"""Warp-specialized Gluon kernels of sparse MLA attention for Hopper (sm_90): the forward, and the backward's
+latent gradient with 64 heads per program. The gather of the selected latent rows runs in producer warps while
+two consumer warpgroups run the products and the softmax.
 
 The Triton forward (:func:`kernels.dsa.sparse_attention_triton.sparse_mla_fwd_kernel`) reaches 249 TF/s at the
 ``full`` shape (64 heads, 512-wide latent, 2,048 selected tokens; one H200, 64k tokens, anchor 779 TF/s): its
@@ -32,7 +33,15 @@ count that is a multiple of 64 (one ``wgmma`` tile of rows per program), ``d_v =
 otherwise. Not the default forward: it is chosen with ``fwd_kernel="gluon"`` until an H200 run has checked it
 (``tests/gpu/dsa_check.py``) and timed it (``tests/benchmarks/sparse_mla_tilings.py``).
 
-Shared memory per CTA: ``64 * D * 2`` (queries) ``+ STAGES * BLOCK_K * D * 2`` (key ring) ``+ 64 * BLOCK_K * 2``
+The latent gradient (:func:`sparse_mla_dkv_gluon_kernel`, chosen with ``dsa_dkv="gluon"``) exists because
+Triton's per-query backward cannot take 64 heads in one program: it holds ``q`` and ``dO`` twice each, once per
+major order its products read them in (256-352 KiB at 64 heads x 512), so the autotuner falls back to 32- or
+16-head programs, each gathering every selected row and adding its own atomic row per key. Here the producer
+copies ``q`` and ``dO`` once, ``wgmma`` reads each in both orders, and one 64-key latent buffer is released as
+soon as ``Q K^T`` and ``dO V^T`` retire, so the next gather overlaps ``dS^T q + P^T dO`` and the atomics. ``dq``
+stays with the Triton ``dq`` pass, which also writes the ``rowsum(dO O)`` this kernel reads.
+
+Shared memory per CTA of the forward: ``64 * D * 2`` (queries) ``+ STAGES * BLOCK_K * D * 2`` (key ring) ``+ 64 * BLOCK_K * 2``
 (``P``) bytes: 200 KiB at ``D`` 512 with ``(BLOCK_K, STAGES)`` ``(64, 2)`` or ``(32, 4)``; one CTA per SM.
 Registers: 12 warps, ``maxnreg`` :data:`MAXNREG` (``12 * 32 * 168 <= 65,536``), the producer
 ``PRODUCER_REGS``, the consumers what is left (``(12 * 168 - 4 * PRODUCER_REGS) / 8``).
