@@ -3,7 +3,7 @@ latent gradient with 64 heads per program. The gather of the selected latent row
 two consumer warpgroups run the products and the softmax.
 
 The Triton forward (:func:`kernels.dsa.sparse_attention_triton.sparse_mla_fwd_kernel`) reaches 249 TF/s at the
-``full`` shape (64 heads, 512-wide latent, 2,048 selected tokens; one H200, 64k tokens, anchor 779 TF/s): its
+``full`` shape (64 heads, 512-wide latent, 2,063 selected tokens; one H200, 64k tokens, anchor 779 TF/s): its
 ``[64, 512]`` float32 accumulator takes a whole SM's registers, one CTA per SM, and within that CTA the gather of
 a key block, its two products and the softmax run one after the other (``docs/measurements.md``, "Sparse MLA
 tilings one by one"). Here the three overlap, as in FlashMLA's sparse prefill kernel for sm_90 (DeepSeek,
@@ -24,13 +24,13 @@ tilings one by one"). Here the three overlap, as in FlashMLA's sparse prefill ke
   softmax of block ``j``, FlashAttention-3's order, would leave the gather of block ``j + 1`` no time at all
   with two stages.) The last iteration recomputes ``Q K^T`` of the last block instead of branching around the
   issue (an asynchronous product inside a branch has no value on the other path): ``1 / n_blocks`` of the
-  ``QK`` products, 1.6% at 2,048 keys and ``BLOCK_K`` 64, wasted.
+  ``QK`` products wasted, 3% at 2,063 selected tokens and ``BLOCK_K`` 64 (33 blocks), 1.5% of all products.
 
 Same contract as :func:`kernels.dsa.sparse_attention_triton.triton_sparse_mla_fwd`: ``out`` in ``q.dtype``,
 ``lse`` float32 natural log, ``-inf`` and a zero row for a query without a valid index. Needs bf16/fp16, a head
 count that is a multiple of 64 (one ``wgmma`` tile of rows per program), ``d_v == Dqk`` a multiple of 64 up to
 512, and CUDA capability 9.x; :func:`gluon_sparse_mla_fwd` raises :class:`kernels.dsa.errors.DSAInputError`
-otherwise. Not the default forward: it is chosen with ``fwd_kernel="gluon"`` until an H200 run has checked it
+otherwise. Not the default forward: it is chosen with ``fwd_kernel="gluon"`` (``dsa_fwd="gluon"``) until an H200 run has checked it
 (``tests/gpu/dsa_check.py``) and timed it (``tests/benchmarks/sparse_mla_tilings.py``).
 
 The latent gradient (:func:`sparse_mla_dkv_gluon_kernel`, chosen with ``dsa_dkv="gluon"``) exists because
