@@ -118,15 +118,15 @@ def test_bad_arguments_raise_dsa_input_error():
 def test_gluon_forward_names_what_it_cannot_run():
     """The Gluon forward's preconditions, each named in its error (no silent fallback to the Triton kernel)."""
     pytest.importorskip("triton")
-    from kernels.dsa.sparse_attention_gluon import gluon_fwd_supported, gluon_sparse_mla_dkv, gluon_sparse_mla_fwd
+    from kernels.dsa.sparse_attention_gluon import gluon_supported, gluon_sparse_mla_dkv, gluon_sparse_mla_fwd
 
     def inputs(heads, dqk, dtype=torch.bfloat16):
         return torch.zeros(1, 2, heads, dqk, dtype=dtype), torch.zeros(1, 4, dqk, dtype=dtype)
 
-    assert "multiple of 64" in gluon_fwd_supported(*inputs(8, 512), 512)
-    assert "d_v == Dqk" in gluon_fwd_supported(*inputs(64, 576), 512)
-    assert "bf16 or fp16" in gluon_fwd_supported(*inputs(64, 512, torch.float32), 512)
-    assert "Hopper" in gluon_fwd_supported(*inputs(64, 512), 512)   # CPU tensors
+    assert "multiple of 64" in gluon_supported(*inputs(8, 512), 512)
+    assert "d_v == Dqk" in gluon_supported(*inputs(64, 576), 512)
+    assert "bf16 or fp16" in gluon_supported(*inputs(64, 512, torch.float32), 512)
+    assert "Hopper" in gluon_supported(*inputs(64, 512), 512)   # CPU tensors
     q, kv = inputs(64, 512)
     with pytest.raises(DSAInputError, match="Hopper"):
         gluon_sparse_mla_fwd(q, kv, torch.zeros(1, 2, 16, dtype=torch.int32), 1.0, 512)

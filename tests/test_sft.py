@@ -261,17 +261,23 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_last_checkpoint(shards, tm
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step-0000002"]
 
 
+def _one_process_script(script: str, marker: str, shards: Path, tmp_path: Path) -> dict:
+    """Run ``tests/<script> PACK OUT CONFIG`` (one process, :data:`BASE` for 3 steps); the JSON it prints after
+    ``marker``."""
+    config = json.dumps({**BASE, "steps": 3})
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / script), str(shards), str(tmp_path / "out"),
+                           config], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.split(f"{marker} ", 1)[1])
+
+
 def test_a_training_step_reads_the_device_once(shards, tmp_path):
     # On a GPU every host read of a device value drains the queue, and the optimizer's Python loops
     # after it run with the device idle. The step's own code (tasks/, megatron's optimizer and DDP)
     # reads once, at its end. The DSA kernels' CPU torch paths read too (kernels/); their GPU kernels
     # are audited on the device by tests/benchmarks/sft_profile.py's host_syncs.
-    config = json.dumps({**BASE, "steps": 3})
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "step_host_reads.py"), str(shards),
-                           str(tmp_path / "out"), config], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    sites = json.loads(proc.stdout.split("READS ", 1)[1])
+    sites = _one_process_script("step_host_reads.py", "READS", shards, tmp_path)
     step_sites = {site: n for site, n in sites.items() if not site.startswith("dsa/")}
     assert len(step_sites) == 1 and sum(step_sites.values()) == 1, sites
     assert next(iter(step_sites)).startswith("tasks/sft.py:"), sites
@@ -280,12 +286,7 @@ def test_a_training_step_reads_the_device_once(shards, tmp_path):
 def test_a_dropped_run_frees_its_model(shards, tmp_path):
     # A tensor that keeps its step's autograd graph past the step (the MoE dispatcher's probabilities, a
     # recompute function's closure) keeps the model alive through DDP's gradient hooks once the run is dropped.
-    config = json.dumps({**BASE, "steps": 3})
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "sft_run_released.py"), str(shards),
-                           str(tmp_path / "out"), config], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    released = json.loads(proc.stdout.split("RELEASED ", 1)[1])
+    released = _one_process_script("sft_run_released.py", "RELEASED", shards, tmp_path)
     assert released["parameters"] > 0
     assert released["parameters_alive"] == 0 and released["graph_tensors_alive"] == 0, released
 

@@ -377,9 +377,9 @@ def sparse_mla_dkv_gluon_kernel(
     mbarrier.invalidate(empty.index(0))
 
 
-def gluon_fwd_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str | None:
-    """Why :func:`gluon_sparse_mla_fwd` cannot run these inputs (``None`` when it can): the dtype, the head
-    count, the widths or the device."""
+def gluon_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str | None:
+    """Why :func:`gluon_sparse_mla_fwd` and :func:`gluon_sparse_mla_dkv` cannot run these inputs (``None`` when
+    they can): the dtype, the head count, the widths or the device."""
     heads, dqk = q.shape[2], q.shape[3]
     if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype:
         return f"bf16 or fp16 q and kv, got {q.dtype} / {kv.dtype}"
@@ -390,6 +390,15 @@ def gluon_fwd_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str | No
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return f"a Hopper GPU (CUDA capability 9.x), got {q.device}"
     return None
+
+
+def _require_supported(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, what: str) -> None:
+    """Raise :class:`DSAInputError` naming ``what`` (the kernel) and the reason when it cannot run these inputs."""
+    why = gluon_supported(q, kv, d_v)
+    if why:
+        raise DSAInputError(f"the Gluon sparse MLA {what} needs {why}")
+    if indices.shape[2] == 0:
+        raise DSAInputError(f"the Gluon sparse MLA {what} needs at least one index slot per query")
 
 
 def gluon_sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float,
@@ -405,13 +414,9 @@ def gluon_sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         d_v: value width; must equal ``Dqk`` (a multiple of 64, at most 512).
 
     Raises:
-        DSAInputError: for inputs :func:`gluon_fwd_supported` rejects, or ``K == 0``.
+        DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
     """
-    why = gluon_fwd_supported(q, kv, d_v)
-    if why:
-        raise DSAInputError(f"the Gluon sparse MLA forward needs {why}")
-    if indices.shape[2] == 0:
-        raise DSAInputError("the Gluon sparse MLA forward needs at least one index slot per query")
+    _require_supported(q, kv, indices, d_v, "forward")
     batch, n_q, heads, dqk = q.shape
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
     out = torch.empty(batch, n_q, heads, d_v, dtype=q.dtype, device=q.device)
@@ -442,13 +447,9 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         dkv: ``[B, S, Dqk]`` float32, accumulated into (atomics).
 
     Raises:
-        DSAInputError: for inputs :func:`gluon_fwd_supported` rejects, or ``K == 0``.
+        DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
     """
-    why = gluon_fwd_supported(q, kv, grad_out.shape[-1])
-    if why:
-        raise DSAInputError(f"the Gluon sparse MLA latent gradient needs {why}")
-    if indices.shape[2] == 0:
-        raise DSAInputError("the Gluon sparse MLA latent gradient needs at least one index slot per query")
+    _require_supported(q, kv, indices, grad_out.shape[-1], "latent gradient")
     batch, n_q, heads, dqk = q.shape
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
     grad_out, lse, delta = grad_out.contiguous(), lse.contiguous(), delta.contiguous()

@@ -107,7 +107,7 @@ def main() -> None:
         print(row, flush=True)
 
     # the warp-specialized Gluon forward, each of its configurations (64 heads per program: the full shape)
-    if sag.gluon_fwd_supported(q, kv, dqk) is None:
+    if sag.gluon_supported(q, kv, dqk) is None:
         for cfg in sag.GLUON_FWD_CONFIGS:
             row = {"config": "gluon " + " ".join(f"{k}={v}" for k, v in cfg.kwargs.items())}
             try:
@@ -142,7 +142,7 @@ def main() -> None:
     # at 64 heads: the per-query backward (autotuned; 32- or 16-head programs fit) against the dq pass plus the
     # Gluon latent gradient (64 heads per program), whole and the Gluon kernel alone
     per_query = {}
-    if sag.gluon_fwd_supported(q, kv, dqk) is None:
+    if sag.gluon_supported(q, kv, dqk) is None:
         dq_q, dkv_q = sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk)
         dq_g, dkv_g = sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk, dkv_kernel="gluon")
         dkv_acc = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")

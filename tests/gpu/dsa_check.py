@@ -50,7 +50,7 @@ from kernels.dsa.indexer_triton import resolve_score_kernel, triton_kpool_compre
 from kernels.dsa.loss import _block_kl  # noqa: E402
 from kernels.dsa.loss_triton import triton_indexer_kl  # noqa: E402
 from kernels.dsa.sparse_attention import torch_sparse_mla_bwd, torch_sparse_mla_fwd  # noqa: E402
-from kernels.dsa.sparse_attention_gluon import gluon_fwd_supported, gluon_sparse_mla_fwd  # noqa: E402
+from kernels.dsa.sparse_attention_gluon import gluon_supported, gluon_sparse_mla_fwd  # noqa: E402
 
 SHAPES = {  # model/config.py presets: MLA heads, kv_lora_rank, qk head dim, indexer heads x dim
     "small": dict(heads=8, dqk=512, qk_head=128, index_heads=16, index_dim=64),
@@ -181,7 +181,7 @@ def check_attention(seq_len: int, shape: dict, indices: torch.Tensor, gen: torch
         lse_max_abs_err=float((lse[:, rows].double() - ref_lse).abs().max()),
     )
     ok = result["out_finite"] and result["out_rel_err"] <= 1e-2 and result["lse_max_abs_err"] <= 5e-2
-    if gluon_fwd_supported(q, kv, dqk) is None:
+    if gluon_supported(q, kv, dqk) is None:
         gluon = check_gluon_forward(q.detach(), kv.detach(), indices, scale, dqk, rows, ref_out, ref_lse, out.detach())
         result["gluon_fwd"] = gluon
         ok = ok and gluon["ok"]
@@ -194,7 +194,7 @@ def check_attention(seq_len: int, shape: dict, indices: torch.Tensor, gen: torch
         # dkv scattered per query, and summed per k-pool run (the indexer's layout; the model's path), and
         # where the heads allow, per query with 64 heads per program (the Gluon kernel)
         paths = [(None, "triton", ""), (16, "triton", "_per_pool")]
-        if gluon_fwd_supported(q, kv, dqk) is None:
+        if gluon_supported(q, kv, dqk) is None:
             paths.append((None, "gluon", "_gluon"))
         for runs, dkv_kernel, tag in paths:
             q.grad = kv.grad = None
