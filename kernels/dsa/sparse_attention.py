@@ -7,8 +7,8 @@ projected through ``W_UV`` afterwards (FlashMLA ``sparse`` kernels). glm5_next's
 layers are NoPE-MLA (``qk_rope_head_dim = 0``), so ``Dqk = d_v = kv_lora_rank`` there.
 
 :func:`sparse_mla_attention` is the public entry (an ``autograd.Function``): Triton
-kernels on CUDA (:mod:`kernels.dsa.sparse_attention_triton`; the forward optionally the
-warp-specialized Gluon kernel of :mod:`kernels.dsa.sparse_attention_gluon`), the blockwise torch path
+kernels on CUDA (:mod:`kernels.dsa.sparse_attention_triton`; optionally the warp-specialized Gluon
+forward and latent gradient of :mod:`kernels.dsa.sparse_attention_gluon`), the blockwise torch path
 below elsewhere. Neither path builds a ``T x S`` matrix: the forward gathers the ``K``
 selected latents of a block of queries, the backward recomputes the probabilities from
 the saved log-sum-exp and scatter-adds into ``dkv``. The dense definition is
