@@ -18,7 +18,7 @@
 # launches, $NCU_CASES), profile (tests/benchmarks/sft_profile.py: whole-step profile of $PROFILE_CONFIGS,
 # default 64k, with $PROFILE_ARGS; profile_base: the same from a carried earlier tree), layerbench (tests/benchmarks/layer_bench.py: one full-width layer of each kind as
 # one b200-64 rank at 256k and 1M, projected to 64 B200, with $LAYERBENCH_ARGS), hcproj (the mHC projection's
-# Triton kernels vs float64, and their time), hcdiag, tilings (see their lines below). The DSA parts need no wheels: with no .whl folder the install is skipped.
+# Triton kernels vs float64, and their time), hcdiag, gluonsmoke, tilings (see their lines below). The DSA parts need no wheels: with no .whl folder the install is skipped.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -86,6 +86,8 @@ part fused "${T_FUSED:-150}" python3 tests/gpu/fused_check.py --tokens "${FUSED_
 part hcproj "${T_HCPROJ:-150}" python3 tests/gpu/hc_projection_check.py --out "$OUT/hc_projection.json"
 # hcdiag (tests/gpu/hc_projection_diag.py: the projection's forward per rows, weight dtype and stages, where hcproj fails).
 part hcdiag "${T_HCDIAG:-150}" python3 tests/gpu/hc_projection_diag.py
+# gluonsmoke (tests/gpu/gluon_smoke.py: the Gluon sparse MLA kernels at a small size vs float64; a hang costs a minute).
+part gluonsmoke "${T_GLUONSMOKE:-60}" python3 tests/gpu/gluon_smoke.py
 # tilings (tests/benchmarks/sparse_mla_tilings.py: sparse MLA tilings one by one outside the autotuner, $TILINGS_ARGS).
 part tilings "${T_TILINGS:-300}" python3 tests/benchmarks/sparse_mla_tilings.py ${TILINGS_ARGS:-} --out "$OUT/tilings.json"
 # paths (tests/gpu/glue_paths_check.py: fla's KDA short conv and the gather MoE permutation vs the paths they replace).

@@ -1,0 +1,86 @@
+"""First contact of the Gluon sparse MLA kernels with a GPU: small, fast, float64-checked. Run on an H100/H200:
+
+    python tests/gpu/gluon_smoke.py            # session part gluonsmoke (60 s): a hang costs one minute
+
+At 256 queries, 64 and 128 heads, a 512-wide latent and 200 index slots per query (not a multiple of any
+``BLOCK_K``; random keys with ``-1`` holes, one query with none valid), each configuration of
+:func:`kernels.dsa.sparse_attention_gluon.sparse_mla_fwd_gluon_kernel` launched outside the autotuner, and
+:func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dkv`, against the float64 torch paths
+(:mod:`kernels.dsa.sparse_attention`): relative Frobenius error of ``out`` and ``dkv`` <= 1e-2, ``lse`` within
+5e-2, the empty query's output 0 and ``lse`` ``-inf``. Each launch is synchronized and reported before the next,
+so a deadlock names its kernel. Prints ``GLUON SMOKE OK: True/False``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from kernels.dsa import sparse_attention_gluon as sag  # noqa: E402
+from kernels.dsa.sparse_attention import torch_sparse_mla_bwd, torch_sparse_mla_fwd  # noqa: E402
+from kernels.dsa.sparse_attention_triton import _LOG2E  # noqa: E402
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def case(heads: int, n_q: int = 256, n_k: int = 1024, width: int = 200, dim: int = 512, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, n_q, heads, dim, generator=gen, device="cuda").bfloat16()
+    kv = torch.randn(1, n_k, dim, generator=gen, device="cuda").bfloat16()
+    idx = torch.stack([torch.randperm(n_k, generator=gen, device="cuda")[:width] for _ in range(n_q)])[None]
+    idx = torch.where(torch.rand(idx.shape, generator=gen, device="cuda") < 0.1, -1, idx).to(torch.int32)
+    idx[:, 3] = -1
+    return q, kv, idx
+
+
+def main() -> None:
+    ok = True
+    for heads in (64, 128):
+        q, kv, idx = case(heads)
+        dim = q.shape[-1]
+        scale = 1 / math.sqrt(256)
+        ref_out, ref_lse = torch_sparse_mla_fwd(q.double(), kv.double(), idx, scale, dim)
+        for cfg in sag.GLUON_FWD_CONFIGS:
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+            t0 = time.perf_counter()
+            sag.sparse_mla_fwd_gluon_kernel.fn[(q.shape[1], heads // sag.BLOCK_H, 1)](
+                q, kv, idx, out, lse, *q.stride()[:3], *kv.stride()[:2], *idx.stride()[:2], *out.stride()[:3],
+                *lse.stride()[:2], idx.shape[2], scale * _LOG2E, H=heads, D=dim, **cfg.kwargs,
+                num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
+            torch.cuda.synchronize()
+            rows = torch.arange(q.shape[1], device="cuda") != 3   # the query with no valid slot apart
+            res = dict(out_rel=rel(out, ref_out),
+                       lse_max=float((lse[:, rows].double() - ref_lse[:, rows]).abs().max()),
+                       empty_ok=bool((out[:, 3] == 0).all() and torch.isneginf(lse[:, 3]).all()))
+            good = res["out_rel"] <= 1e-2 and res["lse_max"] <= 5e-2 and res["empty_ok"]
+            ok &= good
+            print(f"fwd {heads} heads {cfg.kwargs}: {res} {time.perf_counter() - t0:.1f}s {'ok' if good else 'FAIL'}",
+                  flush=True)
+        grad = torch.randn(q.shape, device="cuda").bfloat16()
+        out64, lse64 = torch_sparse_mla_fwd(q.double(), kv.double(), idx, scale, dim)
+        _, dkv64 = torch_sparse_mla_bwd(q.double(), kv.double(), idx, out64, lse64, grad.double(), scale, dim)
+        lse = lse64.float()
+        delta = (grad.float() * out64.float()).sum(-1)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
+        t0 = time.perf_counter()
+        sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse, delta, scale, dkv)
+        torch.cuda.synchronize()
+        err = rel(dkv, dkv64)
+        good = err <= 1e-2
+        ok &= good
+        print(f"dkv {heads} heads: rel {err:.2e} {time.perf_counter() - t0:.1f}s {'ok' if good else 'FAIL'}", flush=True)
+    print(f"GLUON SMOKE OK: {ok}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
