@@ -4,8 +4,8 @@ Triton's front end and its bundled ptxas run on the CPU, so every autotuned conf
 selection, expansion and k-pool compression kernels (:mod:`kernels.dsa.indexer_triton`), of the Gluon score
 kernel (:mod:`kernels.dsa.indexer_gluon`), of the sparse MLA kernels (:mod:`kernels.dsa.sparse_attention_triton`
 through :func:`compile_sm90`) and of the Gluon sparse MLA kernels (:mod:`kernels.dsa.sparse_attention_gluon`) can
-be compiled for ``GPUTarget("cuda", 90, 32)`` and read back (``cuobjdump --dump-resource-usage``, ``ptxas -v``): how many CTAs one H100/H200 SM holds, whether ptxas spills
-or serializes ``wgmma`` instructions. It also catches compile errors the interpreter (``TRITON_INTERPRET=1``)
+be compiled for ``GPUTarget("cuda", 90, 32)`` and read back (``cuobjdump --dump-resource-usage``, ``ptxas -v``):
+how many CTAs one H100/H200 SM holds, whether ptxas spills or serializes ``wgmma`` instructions. It also catches compile errors the interpreter (``TRITON_INTERPRET=1``)
 accepts. Used by ``tests/test_dsa_gluon_compile.py`` and ``tests/benchmarks/dsa_bench.py resources``; not
 imported by :mod:`kernels.dsa`.
 """
