@@ -1,11 +1,13 @@
-"""The Gluon score kernel of the lightning indexer (kernels/dsa/indexer_gluon.py) compiled for sm_90 on the CPU.
+"""The Gluon kernels compiled for sm_90 on the CPU: the lightning indexer's score kernel (kernels/dsa/indexer_gluon.py)
+and the warp-specialized sparse MLA forward and latent gradient (kernels/dsa/sparse_attention_gluon.py).
 
 No GPU is needed: Triton's front end and its bundled ptxas run here (:mod:`kernels.dsa.sm90`).
-What this guards is the kernel's reason to exist, the overlap of each head's ``wgmma`` with the previous
-head's accumulation: the PTX must wait with one product still in flight (``wgmma.wait_group 1``), and ptxas
-must not serialize the ``wgmma`` instructions (its C7510-C7519 warnings: an in-flight accumulator copied
-across the loop's back edge, or too many products live at once). Its numbers are checked on an H200 by
-tests/gpu/dsa_check.py and tests/benchmarks/dsa_bench.py.
+What this guards is each kernel's reason to exist. The score kernel overlaps each head's ``wgmma`` with the
+previous head's accumulation: the PTX must wait with one product still in flight (``wgmma.wait_group 1``), and
+ptxas must not serialize the ``wgmma`` instructions (its C7510-C7519 warnings: an in-flight accumulator copied
+across the loop's back edge, or too many products live at once). The sparse MLA kernels must fit an SM, gather
+asynchronously and hand registers to their consumers. Their numbers are checked on an H200 by
+tests/gpu/dsa_check.py, tests/gpu/gluon_smoke.py and tests/benchmarks/dsa_bench.py / sparse_mla_tilings.py.
 """
 
 from __future__ import annotations
