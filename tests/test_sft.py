@@ -680,55 +680,35 @@ def test_indexer_kl_reuses_the_mixers_attention_and_equals_a_rerun_of_it():
     assert collector.pop() == 0.0 and all(m.kl_inputs is None and not m.keep_kl_inputs for m in mixers)
 
 
-@pytest.mark.parametrize("dsa_fwd", ["triton", "gluon"])
-def test_dsa_fwd_setting_reaches_the_sparse_attention(monkeypatch, dsa_fwd):
-    """``dsa_fwd`` (SFTConfig -> model config -> DSA mixer) is the forward kernel every DSA layer asks for."""
+@pytest.mark.parametrize("setting, expected", [
+    (dict(dsa_dkv="auto"), dict(runs=True)), (dict(dsa_dkv="pool"), dict(runs=True)),
+    (dict(dsa_dkv="query"), dict(runs=False)), (dict(dsa_dkv="gluon"), dict(runs=False, dkv_kernel="gluon")),
+    (dict(dsa_fwd="gluon"), dict(runs=True, fwd_kernel="gluon")),
+])
+def test_dsa_kernel_settings_reach_the_sparse_attention(monkeypatch, setting, expected):
+    """``dsa_dkv`` and ``dsa_fwd`` (SFTConfig -> model config -> DSA mixer) are what every DSA layer asks the sparse
+    attention for: the backward's dkv path, k-pool runs (the kpool) or per query (None; ``auto`` takes runs at the
+    tiny preset's head count, <= model.layers.DKV_POOL_MAX_HEADS), its ``dkv_kernel`` and the ``fwd_kernel``."""
     import torch
 
     import kernels.dsa
-    from model.glm5_next import build_model
-    from tasks.sft import SFTConfig, model_config
-
-    cfg = model_config(SFTConfig(model="tiny", dsa_fwd=dsa_fwd))
-    assert cfg.dsa_fwd == dsa_fwd
-    seen = []
-    real = kernels.dsa.sparse_mla_attention
-
-    def spy(*args, fwd_kernel="triton", **kwargs):
-        seen.append(fwd_kernel)
-        return real(*args, fwd_kernel=fwd_kernel, **kwargs)
-
-    monkeypatch.setattr(kernels.dsa, "sparse_mla_attention", spy)
-    model = build_model(cfg, seed=1)
-    with torch.no_grad():
-        model(torch.randint(4, 9, (1, 64), generator=torch.Generator().manual_seed(0)))
-    assert seen and set(seen) == {dsa_fwd}, seen
-
-
-@pytest.mark.parametrize("dsa_dkv, expect_runs", [("auto", True), ("pool", True), ("query", False), ("gluon", False)])
-def test_dsa_dkv_setting_reaches_the_sparse_attention(monkeypatch, dsa_dkv, expect_runs):
-    """``dsa_dkv`` picks the sparse MLA backward's dkv path: k-pool runs (the kpool) or per query (None);
-    ``auto`` takes runs at the tiny preset's head count (<= model.layers.DKV_POOL_MAX_HEADS); ``gluon`` is per
-    query through the Gluon kernel (``dkv_kernel``)."""
-    import torch
-
-    import kernels.dsa
-    from model.config import preset
     from model.glm5_next import build_model
     from model.layers import DKV_POOL_MAX_HEADS
+    from tasks.sft import SFTConfig, model_config
 
-    cfg = preset("tiny", dsa_dkv=dsa_dkv)
+    cfg = model_config(SFTConfig(model="tiny", **setting))
     assert cfg.num_attention_heads <= DKV_POOL_MAX_HEADS
+    want = (cfg.index_kpool if expected["runs"] else None, expected.get("fwd_kernel", "triton"),
+            expected.get("dkv_kernel", "triton"))
     seen = []
     real = kernels.dsa.sparse_mla_attention
 
-    def spy(*args, runs=None, dkv_kernel="triton", **kwargs):
-        seen.append((runs, dkv_kernel))
-        return real(*args, runs=runs, dkv_kernel=dkv_kernel, **kwargs)
+    def spy(*args, runs=None, fwd_kernel="triton", dkv_kernel="triton", **kwargs):
+        seen.append((runs, fwd_kernel, dkv_kernel))
+        return real(*args, runs=runs, fwd_kernel=fwd_kernel, dkv_kernel=dkv_kernel, **kwargs)
 
     monkeypatch.setattr(kernels.dsa, "sparse_mla_attention", spy)
     model = build_model(cfg, seed=1)
     with torch.no_grad():
         model(torch.randint(4, 9, (1, 64), generator=torch.Generator().manual_seed(0)))
-    expected = (cfg.index_kpool if expect_runs else None, "gluon" if dsa_dkv == "gluon" else "triton")
-    assert seen and all(s == expected for s in seen), seen
+    assert seen and all(s == want for s in seen), seen

@@ -5,9 +5,9 @@ selection, expansion and k-pool compression kernels (:mod:`kernels.dsa.indexer_t
 kernel (:mod:`kernels.dsa.indexer_gluon`), of the sparse MLA kernels (:mod:`kernels.dsa.sparse_attention_triton`
 through :func:`compile_sm90`) and of the Gluon sparse MLA kernels (:mod:`kernels.dsa.sparse_attention_gluon`) can
 be compiled for ``GPUTarget("cuda", 90, 32)`` and read back (``cuobjdump --dump-resource-usage``, ``ptxas -v``):
-how many CTAs one H100/H200 SM holds, whether ptxas spills or serializes ``wgmma`` instructions. It also catches compile errors the interpreter (``TRITON_INTERPRET=1``)
-accepts. Used by ``tests/test_dsa_gluon_compile.py`` and ``tests/benchmarks/dsa_bench.py resources``; not
-imported by :mod:`kernels.dsa`.
+how many CTAs one H100/H200 SM holds, whether ptxas spills or serializes ``wgmma`` instructions. It also catches
+compile errors the interpreter (``TRITON_INTERPRET=1``) accepts. Used by ``tests/test_dsa_gluon_compile.py`` and
+``tests/benchmarks/dsa_bench.py resources``; not imported by :mod:`kernels.dsa`.
 """
 
 from __future__ import annotations
@@ -73,34 +73,36 @@ def compile_gluon_scores(heads: int, dim: int, n_select: int, config: dict, seg:
     return triton.compile(src, target=TARGET, options=dict(num_warps=4))
 
 
-def compile_gluon_sparse_fwd(heads: int, dim: int, config, index_dtype: str = "*i32"):
-    """``triton.compile`` of the warp-specialized sparse MLA forward
-    (:func:`kernels.dsa.sparse_attention_gluon.sparse_mla_fwd_gluon_kernel`) for sm_90 with ``config`` (one of its
-    ``triton.Config``: ``BLOCK_K``, ``STAGES``, ``GATHER_ROWS``, ``PRODUCER_REGS``, warps, ``maxnreg``), ``heads``
-    x ``dim`` bf16 queries and latent (``d_v == dim``); aligned as the launcher specializes."""
-    fn = sparse_attention_gluon.sparse_mla_fwd_gluon_kernel.fn
-    sig = dict(zip(["Q", "KV", "IDX", "OUT", "LSE"], ["*bf16", "*bf16", index_dtype, "*bf16", "*fp32"]))
+def _compile_gluon_sparse(kernel, pointers: dict, scalars: tuple[str, ...], heads: int, dim: int, config):
+    """``triton.compile`` of a Gluon sparse MLA kernel (:mod:`kernels.dsa.sparse_attention_gluon`) for sm_90:
+    ``pointers`` its pointer arguments' types, ``scalars`` its float scalars plus ``n_idx`` (not aligned), the
+    strides int64, ``config`` one of its ``triton.Config`` (kwargs, warps, ``maxnreg``) at ``heads`` x ``dim``."""
+    fn = kernel.fn
+    sig = dict(pointers)
     sig.update({n: "i64" for n in fn.arg_names if n.startswith("stride_")})
-    sig.update(n_idx="i32", scale_log2="fp32")
+    sig.update({n: "i32" if n == "n_idx" else "fp32" for n in scalars})
     constexprs = dict(config.kwargs, H=heads, D=dim)
     src = GluonASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in constexprs}), constexprs=constexprs,
-                         attrs=_aligned(fn, sig, ("n_idx", "scale_log2")))
+                         attrs=_aligned(fn, sig, scalars))
     return triton.compile(src, target=TARGET, options=dict(num_warps=config.num_warps, maxnreg=config.maxnreg))
+
+
+def compile_gluon_sparse_fwd(heads: int, dim: int, config, index_dtype: str = "*i32"):
+    """The warp-specialized sparse MLA forward (:func:`kernels.dsa.sparse_attention_gluon.sparse_mla_fwd_gluon_kernel`)
+    compiled for sm_90 with ``config`` (``BLOCK_K``, ``STAGES``, ``GATHER_ROWS``, ``PRODUCER_REGS``), ``heads`` x
+    ``dim`` bf16 queries and latent (``d_v == dim``); aligned as the launcher specializes."""
+    pointers = dict(zip(["Q", "KV", "IDX", "OUT", "LSE"], ["*bf16", "*bf16", index_dtype, "*bf16", "*fp32"]))
+    return _compile_gluon_sparse(sparse_attention_gluon.sparse_mla_fwd_gluon_kernel, pointers,
+                                 ("n_idx", "scale_log2"), heads, dim, config)
 
 
 def compile_gluon_sparse_dkv(heads: int, dim: int, config, index_dtype: str = "*i32"):
-    """``triton.compile`` of the sparse MLA latent-gradient kernel
-    (:func:`kernels.dsa.sparse_attention_gluon.sparse_mla_dkv_gluon_kernel`) for sm_90 with ``config``, ``heads``
-    x ``dim`` bf16 queries, latent and output gradient; aligned as the launcher specializes."""
-    fn = sparse_attention_gluon.sparse_mla_dkv_gluon_kernel.fn
-    sig = dict(zip(["Q", "KV", "IDX", "DO", "LSE", "DELTA", "DKV"],
-                   ["*bf16", "*bf16", index_dtype, "*bf16", "*fp32", "*fp32", "*fp32"]))
-    sig.update({n: "i64" for n in fn.arg_names if n.startswith("stride_")})
-    sig.update(n_idx="i32", scale="fp32", scale_log2="fp32")
-    constexprs = dict(config.kwargs, H=heads, D=dim)
-    src = GluonASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in constexprs}), constexprs=constexprs,
-                         attrs=_aligned(fn, sig, ("n_idx", "scale", "scale_log2")))
-    return triton.compile(src, target=TARGET, options=dict(num_warps=config.num_warps, maxnreg=config.maxnreg))
+    """The sparse MLA latent-gradient kernel (:func:`kernels.dsa.sparse_attention_gluon.sparse_mla_dkv_gluon_kernel`)
+    compiled for sm_90 with ``config``, ``heads`` x ``dim`` bf16 queries, latent and output gradient."""
+    pointers = dict(zip(["Q", "KV", "IDX", "DO", "LSE", "DELTA", "DKV"],
+                        ["*bf16", "*bf16", index_dtype, "*bf16", "*fp32", "*fp32", "*fp32"]))
+    return _compile_gluon_sparse(sparse_attention_gluon.sparse_mla_dkv_gluon_kernel, pointers,
+                                 ("n_idx", "scale", "scale_log2"), heads, dim, config)
 
 
 def ptxas_report(compiled) -> str:

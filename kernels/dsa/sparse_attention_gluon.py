@@ -30,8 +30,8 @@ Same contract as :func:`kernels.dsa.sparse_attention_triton.triton_sparse_mla_fw
 ``lse`` float32 natural log, ``-inf`` and a zero row for a query without a valid index. Needs bf16/fp16, a head
 count that is a multiple of 64 (one ``wgmma`` tile of rows per program), ``d_v == Dqk`` a multiple of 64 up to
 512, and CUDA capability 9.x; :func:`gluon_sparse_mla_fwd` raises :class:`kernels.dsa.errors.DSAInputError`
-otherwise. Not the default forward: it is chosen with ``fwd_kernel="gluon"`` (``dsa_fwd="gluon"``) until an H200 run has checked it
-(``tests/gpu/dsa_check.py``) and timed it (``tests/benchmarks/sparse_mla_tilings.py``).
+otherwise. Not the default forward: it is chosen with ``fwd_kernel="gluon"`` (``dsa_fwd="gluon"``) until an H200
+run has checked it (``tests/gpu/dsa_check.py``) and timed it (``tests/benchmarks/sparse_mla_tilings.py``).
 
 The latent gradient (:func:`sparse_mla_dkv_gluon_kernel`, chosen with ``dsa_dkv="gluon"``) exists because
 Triton's per-query backward cannot take 64 heads in one program: it holds ``q`` and ``dO`` twice each, once per
@@ -41,8 +41,8 @@ copies ``q`` and ``dO`` once, ``wgmma`` reads each in both orders, and one 64-ke
 soon as ``Q K^T`` and ``dO V^T`` retire, so the next gather overlaps ``dS^T q + P^T dO`` and the atomics. ``dq``
 stays with the Triton ``dq`` pass, which also writes the ``rowsum(dO O)`` this kernel reads.
 
-Shared memory per CTA of the forward: ``64 * D * 2`` (queries) ``+ STAGES * BLOCK_K * D * 2`` (key ring) ``+ 64 * BLOCK_K * 2``
-(``P``) bytes: 200 KiB at ``D`` 512 with ``(BLOCK_K, STAGES)`` ``(64, 2)`` or ``(32, 4)``; one CTA per SM.
+Shared memory per CTA of the forward: ``64 * D * 2`` (queries) ``+ STAGES * BLOCK_K * D * 2`` (key ring)
+``+ 64 * BLOCK_K * 2`` (``P``) bytes: 200 KiB at ``D`` 512 with ``(BLOCK_K, STAGES)`` ``(64, 2)`` or ``(32, 4)``; one CTA per SM.
 Registers: 12 warps, ``maxnreg`` :data:`MAXNREG` (``12 * 32 * 168 <= 65,536``), the producer
 ``PRODUCER_REGS``, the consumers what is left (``(12 * 168 - 4 * PRODUCER_REGS) / 8``).
 """
@@ -421,7 +421,19 @@ def gluon_sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
     out = torch.empty(batch, n_q, heads, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, n_q, heads, dtype=torch.float32, device=q.device)
-    sparse_mla_fwd_gluon_kernel[(n_q, heads // BLOCK_H, batch)](
+    launch_fwd(q, kv, indices, out, lse, softmax_scale)
+    return out, lse
+
+
+def launch_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+               softmax_scale: float, config: triton.Config | None = None) -> None:
+    """Launch :func:`sparse_mla_fwd_gluon_kernel` into ``out`` and ``lse``: autotuned, or with ``config`` (one of
+    :data:`GLUON_FWD_CONFIGS`, or any other) outside the autotuner, as the benchmarks and the GPU smoke test time
+    and check each. Inputs as :func:`gluon_sparse_mla_fwd` takes them, contiguous and unchecked."""
+    batch, n_q, heads, dqk = q.shape
+    kernel = sparse_mla_fwd_gluon_kernel if config is None else sparse_mla_fwd_gluon_kernel.fn
+    tuning = {} if config is None else dict(config.kwargs, num_warps=config.num_warps, maxnreg=config.maxnreg)
+    kernel[(n_q, heads // BLOCK_H, batch)](
         q, kv, indices, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
@@ -429,9 +441,8 @@ def gluon_sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         indices.shape[2], softmax_scale * 1.4426950408889634,
-        H=heads, D=dqk,
+        H=heads, D=dqk, **tuning,
     )
-    return out, lse
 
 
 def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,

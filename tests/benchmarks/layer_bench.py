@@ -623,7 +623,8 @@ def main() -> None:
     print("schedule: " + ", ".join(f"{kind_label(k)} x {counts[k]}" for k in kinds), flush=True)
     rows: list[dict] = []
     result = {"anchor_tflops": None, "layouts": {str(seq): lay for seq, lay in layouts.items()},
-              "preset": args.training_preset, "variant": args.variant, "model": sft_cfg.model, "rows": rows, "projections": []}
+              "preset": args.training_preset, "variant": args.variant, "model": sft_cfg.model, "rows": rows,
+              "projections": []}
 
     def save():
         if args.out:

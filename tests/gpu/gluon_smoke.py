@@ -24,7 +24,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from kernels.dsa import sparse_attention_gluon as sag  # noqa: E402
 from kernels.dsa.sparse_attention import torch_sparse_mla_bwd, torch_sparse_mla_fwd  # noqa: E402
-from kernels.dsa.sparse_attention_triton import _LOG2E  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -53,10 +52,7 @@ def main() -> None:
             out = torch.full_like(q, float("nan"))
             lse = torch.full(q.shape[:3], float("nan"), device="cuda")
             t0 = time.perf_counter()
-            sag.sparse_mla_fwd_gluon_kernel.fn[(q.shape[1], heads // sag.BLOCK_H, 1)](
-                q, kv, idx, out, lse, *q.stride()[:3], *kv.stride()[:2], *idx.stride()[:2], *out.stride()[:3],
-                *lse.stride()[:2], idx.shape[2], scale * _LOG2E, H=heads, D=dim, **cfg.kwargs,
-                num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
+            sag.launch_fwd(q, kv, idx, out, lse, scale, cfg)
             torch.cuda.synchronize()
             rows = torch.arange(q.shape[1], device="cuda") != 3   # the query with no valid slot apart
             res = dict(out_rel=rel(out, ref_out),
@@ -78,7 +74,8 @@ def main() -> None:
         err = rel(dkv, dkv64)
         good = err <= 1e-2
         ok &= good
-        print(f"dkv {heads} heads: rel {err:.2e} {time.perf_counter() - t0:.1f}s {'ok' if good else 'FAIL'}", flush=True)
+        print(f"dkv {heads} heads: rel {err:.2e} {time.perf_counter() - t0:.1f}s {'ok' if good else 'FAIL'}",
+              flush=True)
     print(f"GLUON SMOKE OK: {ok}", flush=True)
 
 

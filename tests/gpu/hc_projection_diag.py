@@ -3,7 +3,9 @@ weight dtype (bf16, float32, bf16 widened to float32) and ``num_stages`` 1 and 3
 elements past ``1e-5 |y| + 1e-6 max |y|`` (how many, in which rows, 64-row blocks and columns) and whether two
 calls give the same bits. Where ``hc_projection_check`` says that a case fails, this says where: it located the
 wrong, run-to-run different ``y`` of a bf16 weight loaded straight into ``tl.dot`` with 3 stages
-(``docs/measurements.md``).
+(``docs/measurements.md``). Since that fix the launcher widens every weight to float32
+(``projection_triton._padded_weight``), so the ``bf16`` and ``bf16->f32`` rows run the same kernel on the same
+values: they must agree bit for bit.
 
     python tests/gpu/hc_projection_diag.py
 """
