@@ -141,14 +141,15 @@ class Glm5NextConfig(TransformerConfig):
     # DSA plain-torch path: queries per block of the blockwise indexer / sparse attention.
     dsa_query_block: int = 1024
     # Sparse MLA backward on CUDA: the latent's gradient summed per selected k-pool ("pool"), scattered
-    # per query with atomics ("query"), or "auto" (pool up to model.layers.DKV_POOL_MAX_HEADS heads per
-    # TP rank); the same function (kernels.dsa.sparse_attention_triton). "gluon": per query, 64 heads per
-    # program (kernels.dsa.sparse_attention_gluon; Hopper, heads per rank a multiple of 64, raises elsewhere).
+    # per query with atomics ("query", kernels.dsa.sparse_attention_triton), per query with 64 heads per
+    # program ("gluon": kernels.dsa.sparse_attention_gluon; Hopper, heads per rank a multiple of 64, raises
+    # elsewhere), or "auto" (pool up to model.layers.DKV_POOL_MAX_HEADS heads per TP rank, above that
+    # "gluon" where it runs and "query" elsewhere); the same function.
     dsa_dkv: str = "auto"
-    # Sparse MLA forward on CUDA: "triton" (kernels.dsa.sparse_attention_triton, any head count) or "gluon"
+    # Sparse MLA forward on CUDA: "triton" (kernels.dsa.sparse_attention_triton, any head count), "gluon"
     # (kernels.dsa.sparse_attention_gluon: warp-specialized, Hopper, heads per rank a multiple of 64, d_v ==
-    # Dqk <= 512; raises elsewhere); the same function.
-    dsa_fwd: str = "triton"
+    # Dqk <= 512; raises elsewhere) or "auto" (gluon where it runs, else triton); the same function.
+    dsa_fwd: str = "auto"
     # Token permutation of megatron's allgather MoE dispatcher: "gather" (model.moe.GatherTokenDispatcher:
     # row gathers both ways, counts kept on the device; where every expert is local and no capacity factor
     # drops tokens) or "megatron" (its index_select / scatter_add with atomic backward and a host sync per
@@ -191,8 +192,8 @@ class Glm5NextConfig(TransformerConfig):
             raise ConfigError(f"moe_experts={self.moe_experts!r}; valid: 'grouped', 'sequential'")
         if self.dsa_dkv not in ("auto", "pool", "query", "gluon"):
             raise ConfigError(f"dsa_dkv={self.dsa_dkv!r}; valid: 'auto', 'pool', 'query', 'gluon'")
-        if self.dsa_fwd not in ("triton", "gluon"):
-            raise ConfigError(f"dsa_fwd={self.dsa_fwd!r}; valid: 'triton', 'gluon'")
+        if self.dsa_fwd not in ("auto", "triton", "gluon"):
+            raise ConfigError(f"dsa_fwd={self.dsa_fwd!r}; valid: 'auto', 'triton', 'gluon'")
         if self.moe_permute not in ("gather", "megatron"):
             raise ConfigError(f"moe_permute={self.moe_permute!r}; valid: 'gather', 'megatron'")
         for name in ("kda_conv", "dsa_kl"):

@@ -372,6 +372,11 @@ fwd+bwd (``tests/benchmarks/dsa_bench.py``): 8 heads 0.124 s per pool vs 0.195 s
 0.585 s vs 0.496 s."""
 
 
+DKV_KERNEL = {"auto": "auto", "pool": "triton", "query": "triton", "gluon": "gluon"}
+"""``dsa_dkv`` -> :func:`kernels.dsa.sparse_attention.sparse_mla_attention`'s ``dkv_kernel`` (``pool`` and ``auto``
+up to :data:`DKV_POOL_MAX_HEADS` heads also pass ``runs``, which keeps ``auto`` on the Triton per-pool sum)."""
+
+
 class DSAMixer(MegatronModule):
     """DeepSeek Sparse Attention on NoPE MLA (``Glm5NextTextAttention`` with ``Glm5NextTextIndexer``).
 
@@ -493,8 +498,7 @@ class DSAMixer(MegatronModule):
             kept = self.kept_attention.popleft()
         o_lat, lse = sparse_mla_attention(q_abs, latent_all, topk, self.softmax_scale, self.kv_lora,
                                           runs=self.cfg.index_kpool if per_pool else None, precomputed=kept,
-                                          fwd_kernel=self.cfg.dsa_fwd,
-                                          dkv_kernel="gluon" if self.cfg.dsa_dkv == "gluon" else "triton")
+                                          fwd_kernel=self.cfg.dsa_fwd, dkv_kernel=DKV_KERNEL[self.cfg.dsa_dkv])
         if keep_attention and not torch.is_grad_enabled():
             self.kept_attention.append((o_lat, lse))
         if self.keep_kl_inputs:

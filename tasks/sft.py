@@ -105,11 +105,13 @@ class SFTConfig:
         compile_glue: fuse the layers' elementwise glue with ``torch.compile`` on GPUs
             (:mod:`model.fused`; the same function, CPU runs stay eager).
         dsa_dkv: the sparse MLA backward's latent gradient on GPUs, summed per selected k-pool
-            (``pool``), scattered per query (``query``) or ``auto`` (by heads per rank,
-            :data:`model.layers.DKV_POOL_MAX_HEADS`), or per query with 64 heads per program (``gluon``:
-            Hopper, a multiple of 64 heads per rank); the same function.
-        dsa_fwd: the sparse MLA forward on GPUs, ``triton`` or ``gluon`` (warp-specialized, Hopper, a
-            multiple of 64 heads per rank; :mod:`kernels.dsa.sparse_attention_gluon`); the same function.
+            (``pool``), scattered per query (``query``), per query with 64 heads per program (``gluon``:
+            Hopper, a multiple of 64 heads per rank), or ``auto`` (``pool`` up to
+            :data:`model.layers.DKV_POOL_MAX_HEADS` heads per rank, above that ``gluon`` where it runs and
+            ``query`` elsewhere); the same function.
+        dsa_fwd: the sparse MLA forward on GPUs, ``triton``, ``gluon`` (warp-specialized, Hopper, a
+            multiple of 64 heads per rank; :mod:`kernels.dsa.sparse_attention_gluon`) or ``auto`` (``gluon``
+            where it runs, else ``triton``); the same function.
         moe_permute: MoE token permutation of the allgather dispatcher, ``gather`` (row gathers both
             ways, no atomics, no host sync; :class:`model.moe.GatherTokenDispatcher`) or ``megatron``.
         kda_conv: KDA short convolution on GPUs, ``auto`` (fla's Triton ``causal_conv1d``) or ``torch``.
@@ -171,7 +173,7 @@ class SFTConfig:
     moe_experts: str = "grouped"
     compile_glue: bool = True
     dsa_dkv: str = "auto"
-    dsa_fwd: str = "triton"
+    dsa_fwd: str = "auto"
     moe_permute: str = "gather"
     kda_conv: str = "auto"
     dsa_kl: str = "auto"

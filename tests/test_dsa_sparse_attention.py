@@ -135,6 +135,37 @@ def test_gluon_forward_names_what_it_cannot_run():
         gluon_sparse_mla_dkv(q, kv, torch.zeros(1, 2, 16, dtype=torch.int32), q, lse, lse, 1.0, kv.float())
 
 
+@pytest.mark.parametrize("fwd, dkv, runs, why, expected", [
+    ("auto", "auto", None, None, ("gluon", "gluon")),
+    ("auto", "auto", 4, None, ("gluon", "triton")),           # the per-pool sum is Triton's alone
+    ("auto", "auto", None, "a Hopper GPU", ("triton", "triton")),
+    ("auto", "auto", 4, "a multiple of 64 heads", ("triton", "triton")),
+    ("triton", "auto", None, None, ("triton", "gluon")),
+    ("auto", "triton", None, None, ("gluon", "triton")),
+    ("gluon", "gluon", None, "a Hopper GPU", ("gluon", "gluon")),  # explicit: kept, so the kernel raises
+    ("triton", "triton", None, None, ("triton", "triton")),
+])
+def test_auto_takes_gluon_only_where_it_runs(fwd, dkv, runs, why, expected):
+    from kernels.dsa.sparse_attention import choose_kernels
+
+    assert choose_kernels(fwd, dkv, runs, why) == expected
+
+
+def test_auto_on_the_cpu_asks_no_gluon_kernel(monkeypatch):
+    """``"auto"`` (the default) resolves before the autograd function: on CPU tensors to Triton, whose CPU path is
+    the torch reference; a resolution that asked the Gluon module here would fail the spy."""
+    import kernels.dsa.sparse_attention as sa
+
+    seen = []
+    real = sa._SparseMLAAttention.apply
+    monkeypatch.setattr(sa._SparseMLAAttention, "apply",
+                        lambda *args: seen.append(args[-2:]) or real(*args))
+    q, kv, idx = _case(1, 4, 8, 2, 8, 3, seed=8)
+    sparse_mla_attention(q, kv, idx, 1.0, 8)
+    sparse_mla_attention(q, kv, idx, 1.0, 8, runs=2, fwd_kernel="gluon")
+    assert seen == [("triton", "triton"), ("gluon", "triton")]
+
+
 def test_cpu_path_does_not_depend_on_the_kernel_choices():
     q, kv, idx = _case(1, 6, 10, 2, 8, 4, seed=7)
     grads = []

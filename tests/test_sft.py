@@ -681,9 +681,10 @@ def test_indexer_kl_reuses_the_mixers_attention_and_equals_a_rerun_of_it():
 
 
 @pytest.mark.parametrize("setting, expected", [
-    (dict(dsa_dkv="auto"), dict(runs=True)), (dict(dsa_dkv="pool"), dict(runs=True)),
+    (dict(dsa_dkv="auto"), dict(runs=True, dkv_kernel="auto")), (dict(dsa_dkv="pool"), dict(runs=True)),
     (dict(dsa_dkv="query"), dict(runs=False)), (dict(dsa_dkv="gluon"), dict(runs=False, dkv_kernel="gluon")),
-    (dict(dsa_fwd="gluon"), dict(runs=True, fwd_kernel="gluon")),
+    (dict(dsa_fwd="gluon"), dict(runs=True, fwd_kernel="gluon", dkv_kernel="auto")),
+    (dict(dsa_fwd="triton", dsa_dkv="pool"), dict(runs=True, fwd_kernel="triton")),
 ])
 def test_dsa_kernel_settings_reach_the_sparse_attention(monkeypatch, setting, expected):
     """``dsa_dkv`` and ``dsa_fwd`` (SFTConfig -> model config -> DSA mixer) are what every DSA layer asks the sparse
@@ -698,7 +699,7 @@ def test_dsa_kernel_settings_reach_the_sparse_attention(monkeypatch, setting, ex
 
     cfg = model_config(SFTConfig(model="tiny", **setting))
     assert cfg.num_attention_heads <= DKV_POOL_MAX_HEADS
-    want = (cfg.index_kpool if expected["runs"] else None, expected.get("fwd_kernel", "triton"),
+    want = (cfg.index_kpool if expected["runs"] else None, expected.get("fwd_kernel", "auto"),
             expected.get("dkv_kernel", "triton"))
     seen = []
     real = kernels.dsa.sparse_mla_attention

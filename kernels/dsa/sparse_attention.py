@@ -21,7 +21,43 @@ import torch
 
 from kernels.dsa.errors import DSAInputError
 
-__all__ = ["sparse_mla_attention"]
+__all__ = ["sparse_mla_attention", "choose_kernels"]
+
+KERNELS = ("auto", "triton", "gluon")
+
+
+def choose_kernels(fwd_kernel: str, dkv_kernel: str, runs: int | None, gluon_why: str | None) -> tuple[str, str]:
+    """The CUDA forward and latent-gradient kernels ``"triton"`` / ``"gluon"`` that ``"auto"`` stands for.
+
+    ``"auto"`` is the warp-specialized Gluon kernel wherever it runs (``gluon_why is None``: Hopper, a multiple of
+    64 heads, ``d_v == Dqk <= 512``, at least one index slot) and Triton elsewhere; the latent gradient stays
+    Triton when ``runs`` asks for the per-pool sum, which only the Triton kernel does. One H100, ``full`` shape
+    (64 heads, 512 wide), 64k tokens (``tests/benchmarks/sparse_mla_tilings.py``, matmul anchor 797 TF/s):
+    forward 46.6 ms Gluon vs 70.3 ms Triton; backward 233 ms (``dq`` pass + Gluon latent gradient) vs 403 ms
+    (Triton per query). An explicit ``"gluon"`` is kept as given, so an input it cannot run raises.
+
+    Args:
+        fwd_kernel, dkv_kernel: ``"auto"``, ``"triton"`` or ``"gluon"``.
+        runs: the k-pool hint of :func:`sparse_mla_attention` (``None``: per query).
+        gluon_why: why the Gluon kernels cannot run these inputs, ``None`` when they can
+            (:func:`kernels.dsa.sparse_attention_gluon.gluon_supported`).
+
+    Returns:
+        ``(fwd, dkv)``, each ``"triton"`` or ``"gluon"``.
+    """
+    fwd = fwd_kernel if fwd_kernel != "auto" else ("triton" if gluon_why else "gluon")
+    dkv = dkv_kernel if dkv_kernel != "auto" else ("triton" if gluon_why or runs is not None else "gluon")
+    return fwd, dkv
+
+
+def _gluon_why(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> str | None:
+    if not q.is_cuda:
+        return "a CUDA device"
+    if indices.shape[2] == 0:
+        return "at least one index slot per query"
+    from kernels.dsa.sparse_attention_gluon import gluon_supported
+
+    return gluon_supported(q, kv, d_v)
 
 
 def _check_attention_inputs(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> None:
@@ -137,7 +173,7 @@ class _SparseMLAAttention(torch.autograd.Function):
 def sparse_mla_attention(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,
     runs: int | None = None, precomputed: tuple[torch.Tensor, torch.Tensor] | None = None,
-    fwd_kernel: str = "triton", dkv_kernel: str = "triton",
+    fwd_kernel: str = "auto", dkv_kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every head over the selected tokens of one shared MLA latent.
 
@@ -160,12 +196,14 @@ def sparse_mla_attention(
         precomputed: ``(out, lse)`` this function returned earlier for the same inputs (a full-layer
             recompute that kept them): returned again, with the backward of these inputs, and the
             forward not run. The caller guarantees the inputs are the same (a deterministic recompute).
-        fwd_kernel: the CUDA forward, ``"triton"`` (:mod:`kernels.dsa.sparse_attention_triton`) or ``"gluon"``
+        fwd_kernel: the CUDA forward, ``"triton"`` (:mod:`kernels.dsa.sparse_attention_triton`), ``"gluon"``
             (:mod:`kernels.dsa.sparse_attention_gluon`, warp-specialized; Hopper, a multiple of 64 heads,
-            ``d_v == Dqk <= 512``, else :class:`DSAInputError`). The CPU path does not depend on it.
-        dkv_kernel: the CUDA backward's latent gradient, ``"triton"`` (per query or per ``runs``) or ``"gluon"``
+            ``d_v == Dqk <= 512``, else :class:`DSAInputError`) or ``"auto"`` (Gluon where it runs, else
+            Triton: :func:`choose_kernels`). The CPU path does not depend on it.
+        dkv_kernel: the CUDA backward's latent gradient, ``"triton"`` (per query or per ``runs``), ``"gluon"``
             (every slot per query, 64 heads per program: :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dkv`;
-            ``runs`` must be ``None``; same conditions as ``fwd_kernel="gluon"``).
+            ``runs`` must be ``None``; same conditions as ``fwd_kernel="gluon"``) or ``"auto"`` (Gluon where it
+            runs and ``runs`` is ``None``, else Triton).
 
     Returns:
         ``out [B, T, H, d_v]`` in ``q.dtype`` and ``lse [B, T, H]`` float32 (natural log;
@@ -178,8 +216,8 @@ def sparse_mla_attention(
     """
     _check_attention_inputs(q, kv, indices, d_v)
     for name, kernel in (("fwd_kernel", fwd_kernel), ("dkv_kernel", dkv_kernel)):
-        if kernel not in ("triton", "gluon"):
-            raise DSAInputError(f"{name}={kernel!r}; valid: 'triton', 'gluon'")
+        if kernel not in KERNELS:
+            raise DSAInputError(f"{name}={kernel!r}; valid: {', '.join(map(repr, KERNELS))}")
     if dkv_kernel == "gluon" and runs is not None:
         raise DSAInputError(f"dkv_kernel='gluon' sums every slot per query: runs must be None, got {runs}")
     if runs is not None and not 0 < runs <= indices.shape[2]:
@@ -189,4 +227,6 @@ def sparse_mla_attention(
         if out.shape != (*q.shape[:3], d_v) or lse.shape != q.shape[:3]:
             raise DSAInputError(f"precomputed out {tuple(out.shape)} / lse {tuple(lse.shape)} do not match "
                                 f"q {tuple(q.shape)} and d_v={d_v}")
+    if "auto" in (fwd_kernel, dkv_kernel):
+        fwd_kernel, dkv_kernel = choose_kernels(fwd_kernel, dkv_kernel, runs, _gluon_why(q, kv, indices, d_v))
     return _SparseMLAAttention.apply(q, kv, indices, softmax_scale, d_v, runs, precomputed, fwd_kernel, dkv_kernel)
