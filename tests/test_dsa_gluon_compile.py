@@ -66,15 +66,21 @@ def test_gluon_sparse_forward_gathers_async_and_overlaps_the_products(config):
     assert not re.search(r"C75[01]\d", report), report
 
 
-def test_gluon_sparse_dkv_holds_q_and_do_once():
+@pytest.mark.parametrize("atomics", [True, False])
+def test_gluon_sparse_dkv_holds_q_and_do_once(atomics):
     """The sparse MLA latent-gradient kernel at 64 heads x 512: ``q`` and ``dO`` one copy each in shared memory
     (64 KiB apiece, read by ``wgmma`` in both major orders), one 64-key latent buffer and the ``P^T`` / ``dS^T``
     tiles: it fits one CTA per SM, where Triton's per-query backward needs 256-352 KiB at 64 heads. Per key block,
-    ``Q K^T`` and ``dO V^T`` over K = 512 and ``dS^T q`` and ``P^T dO`` over the 64 heads; vector float32 atomics."""
+    ``Q K^T`` and ``dO V^T`` over K = 512 and ``dS^T q`` and ``P^T dO`` over the 64 heads; vector float32 atomics.
+    The benchmarks' ``ATOMICS=False`` build is the same kernel (same products, same atomics, predicated off)."""
+    import triton
+
     from kernels.dsa.sm90 import SM_SHARED, compile_gluon_sparse_dkv
     from kernels.dsa.sparse_attention_gluon import GLUON_DKV_CONFIGS
 
-    compiled = compile_gluon_sparse_dkv(64, 512, GLUON_DKV_CONFIGS[0])
+    cfg = GLUON_DKV_CONFIGS[0]
+    compiled = compile_gluon_sparse_dkv(64, 512, triton.Config(dict(cfg.kwargs, ATOMICS=atomics),
+                                                               num_warps=cfg.num_warps, maxnreg=cfg.maxnreg))
     ptx = compiled.asm["ptx"]
     expected_smem = (2 * 64 * 512 + 64 * 512 + 2 * 64 * 64) * 2
     assert expected_smem <= compiled.metadata.shared <= SM_SHARED

@@ -76,12 +76,14 @@ def compile_gluon_scores(heads: int, dim: int, n_select: int, config: dict, seg:
 def _compile_gluon_sparse(kernel, pointers: dict, scalars: tuple[str, ...], heads: int, dim: int, config):
     """``triton.compile`` of a Gluon sparse MLA kernel (:mod:`kernels.dsa.sparse_attention_gluon`) for sm_90:
     ``pointers`` its pointer arguments' types, ``scalars`` its float scalars plus ``n_idx`` (not aligned), the
-    strides int64, ``config`` one of its ``triton.Config`` (kwargs, warps, ``maxnreg``) at ``heads`` x ``dim``."""
+    strides int64, ``config`` one of its ``triton.Config`` (kwargs, warps, ``maxnreg``) at ``heads`` x ``dim``; a
+    constexpr the config leaves out takes the kernel's default."""
     fn = kernel.fn
     sig = dict(pointers)
     sig.update({n: "i64" for n in fn.arg_names if n.startswith("stride_")})
     sig.update({n: "i32" if n == "n_idx" else "fp32" for n in scalars})
-    constexprs = dict(config.kwargs, H=heads, D=dim)
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    constexprs = dict(defaults, **config.kwargs, H=heads, D=dim)
     src = GluonASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in constexprs}), constexprs=constexprs,
                          attrs=_aligned(fn, sig, scalars))
     return triton.compile(src, target=TARGET, options=dict(num_warps=config.num_warps, maxnreg=config.maxnreg))

@@ -265,7 +265,8 @@ the SM's shared memory), released as soon as ``Q K^T`` and ``dO V^T`` of its blo
 
 @gluon.jit
 def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready, empty, lse_row,
-                  stride_dks, n_idx, n_blocks, scale, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr):
+                  stride_dks, n_idx, n_blocks, scale, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr,
+                  ATOMICS: gl.constexpr):
     """The default partition of :func:`sparse_mla_dkv_gluon_kernel` (two warpgroups): per key block, ``P`` and
     ``dS`` of the 64 heads (``[64, BLOCK_K]``, recomputed from ``lse`` and ``delta``), then the block's latent
     gradient ``dS^T q + P^T dO`` (``[BLOCK_K, D]``, each warpgroup half of ``D``) added to ``DKV``'s rows."""
@@ -311,8 +312,11 @@ def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_s
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         rows_k = j * BLOCK_K + offs_kr
         rows = gl.load(IDX + rows_k, mask=rows_k < n_idx, other=-1).to(gl.int64)
-        gl.atomic_add(DKV + rows[:, None] * stride_dks + offs_d[None, :], acc, mask=(rows >= 0)[:, None],
-                      sem="relaxed")
+        if ATOMICS:
+            keep = rows >= 0
+        else:   # issued but predicated off (no row is below -1): the atomics' memory traffic out of the timing
+            keep = rows < -1
+        gl.atomic_add(DKV + rows[:, None] * stride_dks + offs_d[None, :], acc, mask=keep[:, None], sem="relaxed")
 
 
 @triton.autotune(configs=GLUON_DKV_CONFIGS, key=["H", "D"], reset_to_zero=["DKV"])
@@ -326,6 +330,7 @@ def sparse_mla_dkv_gluon_kernel(
     stride_dkb, stride_dks,
     n_idx, scale, scale_log2,
     H: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, GATHER_ROWS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ATOMICS: gl.constexpr = True,
 ):
     """The latent's gradient of one query ``t`` (program 0) and heads ``[64 * pid_h, 64 * pid_h + 64)`` (program
     1), batch ``b`` (program 2), added to ``DKV [B, S, D]`` float32 with atomics: ``sum_h scale * dS[h, k] q[h]
@@ -334,7 +339,9 @@ def sparse_mla_dkv_gluon_kernel(
     ``dq`` pass of :func:`kernels.dsa.sparse_attention_triton.sparse_mla_bwd_kernel` writes it) ``[B, T, H]``
     float32 with ``LSE``'s strides. ``q`` and ``dO`` are each held once in shared memory and read by ``wgmma``
     in both major orders (as ``A`` of ``Q K^T`` / ``dO V^T``, as ``B`` of ``dS^T q`` / ``P^T dO``): 208 KiB with
-    one 64-key latent buffer, where Triton's per-operand copies need 256-352 KiB at 64 heads."""
+    one 64-key latent buffer, where Triton's per-operand copies need 256-352 KiB at 64 heads. ``ATOMICS=False``
+    (benchmarks only, ``DKV`` unchanged) issues the atomics predicated off: the kernel's time without their
+    memory traffic."""
     gl.static_assert(H % _BLOCK_H == 0)
     gl.static_assert(D % 64 == 0)
     gl.static_assert(D <= 512)
@@ -367,7 +374,7 @@ def sparse_mla_dkv_gluon_kernel(
 
     gl.warp_specialize([
         (_dkv_consumer, (IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready, empty,
-                         lse_row, stride_dks, n_idx, n_blocks, scale, scale_log2, D, BLOCK_K)),
+                         lse_row, stride_dks, n_idx, n_blocks, scale, scale_log2, D, BLOCK_K, ATOMICS)),
         (_producer, (Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_row, do_row, stride_qh,
                      stride_kvs, n_idx, n_blocks, D, BLOCK_K, 1, GATHER_ROWS, True)),
     ], [_PRODUCER_WARPS], [PRODUCER_REGS])
@@ -446,7 +453,8 @@ def launch_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: to
 
 
 def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
-                         lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float, dkv: torch.Tensor) -> None:
+                         lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float, dkv: torch.Tensor,
+                         atomics: bool = True) -> None:
     """Add the latent's gradient of :func:`kernels.dsa.sparse_attention.sparse_mla_attention` to ``dkv``, from
     :func:`sparse_mla_dkv_gluon_kernel`: every selected key of every query, 64 heads per program.
 
@@ -456,6 +464,8 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         grad_out: ``[B, T, H, d_v]`` (``d_v == Dqk``), contiguous.
         lse, delta: ``[B, T, H]`` float32 contiguous: the forward's log-sum-exp and ``rowsum(dO * O)``.
         dkv: ``[B, S, Dqk]`` float32, accumulated into (atomics).
+        atomics: ``False`` for benchmarks only: the atomics are issued predicated off and ``dkv`` is left as it
+            is, the kernel's time without their memory traffic.
 
     Raises:
         DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
@@ -472,5 +482,5 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         lse.stride(0), lse.stride(1),
         dkv.stride(0), dkv.stride(1),
         indices.shape[2], softmax_scale, softmax_scale * 1.4426950408889634,
-        H=heads, D=dqk,
+        H=heads, D=dqk, ATOMICS=atomics,
     )

@@ -149,6 +149,10 @@ def main() -> None:
                                                                         dkv_kernel="gluon"), args.reps)[0],
             "gluon_dkv_kernel_s": timed(lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta_ref, scale,
                                                                          dkv_acc), args.reps)[0],
+            # the same kernel with its atomics predicated off: how much of it is their memory traffic
+            "gluon_dkv_no_atomics_s": timed(lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta_ref,
+                                                                             scale, dkv_acc, atomics=False),
+                                            args.reps)[0],
             "dq_max_abs_diff": (dq_g.float() - dq_q.float()).abs().max().item(),
             "dkv_rel_diff": ((dkv_g.float() - dkv_q.float()).norm() / dkv_q.float().norm()).item(),
         }
@@ -170,7 +174,8 @@ def main() -> None:
               f"dq pass + Gluon dkv {1e3 * per_query['bwd_gluon_dkv_s']:.1f} ms (fwd+bwd with the Triton forward "
               f"{(fwd_flops + bwd_flops) / (t_fwd_auto + per_query['bwd_gluon_dkv_s']) / 1e12:.0f} TF/s), the Gluon "
               f"dkv kernel alone {1e3 * per_query['gluon_dkv_kernel_s']:.1f} ms "
-              f"({dkv_flops / per_query['gluon_dkv_kernel_s'] / 1e12:.0f} TF/s of its dS^T q + P^T dO); "
+              f"({dkv_flops / per_query['gluon_dkv_kernel_s'] / 1e12:.0f} TF/s of its dS^T q + P^T dO), "
+              f"{1e3 * per_query['gluon_dkv_no_atomics_s']:.1f} ms with its atomics predicated off; "
               f"dq {per_query['dq_max_abs_diff']:.1e} apart, dkv {per_query['dkv_rel_diff']:.1e} relative")
     print("\n| BLOCK_H,BLOCK_K,warps,stages | fwd ms | fwd TF/s | dq pass ms | dq pass TF/s | fwd err | dq err |")
     print("|---|---|---|---|---|---|---|")
