@@ -90,3 +90,25 @@ def test_gluon_sparse_dkv_holds_q_and_do_once(atomics):
     assert len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)) == 2
     report = ptxas_report(compiled)
     assert not re.search(r"C75[01]\d", report), report
+
+
+def test_gluon_sparse_dq_gathers_q_do_and_a_two_deep_ring():
+    """The sparse MLA query-gradient kernel at 64 heads x 512: ``q`` and ``dO`` once each, two 32-key latent
+    buffers and the ``dS`` tile in shared memory (one CTA per SM); per key block ``Q K^T`` and ``dO V^T`` over
+    K = 512 and ``dS K`` over the block's 32 keys; ``cp.async`` signalled with ``.noinc`` for the query tile and
+    the ring; no serialized ``wgmma``."""
+    from kernels.dsa.sm90 import SM_SHARED, compile_gluon_sparse_dq
+    from kernels.dsa.sparse_attention_gluon import GLUON_DQ_CONFIGS
+
+    for cfg in GLUON_DQ_CONFIGS:
+        compiled = compile_gluon_sparse_dq(64, 512, cfg)
+        ptx = compiled.asm["ptx"]
+        block_k = cfg.kwargs["BLOCK_K"]
+        expected_smem = (2 * 64 * 512 + cfg.kwargs["STAGES"] * block_k * 512 + 64 * block_k) * 2
+        assert expected_smem <= compiled.metadata.shared <= SM_SHARED
+        assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * 512 // 16 + block_k // 16
+        assert len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)) == 2
+        assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+\d+", ptx) and "setmaxnreg.inc" in ptx
+        report = ptxas_report(compiled)
+        assert not re.search(r"C75[01]\d", report), report
+

@@ -115,10 +115,29 @@ def test_bad_arguments_raise_dsa_input_error():
         sparse_mla_attention(q, kv, idx, 1.0, 8, runs=2, dkv_kernel="gluon")
 
 
+def test_gluon_dq_needs_the_gluon_dkv():
+    """``dq_kernel="gluon"`` reads the ``rowsum(dO O)`` the all-Gluon backward computes; with the Triton latent
+    gradient (whose ``dq`` pass writes it) or an unknown name it is refused before any launch."""
+    pytest.importorskip("triton")
+    from kernels.dsa.sparse_attention_triton import triton_sparse_mla_bwd
+
+    q, kv, idx = _case(1, 4, 8, 2, 8, 3, seed=9)
+    out, lse = sparse_mla_attention(q, kv, idx, 1.0, 8)
+    for dq_kernel, dkv_kernel in (("gluon", "triton"), ("cuda", "gluon")):
+        with pytest.raises(DSAInputError, match="dq_kernel"):
+            triton_sparse_mla_bwd(q, kv, idx, out, lse, torch.ones_like(out), 1.0, 8, dkv_kernel=dkv_kernel,
+                                  dq_kernel=dq_kernel)
+
+
 def test_gluon_forward_names_what_it_cannot_run():
     """The Gluon forward's preconditions, each named in its error (no silent fallback to the Triton kernel)."""
     pytest.importorskip("triton")
-    from kernels.dsa.sparse_attention_gluon import gluon_supported, gluon_sparse_mla_dkv, gluon_sparse_mla_fwd
+    from kernels.dsa.sparse_attention_gluon import (
+        gluon_sparse_mla_dkv,
+        gluon_sparse_mla_dq,
+        gluon_sparse_mla_fwd,
+        gluon_supported,
+    )
 
     def inputs(heads, dqk, dtype=torch.bfloat16):
         return torch.zeros(1, 2, heads, dqk, dtype=dtype), torch.zeros(1, 4, dqk, dtype=dtype)
@@ -130,6 +149,9 @@ def test_gluon_forward_names_what_it_cannot_run():
     q, kv = inputs(64, 512)
     with pytest.raises(DSAInputError, match="Hopper"):
         gluon_sparse_mla_fwd(q, kv, torch.zeros(1, 2, 16, dtype=torch.int32), 1.0, 512)
+    with pytest.raises(DSAInputError, match="query gradient needs a Hopper"):
+        gluon_sparse_mla_dq(q, kv, torch.zeros(1, 2, 16, dtype=torch.int32), q, torch.zeros(1, 2, 64),
+                            torch.zeros(1, 2, 64), 1.0)
     lse = torch.zeros(1, 2, 64)
     with pytest.raises(DSAInputError, match="latent gradient needs a Hopper"):
         gluon_sparse_mla_dkv(q, kv, torch.zeros(1, 2, 16, dtype=torch.int32), q, lse, lse, 1.0, kv.float())

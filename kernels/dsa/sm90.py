@@ -107,6 +107,15 @@ def compile_gluon_sparse_dkv(heads: int, dim: int, config, index_dtype: str = "*
                                  ("n_idx", "scale", "scale_log2"), heads, dim, config)
 
 
+def compile_gluon_sparse_dq(heads: int, dim: int, config, index_dtype: str = "*i32"):
+    """The sparse MLA query-gradient kernel (:func:`kernels.dsa.sparse_attention_gluon.sparse_mla_dq_gluon_kernel`)
+    compiled for sm_90 with ``config``, ``heads`` x ``dim`` bf16 queries, latent and gradients."""
+    pointers = dict(zip(["Q", "KV", "IDX", "DO", "LSE", "DELTA", "DQ"],
+                        ["*bf16", "*bf16", index_dtype, "*bf16", "*fp32", "*fp32", "*bf16"]))
+    return _compile_gluon_sparse(sparse_attention_gluon.sparse_mla_dq_gluon_kernel, pointers,
+                                 ("n_idx", "scale", "scale_log2"), heads, dim, config)
+
+
 def ptxas_report(compiled) -> str:
     """``ptxas -v`` (Triton's bundled ptxas) on a compiled kernel's PTX for sm_90a: its register and spill lines
     and its performance warnings, e.g. C7510-C7519 when it serializes ``wgmma`` instructions."""

@@ -30,16 +30,24 @@ Same contract as :func:`kernels.dsa.sparse_attention_triton.triton_sparse_mla_fw
 ``lse`` float32 natural log, ``-inf`` and a zero row for a query without a valid index. Needs bf16/fp16, a head
 count that is a multiple of 64 (one ``wgmma`` tile of rows per program), ``d_v == Dqk`` a multiple of 64 up to
 512, and CUDA capability 9.x; :func:`gluon_sparse_mla_fwd` raises :class:`kernels.dsa.errors.DSAInputError`
-otherwise. Not the default forward: it is chosen with ``fwd_kernel="gluon"`` (``dsa_fwd="gluon"``) until an H200
-run has checked it (``tests/gpu/dsa_check.py``) and timed it (``tests/benchmarks/sparse_mla_tilings.py``).
+otherwise. It is the forward wherever it runs (``fwd_kernel="auto"``, :func:`kernels.dsa.sparse_attention.choose_kernels`):
+checked by ``tests/gpu/gluon_smoke.py`` and ``tests/gpu/dsa_check.py`` and timed by
+``tests/benchmarks/sparse_mla_tilings.py`` on an H100 (381 TF/s at the ``full`` shape, 64k tokens, against the
+Triton forward's 252; anchor 797).
 
-The latent gradient (:func:`sparse_mla_dkv_gluon_kernel`, chosen with ``dsa_dkv="gluon"``) exists because
+The latent gradient (:func:`sparse_mla_dkv_gluon_kernel`, ``dkv_kernel="auto"`` or ``"gluon"``) exists because
 Triton's per-query backward cannot take 64 heads in one program: it holds ``q`` and ``dO`` twice each, once per
 major order its products read them in (256-352 KiB at 64 heads x 512), so the autotuner falls back to 32- or
 16-head programs, each gathering every selected row and adding its own atomic row per key. Here the producer
 copies ``q`` and ``dO`` once, ``wgmma`` reads each in both orders, and one 64-key latent buffer is released as
 soon as ``Q K^T`` and ``dO V^T`` retire, so the next gather overlaps ``dS^T q + P^T dO`` and the atomics. ``dq``
-stays with the Triton ``dq`` pass, which also writes the ``rowsum(dO O)`` this kernel reads.
+stays with the Triton ``dq`` pass, which also writes the ``rowsum(dO O)`` this kernel reads. Both run at the
+H100's copy rate (3.0 TB/s of gathered rows and atomic rows): they are bound by the bytes they move.
+
+The query gradient (:func:`sparse_mla_dq_gluon_kernel`, kernel level: ``triton_sparse_mla_bwd(...,
+dq_kernel="gluon")``) replaces that ``dq`` pass (280 TF/s of its products on the same H100): the same producer
+with a two-deep ring of 32-key buffers, the consumers forming ``dS`` and accumulating ``dq += dS K`` over the
+blocks. Not yet run on a GPU.
 
 Shared memory per CTA of the forward: ``64 * D * 2`` (queries) ``+ STAGES * BLOCK_K * D * 2`` (key ring)
 ``+ 64 * BLOCK_K * 2`` (``P``) bytes: 200 KiB at ``D`` 512 with ``(BLOCK_K, STAGES)`` ``(64, 2)`` or ``(32, 4)``; one CTA per SM.
@@ -384,6 +392,131 @@ def sparse_mla_dkv_gluon_kernel(
     mbarrier.invalidate(empty.index(0))
 
 
+GLUON_DQ_CONFIGS = [
+    triton.Config({"BLOCK_K": 32, "STAGES": 2, "GATHER_ROWS": rows, "PRODUCER_REGS": regs},
+                  num_warps=CONSUMER_WARPS, maxnreg=MAXNREG)
+    for rows, regs in [(16, 56), (8, 40)]
+]
+"""Configurations of :func:`sparse_mla_dq_gluon_kernel`: ``q`` and ``dO`` take 128 KiB, so the latent ring is two
+32-key buffers (64 KiB; ``dS K`` reads the block's buffer too, so one buffer could not be refilled during a
+block). Offline sm_90 compiles (Triton 3.6, :func:`kernels.dsa.sm90.compile_gluon_sparse_dq`, 64 heads x 512):
+196 KiB, the consumers' ``[64, 512]`` float32 ``dq`` takes 128 of their 224 (232) registers and ptxas spills
+120 (88) bytes of ``wgmma`` descriptors; issuing the next block's ``Q K^T`` and ``dO V^T`` during ``dS K`` (the
+forward's overlap) spilled 488 bytes, so the consumers run each block's products in turn and only the gather
+overlaps them."""
+
+
+@gluon.jit
+def _dq_consumer(IDX, DQ, LSE, DELTA, q_smem, do_smem, kv_smem, ds_smem, q_bar, ready, empty, dq_row, stride_dqh,
+                 lse_row, n_idx, n_blocks, scale, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """The default partition of :func:`sparse_mla_dq_gluon_kernel` (two warpgroups): per key block ``P`` and
+    ``dS`` of the 64 heads (recomputed from ``lse`` and ``delta``; each warpgroup half of the block's keys),
+    ``dS`` through shared memory, then ``dq += dS K`` (each warpgroup half of ``D``), the block's buffer released
+    once both warpgroups' ``dS K`` retired."""
+    gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                  instr_shape=[16, BLOCK_K // 2, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
+    offs_h = gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, s_l))
+    lse = gl.load(LSE + lse_row + offs_h)
+    row_ok = lse > float("-inf")
+    lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
+    delta = gl.load(DELTA + lse_row + offs_h)
+    s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
+    acc = gl.zeros([_BLOCK_H, D], gl.float32, o_l)
+    offs_kb = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
+
+    mbarrier.wait(q_bar, 0)
+    for j in range(n_blocks):
+        slot = j % STAGES
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        fence_async_shared()   # the producer's cp.async (generic proxy) before wgmma's reads (async proxy)
+        kv_t = kv_smem.index(slot).permute((1, 0))
+        s_tok = warpgroup_mma(q_smem, kv_t, s_init, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do_smem, kv_t, s_init, use_acc=False, is_async=True)
+        scores, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dp_tok))
+        offs_k = j * BLOCK_K + offs_kb
+        idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
+        p = gl.exp2(scores * scale_log2 - lse2[:, None])
+        p = gl.where((idx >= 0)[None, :] & row_ok[:, None], p, 0.0)
+        ds = p * (dp - delta[:, None]) * scale
+        ds_smem.store(ds.to(ds_smem.dtype))
+        # every consumer warp's part of dS is in shared memory and visible to wgmma's (async) proxy
+        fence_async_shared()
+        _cta_barrier()
+        acc = warpgroup_mma(ds_smem, kv_smem.index(slot), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _cta_barrier()   # both warpgroups' dS_j K_j retired: the slot and dS are free
+        mbarrier.arrive(empty.index(slot))
+
+    offs_hr = gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, o_l))
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
+    gl.store(DQ + dq_row + offs_hr[:, None] * stride_dqh + offs_d[None, :], acc.to(DQ.dtype.element_ty))
+
+
+@triton.autotune(configs=GLUON_DQ_CONFIGS, key=["H", "D"])
+@gluon.jit
+def sparse_mla_dq_gluon_kernel(
+    Q, KV, IDX, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qt, stride_qh,
+    stride_kvb, stride_kvs,
+    stride_ib, stride_it,
+    stride_lb, stride_lt,
+    n_idx, scale, scale_log2,
+    H: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATHER_ROWS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
+):
+    """The query gradient of one query ``t`` (program 0) and heads ``[64 * pid_h, 64 * pid_h + 64)`` (program 1),
+    batch ``b`` (program 2): ``DQ[h] = sum_k scale * dS[h, k] kv[k]`` over the selected keys, ``dS = P (dP -
+    delta)``. ``Q [B, T, H, D]`` (``stride(3) == 1``), ``KV [B, S, D]``, ``IDX [B, T, K]``, ``DO`` and ``DQ``
+    ``[B, T, H, D]`` contiguous, ``LSE`` and ``DELTA`` (``rowsum(dO * O)``) ``[B, T, H]`` float32 with ``LSE``'s
+    strides. The producer partition gathers ``q`` and ``dO`` once and the latent blocks into a two-deep ring, as
+    for the latent gradient (:func:`sparse_mla_dkv_gluon_kernel`), which this kernel completes: together they are
+    the backward at 64 heads per program, where Triton's ``dq`` pass (``MODE`` 1) runs its products one after the
+    other with the gather (280 TF/s at the ``full`` shape on an H100, anchor 797)."""
+    gl.static_assert(H % _BLOCK_H == 0)
+    gl.static_assert(D % 64 == 0)
+    gl.static_assert(D <= 512)
+    gl.static_assert(BLOCK_K % GATHER_ROWS == 0)
+    gl.static_assert(STAGES >= 2)   # block j's buffer is still read by dS_j K_j when block j + 1's is awaited
+    t = gl.program_id(0).to(gl.int64)
+    pid_h = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    n_q = gl.num_programs(0).to(gl.int64)
+    n_blocks = gl.cdiv(n_idx, BLOCK_K)
+    q_row = b * stride_qb + t * stride_qt + pid_h * _BLOCK_H * stride_qh
+    do_row = ((b * n_q + t) * H + pid_h * _BLOCK_H) * D
+    lse_row = b * stride_lb + t * stride_lt + pid_h * _BLOCK_H
+    IDX = IDX + b * stride_ib + t * stride_it
+    KV = KV + b * stride_kvb
+
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
+    do_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
+    kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, D], _nvmma([BLOCK_K, D], dtype))
+    ds_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, BLOCK_K], _nvmma([_BLOCK_H, BLOCK_K], dtype))
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=32 * _PRODUCER_WARPS)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=32 * _PRODUCER_WARPS)
+        mbarrier.init(empty.index(s), count=1)
+
+    gl.warp_specialize([
+        (_dq_consumer, (IDX, DQ, LSE, DELTA, q_smem, do_smem, kv_smem, ds_smem, q_bar, ready, empty, do_row, D,
+                        lse_row, n_idx, n_blocks, scale, scale_log2, D, BLOCK_K, STAGES)),
+        (_producer, (Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_row, do_row, stride_qh,
+                     stride_kvs, n_idx, n_blocks, D, BLOCK_K, STAGES, GATHER_ROWS, True)),
+    ], [_PRODUCER_WARPS], [PRODUCER_REGS])
+
+    mbarrier.invalidate(q_bar)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
 def gluon_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str | None:
     """Why :func:`gluon_sparse_mla_fwd` and :func:`gluon_sparse_mla_dkv` cannot run these inputs (``None`` when
     they can): the dtype, the head count, the widths or the device."""
@@ -450,6 +583,37 @@ def launch_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: to
         indices.shape[2], softmax_scale * 1.4426950408889634,
         H=heads, D=dqk, **tuning,
     )
+
+
+def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
+                        lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """``dq [B, T, H, Dqk]`` (q.dtype) of :func:`kernels.dsa.sparse_attention.sparse_mla_attention`, from
+    :func:`sparse_mla_dq_gluon_kernel`: every selected key of every query, 64 heads per program.
+
+    Args:
+        q: ``[B, T, H, Dqk]`` bf16/fp16, ``H`` a multiple of 64; kv: ``[B, S, Dqk]``, same dtype.
+        indices: ``[B, T, K]`` int32/int64, ``-1`` skipped.
+        grad_out: ``[B, T, H, d_v]`` (``d_v == Dqk``).
+        lse, delta: ``[B, T, H]`` float32: the forward's log-sum-exp and ``rowsum(dO * O)``.
+
+    Raises:
+        DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
+    """
+    _require_supported(q, kv, indices, grad_out.shape[-1], "query gradient")
+    batch, n_q, heads, dqk = q.shape
+    q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
+    grad_out, lse, delta = grad_out.contiguous(), lse.contiguous(), delta.contiguous()
+    dq = torch.empty_like(q)
+    sparse_mla_dq_gluon_kernel[(n_q, heads // BLOCK_H, batch)](
+        q, kv, indices, grad_out, lse, delta, dq,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        indices.stride(0), indices.stride(1),
+        lse.stride(0), lse.stride(1),
+        indices.shape[2], softmax_scale, softmax_scale * 1.4426950408889634,
+        H=heads, D=dqk,
+    )
+    return dq
 
 
 def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,

@@ -431,7 +431,8 @@ def run_pairs(indices: torch.Tensor, run: int, n_keys: int, query_block: int = 3
     return run_ok, scatter, keys, pairs, counts, ends
 
 
-def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v, runs=None, dkv_kernel="triton"):
+def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v, runs=None, dkv_kernel="triton",
+                          dq_kernel="triton"):
     """``dq`` (q.dtype) and ``dkv`` (kv.dtype, accumulated in float32) of ``sparse_mla_attention``.
 
     ``runs``: ``None`` scatters every selected key's ``dkv`` from its query's program with atomics;
@@ -441,6 +442,9 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     scattered per query like ``None`` (the result is the same either way).
     ``dkv_kernel="gluon"`` (``runs`` must be ``None``): ``dq`` from the ``dq`` pass (``MODE`` 1), every slot's
     ``dkv`` from :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dkv` (64 heads per program, Hopper).
+    ``dq_kernel="gluon"`` (with ``dkv_kernel="gluon"``): ``dq`` from
+    :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dq` instead of the ``dq`` pass, ``rowsum(dO * O)``
+    in torch; for the benchmarks and GPU checks until an H100/H200 run has checked and timed it.
     """
     batch, n_q, heads, dqk = q.shape
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
@@ -451,6 +455,17 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     run = runs if runs and runs >= 16 and runs & (runs - 1) == 0 else 0
     n_runs = -(-indices.shape[2] // run) if run else 0
     gluon_dkv = dkv_kernel == "gluon"
+    if dq_kernel not in ("triton", "gluon") or (dq_kernel == "gluon" and not gluon_dkv):
+        raise DSAInputError(f"dq_kernel={dq_kernel!r}: 'triton', or 'gluon' with dkv_kernel='gluon'")
+    if gluon_dkv and dq_kernel == "gluon":
+        from kernels.dsa.sparse_attention_gluon import gluon_sparse_mla_dkv, gluon_sparse_mla_dq
+
+        if runs is not None:
+            raise DSAInputError(f"dkv_kernel='gluon' sums every slot per query: runs must be None, got {runs}")
+        delta = (grad_out.float() * out.float()).sum(-1)
+        dq = gluon_sparse_mla_dq(q, kv, indices, grad_out, lse, delta, softmax_scale)
+        gluon_sparse_mla_dkv(q, kv, indices, grad_out, lse, delta, softmax_scale, dkv)
+        return dq, dkv.to(kv.dtype)
     if gluon_dkv:
         if runs is not None:
             raise DSAInputError(f"dkv_kernel='gluon' sums every slot per query: runs must be None, got {runs}")

@@ -51,6 +51,7 @@ from kernels.dsa.loss import _block_kl  # noqa: E402
 from kernels.dsa.loss_triton import triton_indexer_kl  # noqa: E402
 from kernels.dsa.sparse_attention import torch_sparse_mla_bwd, torch_sparse_mla_fwd  # noqa: E402
 from kernels.dsa.sparse_attention_gluon import gluon_supported, gluon_sparse_mla_fwd  # noqa: E402
+from kernels.dsa.sparse_attention_triton import triton_sparse_mla_bwd  # noqa: E402
 
 SHAPES = {  # model/config.py presets: MLA heads, kv_lora_rank, qk head dim, indexer heads x dim
     "small": dict(heads=8, dqk=512, qk_head=128, index_heads=16, index_dim=64),
@@ -207,6 +208,16 @@ def check_attention(seq_len: int, shape: dict, indices: torch.Tensor, gen: torch
             out.backward(grad)
             result.update({f"dq{tag}_rel_err": rel_err(q.grad, dq64), f"dkv{tag}_rel_err": rel_err(kv.grad, dkv64)})
             ok = ok and result[f"dq{tag}_rel_err"] <= 1e-2 and result[f"dkv{tag}_rel_err"] <= 1e-2
+        if gluon_supported(q, kv, dqk) is None:   # the whole backward in Gluon (kernel level, not yet the model's)
+            lse_f = ref_l64.float()
+            try:
+                dq_g, dkv_g = triton_sparse_mla_bwd(q.detach(), kv.detach(), indices, ref_o64.to(q.dtype), lse_f,
+                                                    grad, scale, dqk, dkv_kernel="gluon", dq_kernel="gluon")
+                torch.cuda.synchronize()
+                result.update(dq_gluon_dq_rel_err=rel_err(dq_g, dq64), dkv_gluon_dq_rel_err=rel_err(dkv_g, dkv64))
+            except Exception as exc:   # recorded as a failure, the other checks still report
+                result["gluon_dq_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            ok = ok and result.get("dq_gluon_dq_rel_err", 1.0) <= 1e-2 and result.get("dkv_gluon_dq_rel_err", 1.0) <= 1e-2
     result["ok"] = ok
     return result
 

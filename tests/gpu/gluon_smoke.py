@@ -6,8 +6,9 @@ At 256 queries, 64 and 128 heads, a 512-wide latent and 200 index slots per quer
 ``BLOCK_K``; random keys with ``-1`` holes, one query with none valid), each configuration of
 :func:`kernels.dsa.sparse_attention_gluon.sparse_mla_fwd_gluon_kernel` launched outside the autotuner, and
 :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dkv`, against the float64 torch paths
-(:mod:`kernels.dsa.sparse_attention`): relative Frobenius error of ``out`` and ``dkv`` <= 1e-2, ``lse`` within
-5e-2, the empty query's output 0 and ``lse`` ``-inf``. Each launch is synchronized and reported before the next,
+and :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dq`, against the float64 torch paths
+(:mod:`kernels.dsa.sparse_attention`): relative Frobenius error of ``out``, ``dkv`` and ``dq`` <= 1e-2, ``lse``
+within 5e-2, the empty query's output and ``dq`` 0 and its ``lse`` ``-inf``. Each launch is synchronized and reported before the next,
 so a deadlock names its kernel. Prints ``GLUON SMOKE OK: True/False``.
 """
 
@@ -76,6 +77,15 @@ def main() -> None:
         ok &= good
         print(f"dkv {heads} heads: rel {err:.2e} {time.perf_counter() - t0:.1f}s {'ok' if good else 'FAIL'}",
               flush=True)
+        dq64, _ = torch_sparse_mla_bwd(q.double(), kv.double(), idx, out64, lse64, grad.double(), scale, dim)
+        t0 = time.perf_counter()
+        dq = sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse, delta, scale)
+        torch.cuda.synchronize()
+        err = rel(dq, dq64)
+        good = err <= 1e-2 and bool((dq[:, 3] == 0).all())
+        ok &= good
+        print(f"dq {heads} heads: rel {err:.2e}, empty query zero {bool((dq[:, 3] == 0).all())} "
+              f"{time.perf_counter() - t0:.1f}s {'ok' if good else 'FAIL'}", flush=True)
     print(f"GLUON SMOKE OK: {ok}", flush=True)
 
 
