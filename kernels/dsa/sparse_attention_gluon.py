@@ -586,7 +586,8 @@ def launch_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: to
 
 
 def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
-                        lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+                        lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float,
+                        dq: torch.Tensor | None = None) -> torch.Tensor:
     """``dq [B, T, H, Dqk]`` (q.dtype) of :func:`kernels.dsa.sparse_attention.sparse_mla_attention`, from
     :func:`sparse_mla_dq_gluon_kernel`: every selected key of every query, 64 heads per program.
 
@@ -595,6 +596,7 @@ def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
         indices: ``[B, T, K]`` int32/int64, ``-1`` skipped.
         grad_out: ``[B, T, H, d_v]`` (``d_v == Dqk``).
         lse, delta: ``[B, T, H]`` float32: the forward's log-sum-exp and ``rowsum(dO * O)``.
+        dq: a contiguous ``[B, T, H, Dqk]`` tensor of ``q``'s dtype to write into (``None``: a new one).
 
     Raises:
         DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
@@ -603,7 +605,7 @@ def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
     batch, n_q, heads, dqk = q.shape
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
     grad_out, lse, delta = grad_out.contiguous(), lse.contiguous(), delta.contiguous()
-    dq = torch.empty_like(q)
+    dq = torch.empty_like(q) if dq is None else dq
     sparse_mla_dq_gluon_kernel[(n_q, heads // BLOCK_H, batch)](
         q, kv, indices, grad_out, lse, delta, dq,
         q.stride(0), q.stride(1), q.stride(2),

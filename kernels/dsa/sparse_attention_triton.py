@@ -463,7 +463,7 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
         if runs is not None:
             raise DSAInputError(f"dkv_kernel='gluon' sums every slot per query: runs must be None, got {runs}")
         delta = (grad_out.float() * out.float()).sum(-1)
-        dq = gluon_sparse_mla_dq(q, kv, indices, grad_out, lse, delta, softmax_scale)
+        gluon_sparse_mla_dq(q, kv, indices, grad_out, lse, delta, softmax_scale, dq)
         gluon_sparse_mla_dkv(q, kv, indices, grad_out, lse, delta, softmax_scale, dkv)
         return dq, dkv.to(kv.dtype)
     if gluon_dkv:
