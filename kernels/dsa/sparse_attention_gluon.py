@@ -116,6 +116,47 @@ def _gather_rows(dst, base, stride_row, rows, valid, D: gl.constexpr, GATHER_ROW
 
 
 @gluon.jit
+def _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib, stride_it, stride_lb, stride_lt,
+                  H: gl.constexpr, D: gl.constexpr):
+    """This program's query ``t`` (program 0), 64-head block (program 1) and batch ``b`` (program 2):
+    ``(b, q_row, do_row, lse_row, IDX, KV)``, the offsets of its first head in ``Q``, in a contiguous
+    ``[B, T, H, D]`` gradient and in ``LSE``, and ``IDX`` and ``KV`` advanced to its index row and batch. int64: at
+    1M tokens x H x D the offsets pass 2^31."""
+    t = gl.program_id(0).to(gl.int64)
+    pid_h = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    n_q = gl.num_programs(0).to(gl.int64)
+    q_row = b * stride_qb + t * stride_qt + pid_h * _BLOCK_H * stride_qh
+    do_row = ((b * n_q + t) * H + pid_h * _BLOCK_H) * D
+    lse_row = b * stride_lb + t * stride_lt + pid_h * _BLOCK_H
+    return b, q_row, do_row, lse_row, IDX + b * stride_ib + t * stride_it, KV + b * stride_kvb
+
+
+@gluon.jit
+def _ring_barriers(STAGES: gl.constexpr):
+    """``(q_bar, ready, empty)``: the query tile's barrier and the key ring's ``[STAGES, 1]`` full/empty barriers,
+    initialized. Every producer thread arrives once per fill (``cp.async.mbarrier.arrive.noinc``), the consumers
+    once per release."""
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=32 * _PRODUCER_WARPS)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=32 * _PRODUCER_WARPS)
+        mbarrier.init(empty.index(s), count=1)
+    return q_bar, ready, empty
+
+
+@gluon.jit
+def _invalidate_barriers(q_bar, ready, empty, STAGES: gl.constexpr):
+    """Invalidate the barriers of :func:`_ring_barriers` once both partitions have finished."""
+    mbarrier.invalidate(q_bar)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+
+
+@gluon.jit
 def _producer(Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_row, do_row, stride_qh, stride_kvs,
               n_idx, n_blocks, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
               GATHER_ROWS: gl.constexpr, WITH_DO: gl.constexpr):
@@ -227,28 +268,16 @@ def sparse_mla_fwd_gluon_kernel(
     gl.static_assert(D <= 512)   # D // 2 columns per warpgroup: wgmma's N is at most 256
     gl.static_assert(BLOCK_K % GATHER_ROWS == 0)
     gl.static_assert(STAGES >= 2)   # the consumers wait for block j + 1 before they release block j
-    t = gl.program_id(0).to(gl.int64)   # at 1M tokens x H x D, offsets pass 2^31
-    pid_h = gl.program_id(1)
-    b = gl.program_id(2).to(gl.int64)
+    b, q_row, _, lse_row, IDX, KV = _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
+                                                  stride_it, stride_lb, stride_lt, H, D)
+    out_row = b * stride_ob + gl.program_id(0).to(gl.int64) * stride_ot + gl.program_id(1) * _BLOCK_H * stride_oh
     n_blocks = gl.cdiv(n_idx, BLOCK_K)
-    q_row = b * stride_qb + t * stride_qt + pid_h * _BLOCK_H * stride_qh
-    out_row = b * stride_ob + t * stride_ot + pid_h * _BLOCK_H * stride_oh
-    lse_row = b * stride_lb + t * stride_lt + pid_h * _BLOCK_H
-    IDX = IDX + b * stride_ib + t * stride_it
-    KV = KV + b * stride_kvb
 
     dtype: gl.constexpr = Q.dtype.element_ty
     q_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
     kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, D], _nvmma([BLOCK_K, D], dtype))
     p_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, BLOCK_K], _nvmma([_BLOCK_H, BLOCK_K], dtype))
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # every producer thread arrives once per fill (cp.async.mbarrier.arrive.noinc); the consumers once per release
-    mbarrier.init(q_bar, count=32 * _PRODUCER_WARPS)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=32 * _PRODUCER_WARPS)
-        mbarrier.init(empty.index(s), count=1)
+    q_bar, ready, empty = _ring_barriers(STAGES)
 
     gl.warp_specialize([
         (_consumer, (IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row, n_idx,
@@ -257,10 +286,7 @@ def sparse_mla_fwd_gluon_kernel(
                      n_idx, n_blocks, D, BLOCK_K, STAGES, GATHER_ROWS, False)),
     ], [_PRODUCER_WARPS], [PRODUCER_REGS])
 
-    mbarrier.invalidate(q_bar)
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(empty.index(s))
+    _invalidate_barriers(q_bar, ready, empty, STAGES)
 
 
 GLUON_DKV_CONFIGS = [
@@ -355,16 +381,9 @@ def sparse_mla_dkv_gluon_kernel(
     gl.static_assert(D <= 512)
     gl.static_assert(BLOCK_K == 64)   # the M of the dkv products: one wgmma tile of rows per warpgroup
     gl.static_assert(BLOCK_K % GATHER_ROWS == 0)
-    t = gl.program_id(0).to(gl.int64)
-    pid_h = gl.program_id(1)
-    b = gl.program_id(2).to(gl.int64)
-    n_q = gl.num_programs(0).to(gl.int64)
+    b, q_row, do_row, lse_row, IDX, KV = _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
+                                                       stride_it, stride_lb, stride_lt, H, D)
     n_blocks = gl.cdiv(n_idx, BLOCK_K)
-    q_row = b * stride_qb + t * stride_qt + pid_h * _BLOCK_H * stride_qh
-    do_row = ((b * n_q + t) * H + pid_h * _BLOCK_H) * D
-    lse_row = b * stride_lb + t * stride_lt + pid_h * _BLOCK_H
-    IDX = IDX + b * stride_ib + t * stride_it
-    KV = KV + b * stride_kvb
     DKV = DKV + b * stride_dkb
 
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -373,12 +392,7 @@ def sparse_mla_dkv_gluon_kernel(
     kv_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_K, D], _nvmma([BLOCK_K, D], dtype))
     pt_smem = gl.allocate_shared_memory(dtype, [BLOCK_K, _BLOCK_H], _nvmma([BLOCK_K, _BLOCK_H], dtype))
     dst_smem = gl.allocate_shared_memory(dtype, [BLOCK_K, _BLOCK_H], _nvmma([BLOCK_K, _BLOCK_H], dtype))
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=32 * _PRODUCER_WARPS)
-    mbarrier.init(ready.index(0), count=32 * _PRODUCER_WARPS)
-    mbarrier.init(empty.index(0), count=1)
+    q_bar, ready, empty = _ring_barriers(1)
 
     gl.warp_specialize([
         (_dkv_consumer, (IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready, empty,
@@ -387,9 +401,7 @@ def sparse_mla_dkv_gluon_kernel(
                      stride_kvs, n_idx, n_blocks, D, BLOCK_K, 1, GATHER_ROWS, True)),
     ], [_PRODUCER_WARPS], [PRODUCER_REGS])
 
-    mbarrier.invalidate(q_bar)
-    mbarrier.invalidate(ready.index(0))
-    mbarrier.invalidate(empty.index(0))
+    _invalidate_barriers(q_bar, ready, empty, 1)
 
 
 GLUON_DQ_CONFIGS = [
@@ -480,29 +492,16 @@ def sparse_mla_dq_gluon_kernel(
     gl.static_assert(D <= 512)
     gl.static_assert(BLOCK_K % GATHER_ROWS == 0)
     gl.static_assert(STAGES >= 2)   # block j's buffer is still read by dS_j K_j when block j + 1's is awaited
-    t = gl.program_id(0).to(gl.int64)
-    pid_h = gl.program_id(1)
-    b = gl.program_id(2).to(gl.int64)
-    n_q = gl.num_programs(0).to(gl.int64)
+    b, q_row, do_row, lse_row, IDX, KV = _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
+                                                       stride_it, stride_lb, stride_lt, H, D)
     n_blocks = gl.cdiv(n_idx, BLOCK_K)
-    q_row = b * stride_qb + t * stride_qt + pid_h * _BLOCK_H * stride_qh
-    do_row = ((b * n_q + t) * H + pid_h * _BLOCK_H) * D
-    lse_row = b * stride_lb + t * stride_lt + pid_h * _BLOCK_H
-    IDX = IDX + b * stride_ib + t * stride_it
-    KV = KV + b * stride_kvb
 
     dtype: gl.constexpr = Q.dtype.element_ty
     q_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
     do_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
     kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, D], _nvmma([BLOCK_K, D], dtype))
     ds_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, BLOCK_K], _nvmma([_BLOCK_H, BLOCK_K], dtype))
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=32 * _PRODUCER_WARPS)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=32 * _PRODUCER_WARPS)
-        mbarrier.init(empty.index(s), count=1)
+    q_bar, ready, empty = _ring_barriers(STAGES)
 
     gl.warp_specialize([
         (_dq_consumer, (IDX, DQ, LSE, DELTA, q_smem, do_smem, kv_smem, ds_smem, q_bar, ready, empty, do_row, D,
@@ -511,10 +510,7 @@ def sparse_mla_dq_gluon_kernel(
                      stride_kvs, n_idx, n_blocks, D, BLOCK_K, STAGES, GATHER_ROWS, True)),
     ], [_PRODUCER_WARPS], [PRODUCER_REGS])
 
-    mbarrier.invalidate(q_bar)
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(empty.index(s))
+    _invalidate_barriers(q_bar, ready, empty, STAGES)
 
 
 def gluon_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str | None:
