@@ -327,7 +327,8 @@ def main() -> None:
                              "as SFT workers do")
     parser.add_argument("--save-compile-cache", default="",
                         help="write torch.compiler.save_cache_artifacts() of this process here, gzipped, at the end "
-                             "(the file kernels/tunings/<gpu>.torch-<version>.inductor.bin.gz ships)")
+                             "(the file kernels/tunings/<gpu>.torch-<version>.inductor.bin.gz ships; from a device "
+                             "call name it without '+', e.g. $OUT/inductor.bin.gz: the device drops such names)")
     args = parser.parse_args()
     if args.table:
         saved = json.loads(Path(args.table).read_text())
