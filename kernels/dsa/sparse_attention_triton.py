@@ -457,18 +457,16 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     gluon_dkv = dkv_kernel == "gluon"
     if dq_kernel not in ("triton", "gluon") or (dq_kernel == "gluon" and not gluon_dkv):
         raise DSAInputError(f"dq_kernel={dq_kernel!r}: 'triton', or 'gluon' with dkv_kernel='gluon'")
-    if gluon_dkv and dq_kernel == "gluon":
+    if gluon_dkv and runs is not None:
+        raise DSAInputError(f"dkv_kernel='gluon' sums every slot per query: runs must be None, got {runs}")
+    if dq_kernel == "gluon":
         from kernels.dsa.sparse_attention_gluon import gluon_sparse_mla_dkv, gluon_sparse_mla_dq
 
-        if runs is not None:
-            raise DSAInputError(f"dkv_kernel='gluon' sums every slot per query: runs must be None, got {runs}")
         delta = (grad_out.float() * out.float()).sum(-1)
         gluon_sparse_mla_dq(q, kv, indices, grad_out, lse, delta, softmax_scale, dq)
         gluon_sparse_mla_dkv(q, kv, indices, grad_out, lse, delta, softmax_scale, dkv)
         return dq, dkv.to(kv.dtype)
     if gluon_dkv:
-        if runs is not None:
-            raise DSAInputError(f"dkv_kernel='gluon' sums every slot per query: runs must be None, got {runs}")
         run_ok = scatter = dkv   # unused by the dq pass
         delta = torch.empty(batch, n_q, heads, dtype=torch.float32, device=q.device)
     elif n_runs:
