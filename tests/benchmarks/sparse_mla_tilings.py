@@ -142,8 +142,24 @@ def main() -> None:
         dq_q, dkv_q = sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk)
         dq_g, dkv_g = sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk, dkv_kernel="gluon")
         dkv_acc = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
+        base = {
+            "bwd_per_query_s": timed(lambda: sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk),
+                                     args.reps)[0],
+            "bwd_gluon_dkv_s": timed(lambda: sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk,
+                                                                        dkv_kernel="gluon"), args.reps)[0],
+            "gluon_dkv_kernel_s": timed(lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta_ref, scale,
+                                                                         dkv_acc), args.reps)[0],
+            # the same kernel with its atomics predicated off: how much of it is their memory traffic
+            "gluon_dkv_no_atomics_s": timed(lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta_ref,
+                                                                             scale, dkv_acc, atomics=False),
+                                            args.reps)[0],
+            "dq_max_abs_diff": (dq_g.float() - dq_q.float()).abs().max().item(),
+            "dkv_rel_diff": ((dkv_g.float() - dkv_q.float()).norm() / dkv_q.float().norm()).item(),
+        }
+        print(base, flush=True)   # before the new kernel below: a hang there still leaves these in the log
         row = {}
-        try:   # the Gluon query gradient (kernel level), alone and in the all-Gluon backward
+        try:   # the Gluon query gradient (kernel level), alone and in the all-Gluon backward; last, so a
+            # failure of this new kernel leaves the rows above
             dq_a, dkv_a = sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk, dkv_kernel="gluon",
                                                     dq_kernel="gluon")
             row = {
@@ -158,20 +174,7 @@ def main() -> None:
         except Exception as exc:   # the dq kernel failing leaves the rows before it
             row = {"gluon_dq_error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
             print(row, flush=True)
-        return row | {
-            "bwd_per_query_s": timed(lambda: sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk),
-                                     args.reps)[0],
-            "bwd_gluon_dkv_s": timed(lambda: sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk,
-                                                                        dkv_kernel="gluon"), args.reps)[0],
-            "gluon_dkv_kernel_s": timed(lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta_ref, scale,
-                                                                         dkv_acc), args.reps)[0],
-            # the same kernel with its atomics predicated off: how much of it is their memory traffic
-            "gluon_dkv_no_atomics_s": timed(lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta_ref,
-                                                                             scale, dkv_acc, atomics=False),
-                                            args.reps)[0],
-            "dq_max_abs_diff": (dq_g.float() - dq_q.float()).abs().max().item(),
-            "dkv_rel_diff": ((dkv_g.float() - dkv_q.float()).norm() / dkv_q.float().norm()).item(),
-        }
+        return base | row
 
     per_query = {}
     try:
