@@ -298,6 +298,25 @@ the SM's shared memory), released as soon as ``Q K^T`` and ``dO V^T`` of its blo
 
 
 @gluon.jit
+def _backward_rows(LSE, DELTA, lse_row, s_l: gl.constexpr):
+    """The 64 heads' rows of the backward, in the score layout ``s_l``'s row slice: ``lse`` in base 2 (0 where the
+    row has no valid index), whether it has one, and ``delta = rowsum(dO O)``."""
+    offs_h = gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, s_l))
+    lse = gl.load(LSE + lse_row + offs_h)
+    row_ok = lse > float("-inf")
+    return gl.where(row_ok, lse * 1.4426950408889634, 0.0), row_ok, gl.load(DELTA + lse_row + offs_h)
+
+
+@gluon.jit
+def _probs_and_ds(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2):
+    """``P = exp(scale S - lse)`` (0 at a ``-1`` slot or a row without a valid index) and ``dS = scale P (dP -
+    delta)`` of one ``[64, BLOCK_K]`` block, from ``S = Q K^T`` and ``dP = dO V^T``."""
+    p = gl.exp2(scores * scale_log2 - lse2[:, None])
+    p = gl.where((idx >= 0)[None, :] & row_ok[:, None], p, 0.0)
+    return p, p * (dp - delta[:, None]) * scale
+
+
+@gluon.jit
 def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready, empty, lse_row,
                   stride_dks, n_idx, n_blocks, scale, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr,
                   ATOMICS: gl.constexpr):
@@ -308,12 +327,7 @@ def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_s
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, BLOCK_K // 2, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
-    heads_s: gl.constexpr = gl.SliceLayout(1, s_l)
-    offs_h = gl.arange(0, _BLOCK_H, layout=heads_s)
-    lse = gl.load(LSE + lse_row + offs_h)
-    row_ok = lse > float("-inf")
-    lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
-    delta = gl.load(DELTA + lse_row + offs_h)
+    lse2, row_ok, delta = _backward_rows(LSE, DELTA, lse_row, s_l)
     s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
     o_init = gl.zeros([BLOCK_K, D], gl.float32, o_l)
     offs_kb = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
@@ -334,9 +348,7 @@ def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_s
         mbarrier.arrive(empty.index(0))
         offs_k = j * BLOCK_K + offs_kb
         idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
-        p = gl.exp2(scores * scale_log2 - lse2[:, None])
-        p = gl.where((idx >= 0)[None, :] & row_ok[:, None], p, 0.0)
-        ds = p * (dp - delta[:, None]) * scale
+        p, ds = _probs_and_ds(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2)
         pt_smem.store(gl.permute(p.to(pt_smem.dtype), (1, 0)))
         dst_smem.store(gl.permute(ds.to(dst_smem.dtype), (1, 0)))
         fence_async_shared()
@@ -430,11 +442,7 @@ def _dq_consumer(IDX, DQ, LSE, DELTA, q_smem, do_smem, kv_smem, ds_smem, q_bar, 
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                   instr_shape=[16, BLOCK_K // 2, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
-    offs_h = gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, s_l))
-    lse = gl.load(LSE + lse_row + offs_h)
-    row_ok = lse > float("-inf")
-    lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
-    delta = gl.load(DELTA + lse_row + offs_h)
+    lse2, row_ok, delta = _backward_rows(LSE, DELTA, lse_row, s_l)
     s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
     acc = gl.zeros([_BLOCK_H, D], gl.float32, o_l)
     offs_kb = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
@@ -450,9 +458,7 @@ def _dq_consumer(IDX, DQ, LSE, DELTA, q_smem, do_smem, kv_smem, ds_smem, q_bar, 
         scores, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dp_tok))
         offs_k = j * BLOCK_K + offs_kb
         idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
-        p = gl.exp2(scores * scale_log2 - lse2[:, None])
-        p = gl.where((idx >= 0)[None, :] & row_ok[:, None], p, 0.0)
-        ds = p * (dp - delta[:, None]) * scale
+        p, ds = _probs_and_ds(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2)
         ds_smem.store(ds.to(ds_smem.dtype))
         # every consumer warp's part of dS is in shared memory and visible to wgmma's (async) proxy
         fence_async_shared()
