@@ -191,9 +191,8 @@ def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_r
     """The default partition (two warpgroups): online softmax over the key blocks the producer delivers, ``O``
     normalized and stored with its log-sum-exp."""
     gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, BLOCK_K // 2, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
+    s_l: gl.constexpr = _wgmma_layout(BLOCK_K)
+    o_l: gl.constexpr = _wgmma_layout(D)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
     m_i = gl.full([_BLOCK_H], float("-inf"), gl.float32, rows_s)
@@ -297,6 +296,23 @@ GLUON_DKV_CONFIGS = [
 the SM's shared memory), released as soon as ``Q K^T`` and ``dO V^T`` of its block retire."""
 
 
+@gluon.constexpr_function
+def _wgmma_layout(n):
+    """The register layout of a ``[64, n]`` ``wgmma`` result split over the two consumer warpgroups: each holds
+    all 64 rows (four warps of 16) and half of the ``n`` columns."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, n // 2, 16])
+
+
+@gluon.jit
+def _scores_and_dp(q_smem, do_smem, kv_block, s_init):
+    """``S = Q K^T`` and ``dP = dO V^T`` of one latent block (``V`` is the latent), both issued before either is
+    awaited: ``[64, BLOCK_K]`` float32 each, in ``s_init``'s layout."""
+    kv_t = kv_block.permute((1, 0))
+    s_tok = warpgroup_mma(q_smem, kv_t, s_init, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(do_smem, kv_t, s_init, use_acc=False, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dp_tok))
+
+
 @gluon.jit
 def _backward_rows(LSE, DELTA, lse_row, s_l: gl.constexpr):
     """The 64 heads' rows of the backward, in the score layout ``s_l``'s row slice: ``lse`` in base 2 (0 where the
@@ -324,9 +340,8 @@ def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_s
     ``dS`` of the 64 heads (``[64, BLOCK_K]``, recomputed from ``lse`` and ``delta``), then the block's latent
     gradient ``dS^T q + P^T dO`` (``[BLOCK_K, D]``, each warpgroup half of ``D``) added to ``DKV``'s rows."""
     gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, BLOCK_K // 2, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
+    s_l: gl.constexpr = _wgmma_layout(BLOCK_K)
+    o_l: gl.constexpr = _wgmma_layout(D)
     lse2, row_ok, delta = _backward_rows(LSE, DELTA, lse_row, s_l)
     s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
     o_init = gl.zeros([BLOCK_K, D], gl.float32, o_l)
@@ -338,10 +353,7 @@ def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_s
     for j in range(n_blocks):
         mbarrier.wait(ready.index(0), j & 1)
         fence_async_shared()   # the producer's cp.async (generic proxy) before wgmma's reads (async proxy)
-        kv_t = kv_smem.index(0).permute((1, 0))
-        s_tok = warpgroup_mma(q_smem, kv_t, s_init, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(do_smem, kv_t, s_init, use_acc=False, is_async=True)
-        scores, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dp_tok))
+        scores, dp = _scores_and_dp(q_smem, do_smem, kv_smem.index(0), s_init)
         # Both warpgroups' products of the block have retired: the buffer takes block j + 1 while this block's
         # gradient is formed (it needs q, dO, P and dS, not the latent)
         _cta_barrier()
@@ -439,9 +451,8 @@ def _dq_consumer(IDX, DQ, LSE, DELTA, q_smem, do_smem, kv_smem, ds_smem, q_bar, 
     ``dS`` through shared memory, then ``dq += dS K`` (each warpgroup half of ``D``), the block's buffer released
     once both warpgroups' ``dS K`` retired."""
     gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, BLOCK_K // 2, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
+    s_l: gl.constexpr = _wgmma_layout(BLOCK_K)
+    o_l: gl.constexpr = _wgmma_layout(D)
     lse2, row_ok, delta = _backward_rows(LSE, DELTA, lse_row, s_l)
     s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
     acc = gl.zeros([_BLOCK_H, D], gl.float32, o_l)
@@ -452,10 +463,7 @@ def _dq_consumer(IDX, DQ, LSE, DELTA, q_smem, do_smem, kv_smem, ds_smem, q_bar, 
         slot = j % STAGES
         mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
         fence_async_shared()   # the producer's cp.async (generic proxy) before wgmma's reads (async proxy)
-        kv_t = kv_smem.index(slot).permute((1, 0))
-        s_tok = warpgroup_mma(q_smem, kv_t, s_init, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(do_smem, kv_t, s_init, use_acc=False, is_async=True)
-        scores, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dp_tok))
+        scores, dp = _scores_and_dp(q_smem, do_smem, kv_smem.index(slot), s_init)
         offs_k = j * BLOCK_K + offs_kb
         idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
         p, ds = _probs_and_ds(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2)
