@@ -146,6 +146,7 @@ def test_gluon_forward_names_what_it_cannot_run():
     assert "d_v == Dqk" in gluon_supported(*inputs(64, 576), 512)
     assert "bf16 or fp16" in gluon_supported(*inputs(64, 512, torch.float32), 512)
     assert "Hopper" in gluon_supported(*inputs(64, 512), 512)   # CPU tensors
+    assert "index slot" in gluon_supported(*inputs(64, 512), 512, torch.zeros(1, 2, 0, dtype=torch.int32))
     q, kv = inputs(64, 512)
     with pytest.raises(DSAInputError, match="Hopper"):
         gluon_sparse_mla_fwd(q, kv, torch.zeros(1, 2, 16, dtype=torch.int32), 1.0, 512)

@@ -51,13 +51,11 @@ def choose_kernels(fwd_kernel: str, dkv_kernel: str, runs: int | None, gluon_why
 
 
 def _gluon_why(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> str | None:
-    if not q.is_cuda:
+    if not q.is_cuda:   # the Gluon module (and Triton) are not imported for CPU tensors
         return "a CUDA device"
-    if indices.shape[2] == 0:
-        return "at least one index slot per query"
     from kernels.dsa.sparse_attention_gluon import gluon_supported
 
-    return gluon_supported(q, kv, d_v)
+    return gluon_supported(q, kv, d_v, indices)
 
 
 def _check_attention_inputs(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> None:

@@ -105,6 +105,13 @@ def _nvmma(block_shape, dtype):
     return gl.NVMMASharedLayout.get_default_for(block_shape, dtype)
 
 
+@gluon.constexpr_function
+def _wgmma_layout(n):
+    """The register layout of a ``[64, n]`` ``wgmma`` result split over the two consumer warpgroups: each holds
+    all 64 rows (four warps of 16) and half of the ``n`` columns."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, n // 2, 16])
+
+
 @gluon.jit
 def _gather_rows(dst, base, stride_row, rows, valid, D: gl.constexpr, GATHER_ROWS: gl.constexpr,
                  layout: gl.constexpr):
@@ -296,13 +303,6 @@ GLUON_DKV_CONFIGS = [
 the SM's shared memory), released as soon as ``Q K^T`` and ``dO V^T`` of its block retire."""
 
 
-@gluon.constexpr_function
-def _wgmma_layout(n):
-    """The register layout of a ``[64, n]`` ``wgmma`` result split over the two consumer warpgroups: each holds
-    all 64 rows (four warps of 16) and half of the ``n`` columns."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, n // 2, 16])
-
-
 @gluon.jit
 def _scores_and_dp(q_smem, do_smem, kv_block, s_init):
     """``S = Q K^T`` and ``dP = dO V^T`` of one latent block (``V`` is the latent), both issued before either is
@@ -466,7 +466,7 @@ def _dq_consumer(IDX, DQ, LSE, DELTA, q_smem, do_smem, kv_smem, ds_smem, q_bar, 
         scores, dp = _scores_and_dp(q_smem, do_smem, kv_smem.index(slot), s_init)
         offs_k = j * BLOCK_K + offs_kb
         idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
-        p, ds = _probs_and_ds(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2)
+        _, ds = _probs_and_ds(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2)
         ds_smem.store(ds.to(ds_smem.dtype))
         # every consumer warp's part of dS is in shared memory and visible to wgmma's (async) proxy
         fence_async_shared()
@@ -527,9 +527,10 @@ def sparse_mla_dq_gluon_kernel(
     _invalidate_barriers(q_bar, ready, empty, STAGES)
 
 
-def gluon_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str | None:
-    """Why :func:`gluon_sparse_mla_fwd` and :func:`gluon_sparse_mla_dkv` cannot run these inputs (``None`` when
-    they can): the dtype, the head count, the widths or the device."""
+def gluon_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int, indices: torch.Tensor | None = None) -> str | None:
+    """Why the Gluon sparse MLA kernels (:func:`gluon_sparse_mla_fwd`, :func:`gluon_sparse_mla_dkv`,
+    :func:`gluon_sparse_mla_dq`) cannot run these inputs (``None`` when they can): the dtype, the head count, the
+    widths, the device, or (given ``indices``) no index slot per query."""
     heads, dqk = q.shape[2], q.shape[3]
     if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype:
         return f"bf16 or fp16 q and kv, got {q.dtype} / {kv.dtype}"
@@ -537,6 +538,8 @@ def gluon_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str | None:
         return f"a head count that is a multiple of {BLOCK_H}, got {heads}"
     if d_v != dqk or dqk % 64 or dqk > 512:
         return f"d_v == Dqk, a multiple of 64 up to 512 (absorbed NoPE-MLA), got d_v={d_v}, Dqk={dqk}"
+    if indices is not None and indices.shape[2] == 0:
+        return "at least one index slot per query"
     if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
         return f"a Hopper GPU (CUDA capability 9.x), got {q.device}"
     return None
@@ -544,11 +547,9 @@ def gluon_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str | None:
 
 def _require_supported(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int, what: str) -> None:
     """Raise :class:`DSAInputError` naming ``what`` (the kernel) and the reason when it cannot run these inputs."""
-    why = gluon_supported(q, kv, d_v)
+    why = gluon_supported(q, kv, d_v, indices)
     if why:
         raise DSAInputError(f"the Gluon sparse MLA {what} needs {why}")
-    if indices.shape[2] == 0:
-        raise DSAInputError(f"the Gluon sparse MLA {what} needs at least one index slot per query")
 
 
 def gluon_sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float,
@@ -595,6 +596,12 @@ def launch_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: to
     )
 
 
+def _backward_inputs(q, kv, indices, grad_out, lse, delta, what: str) -> tuple[torch.Tensor, ...]:
+    """The backward kernels' inputs, checked (:func:`_require_supported`, naming ``what``) and contiguous."""
+    _require_supported(q, kv, indices, grad_out.shape[-1], what)
+    return tuple(t.contiguous() for t in (q, kv, indices, grad_out, lse, delta))
+
+
 def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
                         lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float,
                         dq: torch.Tensor | None = None) -> torch.Tensor:
@@ -611,10 +618,8 @@ def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
     Raises:
         DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
     """
-    _require_supported(q, kv, indices, grad_out.shape[-1], "query gradient")
+    q, kv, indices, grad_out, lse, delta = _backward_inputs(q, kv, indices, grad_out, lse, delta, "query gradient")
     batch, n_q, heads, dqk = q.shape
-    q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
-    grad_out, lse, delta = grad_out.contiguous(), lse.contiguous(), delta.contiguous()
     dq = torch.empty_like(q) if dq is None else dq
     sparse_mla_dq_gluon_kernel[(n_q, heads // BLOCK_H, batch)](
         q, kv, indices, grad_out, lse, delta, dq,
@@ -646,10 +651,8 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     Raises:
         DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
     """
-    _require_supported(q, kv, indices, grad_out.shape[-1], "latent gradient")
+    q, kv, indices, grad_out, lse, delta = _backward_inputs(q, kv, indices, grad_out, lse, delta, "latent gradient")
     batch, n_q, heads, dqk = q.shape
-    q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
-    grad_out, lse, delta = grad_out.contiguous(), lse.contiguous(), delta.contiguous()
     sparse_mla_dkv_gluon_kernel[(n_q, heads // BLOCK_H, batch)](
         q, kv, indices, grad_out, lse, delta, dkv,
         q.stride(0), q.stride(1), q.stride(2),
