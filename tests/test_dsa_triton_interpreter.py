@@ -56,6 +56,13 @@ SCRIPT = textwrap.dedent(
         scores = torch.einsum("bthd,btkd->bthk", q, kv[torch.arange(2)[:, None, None], idx.long().clamp_min(0)]) * 0.3
         mass = torch.where(idx[:, :, None] >= 0, torch.exp(scores - lse[..., None]), 0.0).sum(2).nan_to_num(0.0)
         assert torch.allclose(st.triton_sparse_mla_mass(q, kv, idx, lse, 0.3), mass, atol=1e-5)
+        # rowsum(dO O): 200 rows (the last program partly masked), d_v 16 and 32
+        delta = st.triton_sparse_mla_delta(out, grad)
+        assert delta.shape == out.shape[:3] and delta.dtype == torch.float32
+        assert torch.allclose(delta.double(), torch.einsum("bthv,bthv->bth", out.double(), grad.double()), atol=1e-5)
+    # d_v 200: two 128-wide column steps, the second partly masked
+    o, g = torch.randn(1, 3, 5, 200, generator=gen), torch.randn(1, 3, 5, 200, generator=gen)
+    assert torch.allclose(st.triton_sparse_mla_delta(o, g).double(), (o.double() * g.double()).sum(-1), atol=1e-4)
 
     # the key-centric dkv pass over runs of 16 (the indexer's k-pool layout): 3 runs + a 5-slot tail per
     # query; runs from two staggered pool grids (rows of different keys overlap), runs shared by many
