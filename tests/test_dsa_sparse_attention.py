@@ -123,10 +123,32 @@ def test_gluon_dq_needs_the_gluon_dkv():
 
     q, kv, idx = _case(1, 4, 8, 2, 8, 3, seed=9)
     out, lse = sparse_mla_attention(q, kv, idx, 1.0, 8)
-    for dq_kernel, dkv_kernel in (("gluon", "triton"), ("cuda", "gluon")):
+    for dq_kernel, dkv_kernel in (("gluon", "triton"), ("cuda", "gluon"), ("cuda", "triton")):
         with pytest.raises(DSAInputError, match="dq_kernel"):
             triton_sparse_mla_bwd(q, kv, idx, out, lse, torch.ones_like(out), 1.0, 8, dkv_kernel=dkv_kernel,
                                   dq_kernel=dq_kernel)
+
+
+def test_gluon_latent_gradient_takes_the_gluon_dq_by_default(monkeypatch):
+    """``dq_kernel="auto"`` with the Gluon latent gradient is the Gluon ``dq`` fed by the ``rowsum(dO O)`` kernel;
+    ``dq_kernel="triton"`` keeps the ``dq`` pass (checked here up to its launch, which needs a GPU)."""
+    pytest.importorskip("triton")
+    import kernels.dsa.sparse_attention_gluon as sag
+    import kernels.dsa.sparse_attention_triton as sat
+
+    calls = []
+    monkeypatch.setattr(sat, "triton_sparse_mla_delta", lambda out, grad: calls.append("delta") or out.sum(-1).float())
+    monkeypatch.setattr(sag, "gluon_sparse_mla_dq", lambda *a: calls.append("dq"))
+    monkeypatch.setattr(sag, "gluon_sparse_mla_dkv", lambda *a: calls.append("dkv"))
+    monkeypatch.setattr(sat.sparse_mla_bwd_kernel, "run", lambda *a, **k: calls.append("dq pass"))
+    q, kv, idx = _case(1, 4, 8, 2, 8, 3, seed=9)
+    out, lse = sparse_mla_attention(q, kv, idx, 1.0, 8)
+    sat.triton_sparse_mla_bwd(q, kv, idx, out, lse, torch.ones_like(out), 1.0, 8, dkv_kernel="gluon")
+    assert calls == ["delta", "dq", "dkv"]
+    calls.clear()
+    sat.triton_sparse_mla_bwd(q, kv, idx, out, lse, torch.ones_like(out), 1.0, 8, dkv_kernel="gluon",
+                              dq_kernel="triton")
+    assert calls == ["dq pass", "dkv"]
 
 
 def test_gluon_forward_names_what_it_cannot_run():

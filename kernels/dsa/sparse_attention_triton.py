@@ -470,7 +470,7 @@ def run_pairs(indices: torch.Tensor, run: int, n_keys: int, query_block: int = 3
 
 
 def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v, runs=None, dkv_kernel="triton",
-                          dq_kernel="triton"):
+                          dq_kernel="auto"):
     """``dq`` (q.dtype) and ``dkv`` (kv.dtype, accumulated in float32) of ``sparse_mla_attention``.
 
     ``runs``: ``None`` scatters every selected key's ``dkv`` from its query's program with atomics;
@@ -478,11 +478,18 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     (:func:`run_pairs`, :func:`sparse_mla_bwd_runs_kernel`), the other slots as before. Runs
     shorter than 16 or not a power of two are too small for the run pass's tiles and are
     scattered per query like ``None`` (the result is the same either way).
-    ``dkv_kernel="gluon"`` (``runs`` must be ``None``): ``dq`` from the ``dq`` pass (``MODE`` 1), every slot's
-    ``dkv`` from :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dkv` (64 heads per program, Hopper).
-    ``dq_kernel="gluon"`` (with ``dkv_kernel="gluon"``): ``dq`` from
-    :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dq` instead of the ``dq`` pass, ``rowsum(dO * O)``
-    from :func:`triton_sparse_mla_delta`; for the benchmarks and GPU checks until an H100/H200 run has checked and timed it.
+    ``dkv_kernel="gluon"`` (``runs`` must be ``None``): every slot's ``dkv`` from
+    :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dkv` (64 heads per program, Hopper), and ``dq``
+    by ``dq_kernel``: ``"gluon"`` (:func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dq`, ``rowsum(dO *
+    O)`` from :func:`triton_sparse_mla_delta`) or ``"triton"`` (the ``dq`` pass, ``MODE`` 1, which also writes
+    ``rowsum(dO * O)``). ``dq_kernel="auto"`` is ``"gluon"`` with the Gluon latent gradient and ``"triton"``
+    otherwise: one H100, ``full`` shape, 64k tokens (``tests/benchmarks/sparse_mla_tilings.py``, anchor 781
+    TF/s), the Gluon ``dq`` 74.6 ms against the ``dq`` pass's 94.6 ms, the backward 213.0 ms against 230.6 ms.
+
+    Raises:
+        DSAInputError: ``dq_kernel`` not ``"auto"``, ``"triton"`` or ``"gluon"``, ``"gluon"`` without the Gluon
+            latent gradient (only the ``dq`` pass writes the ``rowsum(dO * O)`` the Triton latent gradient reads),
+            or ``runs`` with ``dkv_kernel="gluon"``.
     """
     batch, n_q, heads, dqk = q.shape
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
@@ -493,8 +500,10 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     run = runs if runs and runs >= 16 and runs & (runs - 1) == 0 else 0
     n_runs = -(-indices.shape[2] // run) if run else 0
     gluon_dkv = dkv_kernel == "gluon"
-    if dq_kernel not in ("triton", "gluon") or (dq_kernel == "gluon" and not gluon_dkv):
-        raise DSAInputError(f"dq_kernel={dq_kernel!r}: 'triton', or 'gluon' with dkv_kernel='gluon'")
+    if dq_kernel not in ("auto", "triton", "gluon") or (dq_kernel == "gluon" and not gluon_dkv):
+        raise DSAInputError(f"dq_kernel={dq_kernel!r}: 'auto', 'triton', or 'gluon' with dkv_kernel='gluon'")
+    if dq_kernel == "auto":
+        dq_kernel = "gluon" if gluon_dkv else "triton"
     if gluon_dkv and runs is not None:
         raise DSAInputError(f"dkv_kernel='gluon' sums every slot per query: runs must be None, got {runs}")
     if dq_kernel == "gluon":

@@ -140,13 +140,15 @@ def main() -> None:
     def compare_dkv_paths() -> dict:
         """The per-query backward (autotuned) against the dq pass plus the Gluon latent gradient."""
         dq_q, dkv_q = sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk)
-        dq_g, dkv_g = sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk, dkv_kernel="gluon")
+        dq_g, dkv_g = sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk, dkv_kernel="gluon",
+                                                dq_kernel="triton")
         dkv_acc = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
         base = {
             "bwd_per_query_s": timed(lambda: sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk),
                                      args.reps)[0],
             "bwd_gluon_dkv_s": timed(lambda: sat.triton_sparse_mla_bwd(q, kv, idx, out_ref, lse_ref, grad, scale, dqk,
-                                                                        dkv_kernel="gluon"), args.reps)[0],
+                                                                        dkv_kernel="gluon", dq_kernel="triton"),
+                                     args.reps)[0],
             "gluon_dkv_kernel_s": timed(lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta_ref, scale,
                                                                          dkv_acc), args.reps)[0],
             # the same kernel with its atomics predicated off: how much of it is their memory traffic
