@@ -142,9 +142,9 @@ class Glm5NextConfig(TransformerConfig):
     dsa_query_block: int = 1024
     # Sparse MLA backward on CUDA: the latent's gradient summed per selected k-pool ("pool"), scattered
     # per query with atomics ("query", kernels.dsa.sparse_attention_triton), per query with 64 heads per
-    # program ("gluon": kernels.dsa.sparse_attention_gluon; Hopper, heads per rank a multiple of 64, raises
-    # elsewhere), or "auto" (pool up to model.layers.DKV_POOL_MAX_HEADS heads per TP rank, above that
-    # "gluon" where it runs and "query" elsewhere); the same function.
+    # program with the query gradient in the same form ("gluon": kernels.dsa.sparse_attention_gluon; Hopper,
+    # heads per rank a multiple of 64, raises elsewhere), or "auto" (pool up to model.layers.DKV_POOL_MAX_HEADS
+    # heads per TP rank, above that "gluon" where it runs and "query" elsewhere); the same function.
     dsa_dkv: str = "auto"
     # Sparse MLA forward on CUDA: "triton" (kernels.dsa.sparse_attention_triton, any head count), "gluon"
     # (kernels.dsa.sparse_attention_gluon: warp-specialized, Hopper, heads per rank a multiple of 64, d_v ==

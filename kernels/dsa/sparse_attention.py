@@ -34,7 +34,9 @@ def choose_kernels(fwd_kernel: str, dkv_kernel: str, runs: int | None, gluon_why
     Triton when ``runs`` asks for the per-pool sum, which only the Triton kernel does. One H100, ``full`` shape
     (64 heads, 512 wide), 64k tokens (``tests/benchmarks/sparse_mla_tilings.py``, matmul anchor 797 TF/s):
     forward 46.6 ms Gluon vs 70.3 ms Triton; backward 233 ms (``dq`` pass + Gluon latent gradient) vs 403 ms
-    (Triton per query). An explicit ``"gluon"`` is kept as given, so an input it cannot run raises.
+    (Triton per query). The Gluon latent gradient brings the Gluon query gradient with it (213 ms for the backward,
+    anchor 781: :func:`kernels.dsa.sparse_attention_triton.triton_sparse_mla_bwd`). An explicit ``"gluon"`` is
+    kept as given, so an input it cannot run raises.
 
     Args:
         fwd_kernel, dkv_kernel: ``"auto"``, ``"triton"`` or ``"gluon"``.
@@ -199,7 +201,8 @@ def sparse_mla_attention(
             ``d_v == Dqk <= 512``, else :class:`DSAInputError`) or ``"auto"`` (Gluon where it runs, else
             Triton: :func:`choose_kernels`). The CPU path does not depend on it.
         dkv_kernel: the CUDA backward's latent gradient, ``"triton"`` (per query or per ``runs``), ``"gluon"``
-            (every slot per query, 64 heads per program: :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dkv`;
+            (every slot per query, 64 heads per program: :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dkv`,
+            with ``dq`` from :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dq`;
             ``runs`` must be ``None``; same conditions as ``fwd_kernel="gluon"``) or ``"auto"`` (Gluon where it
             runs and ``runs`` is ``None``, else Triton).
 
