@@ -506,25 +506,28 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
         dq_kernel = "gluon" if gluon_dkv else "triton"
     if gluon_dkv and runs is not None:
         raise DSAInputError(f"dkv_kernel='gluon' sums every slot per query: runs must be None, got {runs}")
+    # per query: one pass (mode 0); per run: dq and rowsum(dO O) (mode 1), then the slots outside
+    # runs (mode 2), then the run pass; with the Gluon latent gradient, dq from the dq pass (mode 1) or
+    # from Gluon (no pass). Each mode's autotuning zeroes dkv before anything else wrote it.
     if dq_kernel == "gluon":
-        from kernels.dsa.sparse_attention_gluon import gluon_sparse_mla_dkv, gluon_sparse_mla_dq
+        from kernels.dsa.sparse_attention_gluon import gluon_sparse_mla_dq
 
         delta = triton_sparse_mla_delta(out, grad_out)
         gluon_sparse_mla_dq(q, kv, indices, grad_out, lse, delta, softmax_scale, dq)
-        gluon_sparse_mla_dkv(q, kv, indices, grad_out, lse, delta, softmax_scale, dkv)
-        return dq, dkv.to(kv.dtype)
-    if gluon_dkv:
+        modes = ()
+    elif gluon_dkv:
         run_ok = scatter = dkv   # unused by the dq pass
         delta = torch.empty(batch, n_q, heads, dtype=torch.float32, device=q.device)
+        modes = (1,)
     elif n_runs:
         run_ok, scatter, keys, pairs, counts, ends = run_pairs(indices, run, kv.shape[1])
         delta = torch.empty(batch, n_q, heads, dtype=torch.float32, device=q.device)
+        modes = (1, 2)
     else:
         run, run_ok, scatter, delta = 0, dkv, dkv, dkv   # unused by the kernel without runs
+        modes = (0,)
     block = dict(DQK=dqk, DV=d_v, BLOCK_D=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(d_v))
-    # per query: one pass (mode 0); per run: dq and rowsum(dO O) (mode 1), then the slots outside
-    # runs (mode 2), then the run pass. Each mode's autotuning zeroes dkv before anything else wrote it.
-    for mode in ((1,) if gluon_dkv else (1, 2) if n_runs else (0,)):
+    for mode in modes:
         sparse_mla_bwd_kernel[_grid(n_q, heads, batch)](
             q, kv, indices, out, grad_out, lse, dq, dkv, run_ok, scatter, delta,
             q.stride(0), q.stride(1), q.stride(2),
