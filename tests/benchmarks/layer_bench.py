@@ -61,8 +61,9 @@ What runs (one process; ``PARTS=layerbench bash tests/gpu/session.sh`` on one H2
    forward + backward = 3 x forward, no recompute, the indexer at the sequence's mean key count,
    KDA once; the rank executes more (recompute, the last rank's indexer, the CP state pass).
 5. Projection: step time per GPU = sum over the schedule's kinds of count x measured time, plus
-   the head, each scaled from H200 to B200 by the profiled split (tensor-core kernel time x
-   989 / 2250 dense bf16 TF/s, other kernel time x 4.8 / 8 TB/s HBM, device-idle time x 1), plus
+   the head, each scaled from the GPU it ran on to B200 by the profiled split and the datasheets
+   (on an H200: tensor-core kernel time x 989 / 2250 dense bf16 TF/s, other kernel time x 4.8 / 8
+   TB/s HBM, device-idle time x 1; on an H100 the HBM ratio is 3.35 / 8, :func:`datasheet`), plus
    communication from bytes (NCCL ring model: an all-gather moves ``(R - 1) / R`` of its output per
    rank, an all-reduce twice that; a group that spans nodes runs at the per-GPU InfiniBand
    bandwidth, inside a node at NVLink's): the logged CP collectives, the MoE dispatcher's
@@ -106,8 +107,28 @@ REFERENCE_TOKENS_PER_S = {262_144: 24_900.0, 1_048_576: 13_700.0}
 """GLM-5.3-Flash trained on 64 B200, tokens/s by tokens per sequence: the reference result the project
 must beat (the design card; issue 35)."""
 GOAL_RATIO = 3.0
-H200 = {"bf16_tflops": 989.0, "hbm_tbps": 4.8}      # datasheet: dense bf16, HBM3e
-B200 = {"bf16_tflops": 2250.0, "hbm_tbps": 8.0}     # datasheet: dense bf16, HBM3e
+H200 = {"name": "H200", "bf16_tflops": 989.0, "hbm_tbps": 4.8}      # datasheet: dense bf16, HBM3e
+H100 = {"name": "H100", "bf16_tflops": 989.0, "hbm_tbps": 3.35}     # datasheet: dense bf16, HBM3 (SXM)
+B200 = {"name": "B200", "bf16_tflops": 2250.0, "hbm_tbps": 8.0}     # datasheet: dense bf16, HBM3e
+MEASURED_GPUS = (H200, H100)
+"""The GPUs whose rows the projection scales to B200, by datasheet; rows without a ``gpu`` were measured on
+an H200."""
+
+
+def datasheet(gpu_name: str) -> dict:
+    """The datasheet of :data:`MEASURED_GPUS` whose name is in ``gpu_name`` (``torch.cuda.get_device_name``,
+    e.g. 'NVIDIA H100 80GB HBM3'). Raises ValueError for any other GPU: its rows have no B200 scaling here."""
+    for sheet in MEASURED_GPUS:
+        if sheet["name"] in gpu_name:
+            return sheet
+    raise ValueError(f"layer rows measured on {gpu_name!r}: no datasheet to scale them to B200 "
+                     f"(known: {', '.join(s['name'] for s in MEASURED_GPUS)})")
+
+
+def row_datasheet(row: dict) -> dict:
+    """The datasheet of the GPU a row was measured on (its ``gpu``); an H200's for rows without one (CPU dry
+    runs, and rows saved before rows named their GPU)."""
+    return datasheet(row.get("gpu") or H200["name"])
 # Kernel families (sft_profile.FAMILIES) whose time is tensor-core bound; the rest is memory bound.
 TENSOR_CORE_FAMILIES = ("sparse MLA fwd", "sparse MLA bwd", "DSA indexer", "KDA/fla", "GEMM")
 KIND_NAMES = {"linear_attention": "KDA", "indexed_attention": "DSA"}
@@ -447,18 +468,21 @@ def project(rows: list[dict], full_cfg, counts: Counter, kinds, seq: int, layout
     by_kind = {r["kind"]: r for r in rows if r["seq_len"] == seq}
 
     def b200(row):
+        gpu = row_datasheet(row)
+        tc, hbm = gpu["bf16_tflops"] / B200["bf16_tflops"], gpu["hbm_tbps"] / B200["hbm_tbps"]
         s = row["split"]
         if s is None:   # no profile (CPU): the whole time counted tensor-core bound
-            return row["step_s"] * H200["bf16_tflops"] / B200["bf16_tflops"], "x 989/2250 (no kernel split)"
-        factor = (s["tensor_core"] * H200["bf16_tflops"] / B200["bf16_tflops"]
-                  + s["other_kernels"] * H200["hbm_tbps"] / B200["hbm_tbps"] + s["idle"])
-        return row["step_s"] * factor, (f"x ({s['tensor_core']:.2f} x 989/2250 + {s['other_kernels']:.2f} x 4.8/8 "
+            return row["step_s"] * tc, f"x {gpu['bf16_tflops']:g}/{B200['bf16_tflops']:g} (no kernel split)"
+        factor = s["tensor_core"] * tc + s["other_kernels"] * hbm + s["idle"]
+        return row["step_s"] * factor, (f"x ({s['tensor_core']:.2f} x {gpu['bf16_tflops']:g}/{B200['bf16_tflops']:g}"
+                                        f" + {s['other_kernels']:.2f} x {gpu['hbm_tbps']:g}/{B200['hbm_tbps']:g} "
                                         f"+ {s['idle']:.2f} idle) = x {factor:.3f}")
 
     tokens = seq // cp
     h, e, topk = full_cfg.hidden_size, full_cfg.num_moe_experts or 0, full_cfg.moe_router_topk
     local_peers = min(ep, nproc)
-    compute_h200 = compute_b200 = comm = comm_a2a = 0.0
+    compute_gpu = compute_b200 = comm = comm_a2a = 0.0
+    measured_on = "+".join(sorted({row_datasheet(r)["name"] for r in by_kind.values()}))
     lines.append(f"projection at {seq:,} tokens per sequence: {world} GPUs, CP={cp} ({tokens:,} tokens per GPU), "
                  f"EP={ep}, DP={dp}; NVLink {nvl:g} GB/s, InfiniBand {ib:g} GB/s per GPU")
     for kind in [*kinds, None]:
@@ -466,9 +490,10 @@ def project(rows: list[dict], full_cfg, counts: Counter, kinds, seq: int, layout
         count = 1 if kind is None else counts[kind]
         row = by_kind[label]
         t_b200, how = b200(row)
-        compute_h200 += count * row["step_s"]
+        compute_gpu += count * row["step_s"]
         compute_b200 += count * t_b200
-        lines.append(f"  {label:<24s} {count:3d} x {row['step_s']:.4f} s (H200) = {count * row['step_s']:8.3f} s; "
+        gpu = row_datasheet(row)["name"]
+        lines.append(f"  {label:<24s} {count:3d} x {row['step_s']:.4f} s ({gpu}) = {count * row['step_s']:8.3f} s; "
                      f"B200 {how}: {count:3d} x {t_b200:.4f} = {count * t_b200:8.3f} s")
         if kind is None:
             continue
@@ -521,14 +546,14 @@ def project(rows: list[dict], full_cfg, counts: Counter, kinds, seq: int, layout
                      f"of it off the step (at most {fwd:.2f} x {compute_b200:.3f} s of compute, recompute={recompute})")
     comm_configured = comm_serial - hidden
     step = compute_b200 + comm_configured
-    out = {"seq_len": seq, "dispatcher": configured, "compute_h200_s": compute_h200, "compute_b200_s": compute_b200,
+    out = {"seq_len": seq, "dispatcher": configured, "measured_on": measured_on, "compute_measured_s": compute_gpu, "compute_b200_s": compute_b200,
            "comm_s": comm_configured, "comm_allgather_s": comm, "comm_all_to_all_s": comm_a2a, "step_b200_s": step,
            "grad_reduce_hidden_s": hidden_rs, "param_gather_hidden_s": hidden_ag,
            "tokens_per_s_serial": seq * dp / (compute_b200 + comm_serial),
            "tokens_per_s": seq * dp / step, "tokens_per_s_compute_only": seq * dp / compute_b200,
            "tokens_per_s_allgather": seq * dp / (compute_b200 + comm),
            "tokens_per_s_all_to_all": seq * dp / (compute_b200 + comm_a2a)}
-    lines.append(f"  one GPU: {compute_h200:.3f} s on H200 -> {compute_b200:.3f} s on B200 compute + "
+    lines.append(f"  one GPU: {compute_gpu:.3f} s on {measured_on} -> {compute_b200:.3f} s on B200 compute + "
                  f"{comm_configured:.3f} s comm ({configured} dispatcher) = {step:.3f} s per step")
     ref = REFERENCE_TOKENS_PER_S.get(seq)
     other = ("allgather dispatcher instead", "tokens_per_s_allgather") if configured == "alltoall" else \
@@ -678,8 +703,9 @@ def measure(args, kinds, sft_cfg, first, layouts, experts_per_rank, device, dtyp
         from sft_profile import matmul_tflops
 
         anchor = matmul_tflops()
-        print(f"matmul anchor (bf16 8192^3, this process): {anchor:.0f} TF/s; datasheet {H200['bf16_tflops']:.0f}",
-              flush=True)
+        gpu = torch.cuda.get_device_name()
+        print(f"matmul anchor (bf16 8192^3, this process): {anchor:.0f} TF/s on {gpu}; datasheet "
+              f"{datasheet(gpu)['bf16_tflops']:.0f}", flush=True)
 
     init_single_process(seed=0)
     from megatron.core.transformer.spec_utils import build_module
@@ -743,6 +769,7 @@ def measure_all(args, seqs, kinds, layers, head, cfg, full_cfg, sft_cfg, first, 
                 topk = selected
             row["flops_per_token"] = layer_flops_per_token(full_cfg, seq, first[kind])
             row["wall_s"] = time.perf_counter() - started
+            row["gpu"] = torch.cuda.get_device_name(device) if device.type == "cuda" else None
             rows.append(row)
             save()
             print(json.dumps({k: v for k, v in row.items() if k != "times_s"}), flush=True)
@@ -750,6 +777,7 @@ def measure_all(args, seqs, kinds, layers, head, cfg, full_cfg, sft_cfg, first, 
             continue
         row = measure_head(head, seq, cp, device, args)
         row["flops_per_token"] = head_flops_per_token(full_cfg)
+        row["gpu"] = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         rows.append(row)
         save()
         print(json.dumps({k: v for k, v in row.items() if k != "times_s"}), flush=True)
