@@ -166,10 +166,11 @@ class Glm5NextConfig(TransformerConfig):
     # kernels.dsa.loss_triton) or "torch" (the blockwise torch path under activation checkpointing, as on
     # CPU); the same function.
     dsa_kl: str = "auto"
-    # The mHC projection's GEMM: "float32" (float32 copies of the streams and weight; FFMA on GPUs) or "auto"
-    # (bf16 streams on CUDA: bf16 tensor cores with float32 accumulation and output, kernels.hc.projection's
-    # Triton kernels); the same function up to summation order in the forward.
-    hc_gemm: str = "float32"
+    # The mHC projection's GEMM: "auto" (bf16 streams on CUDA: bf16 tensor cores with float32 accumulation and
+    # output, kernels.hc.projection's Triton kernels; float32 elsewhere) or "float32" (float32 copies of the
+    # streams and weight; FFMA on GPUs); the same function up to summation order in the forward. "auto" is
+    # checked against float64 by tests/gpu/hc_projection_check.py and took 35-43 ms off a 64k `small` step.
+    hc_gemm: str = "auto"
     # HF bookkeeping fields carried through the round trip unchanged.
     hf_extra: dict = field(default_factory=dict)
 

@@ -53,7 +53,7 @@ def glue(fn, compile: bool, *args):
 
 
 def hc_maps(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
-            hc_eps: float, norm_eps: float, gemm: str = "float32"):
+            hc_eps: float, norm_eps: float, gemm: str = "auto"):
     """mHC maps of ``n`` residual streams (Xie et al. 2026; transformers ``Glm5NextTextHyperConnection``).
 
     Args:

@@ -117,8 +117,9 @@ class SFTConfig:
         kda_conv: KDA short convolution on GPUs, ``auto`` (fla's Triton ``causal_conv1d``) or ``torch``.
         dsa_kl: the indexer KL loss's indexer side on GPUs, ``auto`` (fused Triton kernels,
             :mod:`kernels.dsa.loss_triton`) or ``torch``; the same function.
-        hc_gemm: the mHC projection's GEMM, ``float32`` or ``auto`` (bf16 tensor cores with float32
-            accumulation for bf16 streams on GPUs, :func:`kernels.hc.projection.hc_projection`).
+        hc_gemm: the mHC projection's GEMM, ``auto`` (bf16 tensor cores with float32 accumulation for
+            bf16 streams on GPUs, :func:`kernels.hc.projection.hc_projection`; float32 elsewhere) or
+            ``float32`` (float32 copies of the streams and weight).
         overlap_grad_reduce: reduce the gradients bucket by bucket during the backward (megatron
             DDP's ``overlap_grad_reduce``) when DP x CP > 1; the same sums.
         overlap_param_gather: gather the updated parameters bucket by bucket during the next
@@ -177,7 +178,7 @@ class SFTConfig:
     moe_permute: str = "gather"
     kda_conv: str = "auto"
     dsa_kl: str = "auto"
-    hc_gemm: str = "float32"
+    hc_gemm: str = "auto"
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     optimizer_kernels: str = "foreach"

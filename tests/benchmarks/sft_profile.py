@@ -337,6 +337,8 @@ def main() -> None:
         return
     if not (args.pack and args.out):
         parser.error("--pack and --out are required to profile")
+    if args.profile_steps < 1:   # the family table and host-idle share come from the profiled steps' trace
+        parser.error(f"--profile-steps {args.profile_steps}: at least 1 step is profiled")
     install_flytekit_stand_in()
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
     if args.seed_compile_cache:
