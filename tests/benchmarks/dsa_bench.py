@@ -142,14 +142,39 @@ def bench_indexer(seq_len: int, shape: dict, ceil: dict, reps: int, torch_path: 
     return rows
 
 
-def pool_indices(seq_len: int, n_q: int, device: str = "cuda") -> torch.Tensor:
+POOL_LAYOUTS = ("window", "spread", "shared")
+"""Which visible k-pools :func:`pool_indices` selects per query (``TOPK / KPOOL`` of them):
+
+- ``window``: every other pool back from a random offset, so a query's pools lie in the last ``4 TOPK`` keys
+  (8,192 x 1,152 bytes of latent at the ``full`` shape: a working set that stays in L2).
+- ``spread``: evenly over the query's whole visible history from a random phase (a long-range selection:
+  at 64k the latent, 75 MB, does not fit L2).
+- ``shared``: the same pools 0, 2, 4, ... for every query that sees them (all queries read one 4.7 MB set:
+  L2-resident, the gather's best case).
+
+The kernels' arithmetic is the same for all three. Only where the gathered rows come from differs:
+HBM or L2, and reused by neighbouring queries or not."""
+
+
+def pool_indices(seq_len: int, n_q: int, device: str = "cuda", layout: str = "window") -> torch.Tensor:
     """``[1, n_q, WIDTH]`` int32 causal k-pool selections for the last ``n_q`` of ``seq_len`` queries, expanded as
     the indexer does (:func:`expand_selection`, tails included): ``TOPK / KPOOL`` distinct complete visible pools
-    (every other pool back from a random offset, ``-1`` past the start). The kernels' cost depends on how many
-    (query, pool) pairs there are, not on which."""
+    placed by ``layout`` (:data:`POOL_LAYOUTS`), ``-1`` where a query sees fewer. The kernels' arithmetic depends
+    on how many (query, pool) pairs there are; their memory traffic also on which. Raises ValueError for an
+    unknown ``layout``."""
     n_sel = TOPK // KPOOL
     visible = (torch.arange(seq_len - n_q, seq_len, device=device)[:, None] + 1) // KPOOL
-    pools = visible - 1 - torch.randint(0, 2 * n_sel, (n_q, 1), device=device) - 2 * torch.arange(n_sel, device=device)
+    j = torch.arange(n_sel, device=device)
+    if layout == "window":
+        pools = visible - 1 - torch.randint(0, 2 * n_sel, (n_q, 1), device=device) - 2 * j
+    elif layout == "spread":   # stride >= 1 pool keeps them distinct; past the start they fall below 0
+        stride = (visible / n_sel).clamp_min(1.0)
+        phase = torch.rand(n_q, 1, device=device)
+        pools = visible - 1 - ((j + phase) * stride).floor().long()
+    elif layout == "shared":
+        pools = torch.where(2 * j < visible, 2 * j, -1)
+    else:
+        raise ValueError(f"pool layout {layout!r}; valid: {', '.join(POOL_LAYOUTS)}")
     pools = pools.clamp_min(-1)[None]
     return expand_selection(pools, kpool_grid(seq_len, KPOOL, None, device), n_q, seq_len - n_q, TOPK, True)
 

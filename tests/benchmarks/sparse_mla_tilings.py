@@ -26,7 +26,7 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from dsa_bench import KPOOL, SHAPES, WIDTH, ceilings, pool_indices, timed  # noqa: E402
+from dsa_bench import KPOOL, POOL_LAYOUTS, SHAPES, WIDTH, ceilings, pool_indices, timed  # noqa: E402
 from kernels.dsa import sparse_attention_gluon as sag  # noqa: E402
 from kernels.dsa import sparse_attention_triton as sat  # noqa: E402
 
@@ -43,6 +43,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="full", choices=list(SHAPES))
     parser.add_argument("--seq-len", type=int, default=65536)
+    parser.add_argument("--index-layout", default="window", choices=POOL_LAYOUTS,
+                        help="which k-pools each query selects (dsa_bench.POOL_LAYOUTS): the same arithmetic, the "
+                             "gathered rows from L2 (window, shared) or HBM (spread)")
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="BLOCK_H,BLOCK_K,warps,stages")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default=None)
@@ -54,7 +57,11 @@ def main() -> None:
     torch.manual_seed(0)
     q = torch.randn(1, t, h, dqk, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(1, t, dqk, device="cuda", dtype=torch.bfloat16)
-    idx = pool_indices(t, t).contiguous()
+    idx = pool_indices(t, t, layout=args.index_layout).contiguous()
+    valid_keys = (idx >= 0).sum(dim=-1, dtype=torch.float32).mean().item()
+    # TF/s below count WIDTH keys per query, as every earlier record does; the layouts select slightly
+    # different numbers of valid keys (the first queries see fewer pools), so compare times scaled by this
+    print(f"index layout {args.index_layout}: {valid_keys:.1f} valid keys per query of {WIDTH}", flush=True)
     grad = torch.randn(1, t, h, dqk, device="cuda", dtype=torch.bfloat16)
     scale = shape["qk_head"] ** -0.5
     fwd_flops = 2 * t * h * WIDTH * 2 * dqk
@@ -185,7 +192,8 @@ def main() -> None:
     except Exception as exc:   # the Gluon latent gradient failing: the rows above still print and save
         per_query = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
         print(per_query, flush=True)
-    print(f"\n{args.shape} shape, {t // 1024}k tokens, {h} heads; matmul anchor {ceil['matmul_tflops']:.0f} TF/s")
+    print(f"\n{args.shape} shape, {t // 1024}k tokens, {h} heads, index layout {args.index_layout} ({valid_keys:.1f} "
+          f"valid keys per query); matmul anchor {ceil['matmul_tflops']:.0f} TF/s")
     print(f"autotuned: fwd {1e3 * t_fwd_auto:.1f} ms ({fwd_flops / t_fwd_auto / 1e12:.0f} TF/s), whole bwd "
           f"{1e3 * t_whole:.1f} ms, fwd+bwd {(fwd_flops + bwd_flops) / (t_fwd_auto + t_whole) / 1e12:.0f} TF/s; "
           f"run pass {1e3 * t_run_pass:.1f} ms")
@@ -221,7 +229,8 @@ def main() -> None:
                   f"{r['dq_tflops']:.0f} | {r['fwd_err']:.1e} | {r['dq_err']:.1e} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"anchor": ceil, "shape": args.shape, "seq_len": t, "rows": rows, "run_pass_s": t_run_pass,
+            json.dump({"anchor": ceil, "shape": args.shape, "seq_len": t, "index_layout": args.index_layout,
+                       "valid_keys_per_query": valid_keys, "rows": rows, "run_pass_s": t_run_pass,
                        "bwd_autotuned_s": t_whole, "fwd_autotuned_s": t_fwd_auto, **per_query}, f, indent=1)
 
 
