@@ -40,9 +40,11 @@ Triton's per-query backward cannot take 64 heads in one program: it holds ``q`` 
 major order its products read them in (256-352 KiB at 64 heads x 512), so the autotuner falls back to 32- or
 16-head programs, each gathering every selected row and adding its own atomic row per key. Here the producer
 copies ``q`` and ``dO`` once, ``wgmma`` reads each in both orders, and one 64-key latent buffer is released as
-soon as ``Q K^T`` and ``dO V^T`` retire, so the next gather overlaps ``dS^T q + P^T dO`` and the atomics. It runs
-at the H100's copy rate (3.0 TB/s of gathered rows and atomic rows), so it is bound by the bytes it moves: with
-its atomics predicated off it takes 74.8 ms instead of 135.4 ms (``full`` shape, 64k tokens).
+soon as ``Q K^T`` and ``dO V^T`` retire, so the next gather overlaps ``dS^T q + P^T dO`` and the atomics. With
+its atomics predicated off it takes 74.8 ms instead of 135.4 ms (one H100, ``full`` shape, 64k tokens). An H200,
+with 1.41x the copy rate, runs it (and the forward and query gradient) in the same time, so HBM is not what
+bounds these kernels; whether the gather through L2 or the program's own pipeline does is the open question
+in ``docs/dsa_kernels.md``.
 
 The query gradient (:func:`sparse_mla_dq_gluon_kernel`, taken with the Gluon latent gradient:
 ``triton_sparse_mla_bwd``'s ``dq_kernel="auto"``) has the same producer with a two-deep ring of 32-key buffers;
