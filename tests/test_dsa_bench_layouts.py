@@ -1,5 +1,5 @@
 """The sparse MLA benchmarks' k-pool selections (tests/benchmarks/dsa_bench.py ``pool_indices``): each layout is
-a valid DSA selection (causal, distinct, whole pools plus the query's own partial pool) and places its pools
+a valid DSA selection (causal, distinct, whole pools) and places its pools
 where its name says: in a recent window, over the whole history, or the same for every query."""
 
 import os

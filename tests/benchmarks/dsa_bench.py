@@ -149,8 +149,8 @@ POOL_LAYOUTS = ("window", "spread", "shared")
   (8,192 x 1,152 bytes of latent at the ``full`` shape: a working set that stays in L2).
 - ``spread``: evenly over the query's whole visible history from a random phase (a long-range selection:
   at 64k the latent, 75 MB, does not fit L2).
-- ``shared``: the same pools 0, 2, 4, ... for every query that sees them (all queries read one 4.7 MB set:
-  L2-resident, the gather's best case).
+- ``shared``: the same pools 0, 2, 4, ... for every query that sees them (all queries read one set of 128
+  pools, 2.4 MB: L2-resident, the gather's best case).
 
 The kernels' arithmetic is the same for all three. Only where the gathered rows come from differs:
 HBM or L2, and reused by neighbouring queries or not."""

@@ -114,14 +114,19 @@ MEASURED_GPUS = (H200, H100)
 """The GPUs whose rows the projection scales to B200, by datasheet; rows without a ``gpu`` were measured on
 an H200."""
 
+# Kernel families (sft_profile.FAMILIES) whose time is tensor-core bound; the rest is memory bound.
+TENSOR_CORE_FAMILIES = ("sparse MLA fwd", "sparse MLA bwd", "DSA indexer", "KDA/fla", "GEMM")
+KIND_NAMES = {"linear_attention": "KDA", "indexed_attention": "DSA"}
+HEAD_LABEL = "embedding + head + loss"   # the row of the embedding, final norm, output head and loss
 
-def datasheet(gpu_name: str) -> dict:
-    """The datasheet of :data:`MEASURED_GPUS` whose name is in ``gpu_name`` (``torch.cuda.get_device_name``,
-    e.g. 'NVIDIA H100 80GB HBM3'). Raises ValueError for any other GPU: its rows have no B200 scaling here."""
+
+def datasheet(name: str) -> dict:
+    """The datasheet of :data:`MEASURED_GPUS` whose name is in ``name`` (``torch.cuda.get_device_name``, e.g.
+    'NVIDIA H100 80GB HBM3'). Raises ValueError for any other GPU: its rows have no B200 scaling here."""
     for sheet in MEASURED_GPUS:
-        if sheet["name"] in gpu_name:
+        if sheet["name"] in name:
             return sheet
-    raise ValueError(f"layer rows measured on {gpu_name!r}: no datasheet to scale them to B200 "
+    raise ValueError(f"layer rows measured on {name!r}: no datasheet to scale them to B200 "
                      f"(known: {', '.join(s['name'] for s in MEASURED_GPUS)})")
 
 
@@ -129,10 +134,11 @@ def row_datasheet(row: dict) -> dict:
     """The datasheet of the GPU a row was measured on (its ``gpu``); an H200's for rows without one (CPU dry
     runs, and rows saved before rows named their GPU)."""
     return datasheet(row.get("gpu") or H200["name"])
-# Kernel families (sft_profile.FAMILIES) whose time is tensor-core bound; the rest is memory bound.
-TENSOR_CORE_FAMILIES = ("sparse MLA fwd", "sparse MLA bwd", "DSA indexer", "KDA/fla", "GEMM")
-KIND_NAMES = {"linear_attention": "KDA", "indexed_attention": "DSA"}
-HEAD_LABEL = "embedding + head + loss"   # the row of the embedding, final norm, output head and loss
+
+
+def gpu_name(device: torch.device) -> str | None:
+    """``torch.cuda.get_device_name`` of a CUDA ``device`` (a row's ``gpu``); None on CPU."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
 class EmulatedCP(CPContext):
@@ -546,7 +552,8 @@ def project(rows: list[dict], full_cfg, counts: Counter, kinds, seq: int, layout
                      f"of it off the step (at most {fwd:.2f} x {compute_b200:.3f} s of compute, recompute={recompute})")
     comm_configured = comm_serial - hidden
     step = compute_b200 + comm_configured
-    out = {"seq_len": seq, "dispatcher": configured, "measured_on": measured_on, "compute_measured_s": compute_gpu, "compute_b200_s": compute_b200,
+    out = {"seq_len": seq, "dispatcher": configured, "measured_on": measured_on, "compute_measured_s": compute_gpu,
+           "compute_b200_s": compute_b200,
            "comm_s": comm_configured, "comm_allgather_s": comm, "comm_all_to_all_s": comm_a2a, "step_b200_s": step,
            "grad_reduce_hidden_s": hidden_rs, "param_gather_hidden_s": hidden_ag,
            "tokens_per_s_serial": seq * dp / (compute_b200 + comm_serial),
@@ -703,7 +710,7 @@ def measure(args, kinds, sft_cfg, first, layouts, experts_per_rank, device, dtyp
         from sft_profile import matmul_tflops
 
         anchor = matmul_tflops()
-        gpu = torch.cuda.get_device_name()
+        gpu = gpu_name(device)
         print(f"matmul anchor (bf16 8192^3, this process): {anchor:.0f} TF/s on {gpu}; datasheet "
               f"{datasheet(gpu)['bf16_tflops']:.0f}", flush=True)
 
@@ -769,7 +776,7 @@ def measure_all(args, seqs, kinds, layers, head, cfg, full_cfg, sft_cfg, first, 
                 topk = selected
             row["flops_per_token"] = layer_flops_per_token(full_cfg, seq, first[kind])
             row["wall_s"] = time.perf_counter() - started
-            row["gpu"] = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+            row["gpu"] = gpu_name(device)
             rows.append(row)
             save()
             print(json.dumps({k: v for k, v in row.items() if k != "times_s"}), flush=True)
@@ -777,7 +784,7 @@ def measure_all(args, seqs, kinds, layers, head, cfg, full_cfg, sft_cfg, first, 
             continue
         row = measure_head(head, seq, cp, device, args)
         row["flops_per_token"] = head_flops_per_token(full_cfg)
-        row["gpu"] = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        row["gpu"] = gpu_name(device)
         rows.append(row)
         save()
         print(json.dumps({k: v for k, v in row.items() if k != "times_s"}), flush=True)
