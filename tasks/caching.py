@@ -409,7 +409,7 @@ def seed_compile_cache(device_name: str, tunings_dir: Path = TUNINGS_DIR) -> int
     ``torch.compiler.load_cache_artifacts`` into the process's caches before the first compile.
     No file for this GPU and torch version: nothing is loaded (0). The shipped H200 file holds 211 artifacts
     (9.9 MB gzipped) from runs of the ``small`` preset's SFT step at 64k and 256k: with ``hc_gemm="auto"`` a
-    64k first step took 38.2 s with the 82 of them that run compiled, against 122.7 s fully cold earlier
+    64k first step took 38.2 s with the 82 of them that run compiled (with no file, float32 graphs: 122.7 s)
     (``docs/measurements.md``). The file only loads under the torch version in its name: its entries pickle
     inductor classes of that version.
     """
