@@ -106,9 +106,9 @@ class SFTConfig:
             (:mod:`model.fused`; the same function, CPU runs stay eager).
         dsa_dkv: the sparse MLA backward's latent gradient on GPUs, summed per selected k-pool
             (``pool``), scattered per query (``query``), per query with 64 heads per program and the query
-            gradient in the same form (``gluon``: Hopper, a multiple of 64 heads per rank), or ``auto`` (``pool`` up to
-            :data:`model.layers.DKV_POOL_MAX_HEADS` heads per rank, above that ``gluon`` where it runs and
-            ``query`` elsewhere); the same function.
+            gradient in the same form (``gluon``: Hopper, a multiple of 64 heads per rank), or ``auto``
+            (``pool`` up to :data:`model.layers.DKV_POOL_MAX_HEADS` heads per rank, above that ``gluon`` where
+            it runs and ``query`` elsewhere); the same function.
         dsa_fwd: the sparse MLA forward on GPUs, ``triton``, ``gluon`` (warp-specialized, Hopper, a
             multiple of 64 heads per rank; :mod:`kernels.dsa.sparse_attention_gluon`) or ``auto`` (``gluon``
             where it runs, else ``triton``); the same function.

@@ -214,7 +214,8 @@ def check_attention(seq_len: int, shape: dict, indices: torch.Tensor, gen: torch
                 dq_t, dkv_t = triton_sparse_mla_bwd(q.detach(), kv.detach(), indices, ref_o64.to(q.dtype), lse_f,
                                                     grad, scale, dqk, dkv_kernel="gluon", dq_kernel="triton")
                 torch.cuda.synchronize()
-                result.update(dq_pass_gluon_dkv_rel_err=rel_err(dq_t, dq64), dkv_pass_gluon_dkv_rel_err=rel_err(dkv_t, dkv64))
+                result.update(dq_pass_gluon_dkv_rel_err=rel_err(dq_t, dq64),
+                              dkv_pass_gluon_dkv_rel_err=rel_err(dkv_t, dkv64))
             except Exception as exc:   # recorded as a failure, the other checks still report
                 result["dq_pass_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             ok = (ok and result.get("dq_pass_gluon_dkv_rel_err", 1.0) <= 1e-2
