@@ -423,7 +423,7 @@ class DSAMixer(MegatronModule):
             init(self.kv_a_proj_with_mqa.weight)
         self.indexer = None if shared_indexer else Indexer(config)
         self.cfg = config
-        # Set by tasks.sft.IndexerKL: each forward leaves (q_resid, q_abs, latent_all, lse) in
+        # Set by tasks.sft.IndexerKL: each forward leaves (q_resid, q_abs, latent_all, lse, pool mass) in
         # ``self.kl_inputs`` for the KL hook that runs right after it, so the KL's target does not
         # recompute the queries, the latent and a whole sparse-attention forward.
         self.keep_kl_inputs = False
@@ -496,13 +496,18 @@ class DSAMixer(MegatronModule):
                 raise RuntimeError("a recomputed DSA layer found no kept attention output: its checkpointed "
                                    "forward did not run with keep_attention")
             kept = self.kept_attention.popleft()
-        o_lat, lse = sparse_mla_attention(q_abs, latent_all, topk, self.softmax_scale, self.kv_lora,
-                                          runs=self.cfg.index_kpool if per_pool else None, precomputed=kept,
-                                          fwd_kernel=self.cfg.dsa_fwd, dkv_kernel=DKV_KERNEL[self.cfg.dsa_dkv])
+        # the KL's target, each pool's attention mass, comes out of the attention's own softmax; a recompute
+        # (kept attention) builds no KL, so it asks for none
+        pool_mass = None
+        if self.keep_kl_inputs and kept is None:
+            pool_mass = (self.cfg.index_kpool, self.cfg.index_topk // self.cfg.index_kpool)
+        o_lat, lse, *mass = sparse_mla_attention(
+            q_abs, latent_all, topk, self.softmax_scale, self.kv_lora, runs=self.cfg.index_kpool if per_pool else None,
+            precomputed=kept, fwd_kernel=self.cfg.dsa_fwd, dkv_kernel=DKV_KERNEL[self.cfg.dsa_dkv], pool_mass=pool_mass)
         if keep_attention and not torch.is_grad_enabled():
             self.kept_attention.append((o_lat, lse))
         if self.keep_kl_inputs:
-            self.kl_inputs = tuple(t.detach() for t in (q_resid, q_abs, latent_all, lse))
+            self.kl_inputs = (*(t.detach() for t in (q_resid, q_abs, latent_all, lse)), mass[0] if mass else None)
         o = torch.einsum("bshc,hvc->bshv", o_lat, w_uv)
         out, _ = self.o_proj(o.flatten(-2))
         return out.transpose(0, 1), topk

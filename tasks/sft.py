@@ -272,8 +272,8 @@ class IndexerKL:
     """Collects the DSA lightning-indexer KL loss (DeepSeek-V3.2 sec. 2.1) of every full-indexer layer.
 
     A forward hook on each :class:`model.layers.DSAMixer` with its own indexer takes the mixer's
-    selection ``topk [b, s, W]`` and the absorbed queries, gathered latent and log-normaliser ``lse``
-    its forward just computed (detached; ``DSAMixer.keep_kl_inputs``), runs the indexer's own score
+    selection ``topk [b, s, W]`` and the absorbed queries, gathered latent, log-normaliser ``lse`` and
+    per-pool attention mass its forward just computed (detached; ``DSAMixer.keep_kl_inputs``), runs the indexer's own score
     inputs on a *detached* input (:meth:`model.layers.Indexer.score_inputs`), and hands them to
     :func:`kernels.dsa.indexer_kl_loss`: the KL trains the indexer only, the LM loss trains the rest.
     """
@@ -316,12 +316,13 @@ class IndexerKL:
 
         cp, c, ix = mixer.layout.cp, mixer.cfg, mixer.indexer
         xb = args[0].detach().transpose(0, 1)
-        q_resid, q_abs, latent, lse = inputs
+        q_resid, q_abs, latent, lse, pool_mass = inputs
         q_index, k_index, gate, weights = ix.score_inputs(xb, q_resid, cp)
         return indexer_kl_loss(
             q_index, k_index, gate, ix.kpool_compress_ape, weights, q_abs, latent, lse, output[1],
             kpool=c.index_kpool, topk=c.index_topk, index_softmax_scale=ix.softmax_scale,
-            softmax_scale=mixer.softmax_scale, cu_seqlens=kwargs.get("cu_seqlens"), torch_path=c.dsa_kl == "torch")
+            softmax_scale=mixer.softmax_scale, cu_seqlens=kwargs.get("cu_seqlens"), torch_path=c.dsa_kl == "torch",
+            pool_mass=pool_mass)
 
     def pop(self):
         """Sum of the collected layer losses (scalar float32, 0 without any) and reset."""

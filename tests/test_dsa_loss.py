@@ -3,9 +3,10 @@ documents, and gradients reaching the indexer only."""
 
 import math
 
+import pytest
 import torch
 
-from kernels.dsa import indexer_kl_loss, lightning_indexer_topk, sparse_mla_attention
+from kernels.dsa import DSAInputError, indexer_kl_loss, lightning_indexer_topk, sparse_mla_attention
 from kernels.dsa.naive import naive_indexer_kl_loss
 
 
@@ -28,6 +29,14 @@ def test_loss_equals_hand_computed_value():
     log_z = math.log(math.exp(1) + math.exp(3))
     expected = 3 / 7 * (math.log(3 / 7) - (1 - log_z)) + 4 / 7 * (math.log(4 / 7) - (3 - log_z))
     assert abs(loss.item() - expected) < 1e-6  # the only row with pools is query 4
+    # the same target taken from the attention's own pool mass
+    _, _, mass = sparse_mla_attention(q, kv, indices, 1.0, 1, pool_mass=(kpool, topk // kpool))
+    from_mass = indexer_kl_loss(
+        torch.ones(1, 2, 1, 1, dtype=torch.float64), k_index, torch.zeros_like(k_index),
+        torch.zeros(kpool, 1, dtype=torch.float64), torch.ones(1, 2, 1, dtype=torch.float64),
+        q, kv, lse, indices, kpool=kpool, topk=topk, index_softmax_scale=1.0, softmax_scale=1.0, pool_mass=mass,
+    )
+    assert abs(from_mass.item() - expected) < 1e-6
 
 
 def _random_case(seq_len, seed, cu_seqlens=None):
@@ -63,6 +72,15 @@ def test_blockwise_loss_and_gradients_equal_dense_definition():
     torch.testing.assert_close(loss, dense, rtol=1e-5, atol=1e-7)
     for g, ref in zip(grads, dense_grads):
         torch.testing.assert_close(g.double(), ref, rtol=1e-4, atol=1e-7)
+    # with the target from the attention's pool mass: the same loss and gradients
+    _, _, mass = sparse_mla_attention(q, kv, indices, kw["softmax_scale"], q.shape[-1],
+                                      pool_mass=(kw["kpool"], kw["topk"] // kw["kpool"]))
+    from_mass = indexer_kl_loss(*args, q, kv, lse, indices, **kw, block_size=16, pool_mass=mass)
+    torch.testing.assert_close(from_mass, dense, rtol=1e-5, atol=1e-7)
+    for g, ref in zip(torch.autograd.grad(from_mass, args), dense_grads):
+        torch.testing.assert_close(g.double(), ref, rtol=1e-4, atol=1e-7)
+    with pytest.raises(DSAInputError, match="pool_mass"):
+        indexer_kl_loss(*args, q, kv, lse, indices, **kw, pool_mass=mass[..., 1:])
 
 
 def test_packed_loss_is_the_row_weighted_mean_of_per_document_losses():

@@ -54,6 +54,31 @@ def test_forward_and_lse_equal_float64_reference(d_v):
     torch.testing.assert_close(dense_lse, lse)
 
 
+@pytest.mark.parametrize("kpool, n_pools", [(2, 3), (3, 2), (1, 6)])
+def test_pool_mass_sums_each_pools_probabilities_over_heads(kpool, n_pools):
+    q, kv, idx = _case(2, 9, 20, 3, 16, 6, seed=11)
+    out, lse, mass = sparse_mla_attention(q, kv, idx, 0.3, 16, pool_mass=(kpool, n_pools))
+    ref_out, _ = _reference(q, kv, idx, 0.3, 16)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)   # the same forward
+    want = torch.zeros(2, 9, n_pools, dtype=torch.float64)
+    for b in range(2):
+        for t in range(9):
+            keys = idx[b, t].long()
+            ok = keys >= 0
+            if not ok.any():
+                continue
+            probs = (q[b, t].double() @ kv[b, keys[ok]].double().T * 0.3).softmax(-1).sum(0)  # [valid slots]
+            per_slot = torch.zeros(idx.shape[2], dtype=torch.float64)
+            per_slot[ok] = probs
+            for j in range(n_pools):
+                want[b, t, j] = per_slot[j * kpool:(j + 1) * kpool].sum()
+    assert mass.dtype == torch.float32 and not mass.requires_grad
+    torch.testing.assert_close(mass.double(), want, rtol=1e-6, atol=1e-7)
+    # precomputed (a recompute's kept forward) gives the same mass from its own pass
+    _, _, again = sparse_mla_attention(q, kv, idx, 0.3, 16, precomputed=(out, lse), pool_mass=(kpool, n_pools))
+    torch.testing.assert_close(again, mass)
+
+
 def test_row_without_indices_gives_zero_output_and_minus_inf_lse():
     q, kv, idx = _case(1, 4, 8, 2, 8, 3, seed=1)
     idx[0, 2] = -1
@@ -113,6 +138,9 @@ def test_bad_arguments_raise_dsa_input_error():
         sparse_mla_attention(q, kv, idx, 1.0, 8, dkv_kernel="cuda")
     with pytest.raises(DSAInputError, match="runs must be None"):
         sparse_mla_attention(q, kv, idx, 1.0, 8, runs=2, dkv_kernel="gluon")
+    for pool_mass in ((0, 2), (2, 0), (2, 2)):   # idx has 3 slots: 2 pools of 2 pass its end
+        with pytest.raises(DSAInputError, match="pool_mass"):
+            sparse_mla_attention(q, kv, idx, 1.0, 8, pool_mass=pool_mass)
 
 
 def test_gluon_dq_needs_the_gluon_dkv():
@@ -204,7 +232,7 @@ def test_auto_on_the_cpu_asks_no_gluon_kernel(monkeypatch):
     seen = []
     real = sa._SparseMLAAttention.apply
     monkeypatch.setattr(sa._SparseMLAAttention, "apply",
-                        lambda *args: seen.append(args[-2:]) or real(*args))
+                        lambda *args: seen.append(args[7:9]) or real(*args))
     q, kv, idx = _case(1, 4, 8, 2, 8, 3, seed=8)
     sparse_mla_attention(q, kv, idx, 1.0, 8)
     sparse_mla_attention(q, kv, idx, 1.0, 8, runs=2, fwd_kernel="gluon")

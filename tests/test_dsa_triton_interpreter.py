@@ -56,6 +56,12 @@ SCRIPT = textwrap.dedent(
         scores = torch.einsum("bthd,btkd->bthk", q, kv[torch.arange(2)[:, None, None], idx.long().clamp_min(0)]) * 0.3
         mass = torch.where(idx[:, :, None] >= 0, torch.exp(scores - lse[..., None]), 0.0).sum(2).nan_to_num(0.0)
         assert torch.allclose(st.triton_sparse_mla_mass(q, kv, idx, lse, 0.3), mass, atol=1e-5)
+        # the pool mass folded into the forward: pools of 4 slots over the first 16 slots, then all 20
+        for n_pools in (4, 5):
+            f_out, f_lse, f_mass = st.triton_sparse_mla_fwd(q, kv, idx, 0.3, d_v, pool_mass=(4, n_pools))
+            assert torch.equal(f_out, t_out) and torch.equal(f_lse, t_lse)
+            want = mass[..., : 4 * n_pools].view(2, 5, n_pools, 4).sum(-1)
+            assert torch.allclose(f_mass, want, atol=1e-5), (f_mass - want).abs().max()
         # rowsum(dO O): 200 rows (the last program partly masked), d_v 16 and 32
         delta = st.triton_sparse_mla_delta(out, grad)
         assert delta.shape == out.shape[:3] and delta.dtype == torch.float32

@@ -41,8 +41,12 @@ def _pool_target(q_blk, kv, lse_blk, pool_indices, pool_ok, kpool, softmax_scale
         scores = torch.einsum("bthd,btkd->bthk", q_blk.float(), kv_sel) * softmax_scale
         lse_safe = lse_blk.float().masked_fill(torch.isinf(lse_blk), 0.0)
         probs = torch.exp(scores - lse_safe[..., None]).sum(dim=2)  # [B, t, Kp * kpool]
-    target = probs.view(*pool_ok.shape, kpool).sum(-1).masked_fill(~pool_ok, 0.0)
-    return target / target.sum(-1, keepdim=True).clamp_min(_EPS)
+    return _normalized(probs.view(*pool_ok.shape, kpool).sum(-1).masked_fill(~pool_ok, 0.0))
+
+
+def _normalized(mass: torch.Tensor) -> torch.Tensor:
+    """``mass [..., J]`` L1-normalized over its last dimension (rows without mass stay 0)."""
+    return mass / mass.sum(-1, keepdim=True).clamp_min(_EPS)
 
 
 def _block_kl(q_index_blk, weights_blk, pool_keys, pool_row, pool_ok, target, index_softmax_scale):
@@ -79,6 +83,7 @@ def indexer_kl_loss(
     cu_seqlens: torch.Tensor | None = None,
     block_size: int | None = None,
     torch_path: bool = False,
+    pool_mass: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """KL divergence of the indexer's pool distribution from the main attention's.
 
@@ -115,6 +120,10 @@ def indexer_kl_loss(
             the Triton kernel ``triton_sparse_mla_mass``, 256 elsewhere).
         torch_path: run the indexer side through the torch path on CUDA too (the reference the
             fused kernel is checked and benchmarked against).
+        pool_mass: ``[B, T, topk // kpool]`` float32, the target's mass per pool before its
+            normalization, as :func:`kernels.dsa.sparse_mla_attention` returns it with
+            ``pool_mass=(kpool, topk // kpool)`` from the same forward: the target is not recomputed from
+            ``q``, ``kv`` and ``lse`` (one pass over the selected latent fewer).
 
     Returns:
         Scalar float32 loss (multiply by the loss coefficient outside).
@@ -122,6 +131,9 @@ def indexer_kl_loss(
     Raises:
         DSAInputError: on inconsistent shapes.
     """
+    if pool_mass is not None and pool_mass.shape != (*q_index.shape[:2], topk // kpool):
+        raise DSAInputError(f"pool_mass {tuple(pool_mass.shape)} must be [B, T, topk // kpool] = "
+                            f"{[*q_index.shape[:2], topk // kpool]}")
     batch, n_q = q_index.shape[:2]
     if indices.shape[:2] != (batch, n_q) or indices.shape[2] < topk or topk % kpool != 0:
         raise DSAInputError(
@@ -144,7 +156,10 @@ def indexer_kl_loss(
     for t0 in range(0, n_q, block_size):
         t1 = min(t0 + block_size, n_q)
         ok = pool_ok[:, t0:t1]
-        target = _pool_target(q[:, t0:t1], kv, lse[:, t0:t1], indices[:, t0:t1, :topk], ok, kpool, softmax_scale)
+        if pool_mass is None:
+            target = _pool_target(q[:, t0:t1], kv, lse[:, t0:t1], indices[:, t0:t1, :topk], ok, kpool, softmax_scale)
+        else:
+            target = _normalized(pool_mass[:, t0:t1].float().masked_fill(~ok, 0.0))
         args = (q_index[:, t0:t1], weights[:, t0:t1], pool_keys, pool_row[:, t0:t1], ok, target, index_softmax_scale)
         if kv.is_cuda and not torch_path:
             from kernels.dsa.loss_triton import triton_indexer_kl

@@ -90,13 +90,16 @@ def _block_scores(q_blk: torch.Tensor, kv_blk: torch.Tensor, valid: torch.Tensor
     return scores.masked_fill(~valid[:, :, None, :], float("-inf"))
 
 
-def torch_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v, block_size=64):
+def torch_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v, block_size=64, pool_mass=None):
     """Blockwise forward: ``out [B, T, H, d_v]`` (q.dtype), ``lse [B, T, H]`` (float64 for
-    float64 inputs so that gradcheck-level backwards stay exact, else float32)."""
+    float64 inputs so that gradcheck-level backwards stay exact, else float32), and with
+    ``pool_mass=(kpool, n_pools)`` the pool mass ``[B, T, n_pools]`` (as ``sparse_mla_attention``)."""
     batch, n_q, heads, _ = q.shape
     dtype = _compute_dtype(q)
     out = torch.empty(batch, n_q, heads, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, n_q, heads, dtype=torch.promote_types(dtype, torch.float32), device=q.device)
+    kpool, n_pools = pool_mass or (1, 0)
+    mass = torch.empty(batch, n_q, n_pools, dtype=lse.dtype, device=q.device)
     for t0 in range(0, n_q, block_size):
         t1 = min(t0 + block_size, n_q)
         kv_blk, valid = _gather_block(kv, indices[:, t0:t1], dtype)
@@ -105,7 +108,10 @@ def torch_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v, block_size=64):
         probs = torch.exp(scores - lse_blk.masked_fill(torch.isinf(lse_blk), 0.0)[..., None])
         out[:, t0:t1] = torch.einsum("bthk,btkv->bthv", probs, kv_blk[..., :d_v]).to(q.dtype)
         lse[:, t0:t1] = lse_blk
-    return out, lse
+        if n_pools:
+            slots = probs[..., : n_pools * kpool].sum(2)   # [B, t, n_pools * kpool], summed over heads
+            mass[:, t0:t1] = slots.view(batch, t1 - t0, n_pools, kpool).sum(-1)
+    return (out, lse, mass) if pool_mass else (out, lse)
 
 
 def torch_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v, block_size=64):
@@ -138,7 +144,8 @@ def torch_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v,
 class _SparseMLAAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, indices, softmax_scale, d_v, runs, precomputed=None, fwd_kernel="triton",
-                dkv_kernel="triton"):
+                dkv_kernel="triton", pool_mass=None):
+        mass = None
         if precomputed is not None:   # (out, lse) of an earlier forward on the same inputs
             out, lse = precomputed
         elif q.is_cuda and fwd_kernel == "gluon":
@@ -148,17 +155,35 @@ class _SparseMLAAttention(torch.autograd.Function):
         elif q.is_cuda:
             from kernels.dsa.sparse_attention_triton import triton_sparse_mla_fwd
 
-            out, lse = triton_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v)
+            out, lse, *mass = triton_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v, pool_mass=pool_mass)
         else:
-            out, lse = torch_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v)
+            out, lse, *mass = torch_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v, pool_mass=pool_mass)
+        mass = mass[0] if mass else None
+        if pool_mass and mass is None:   # a forward that does not fold it in (Gluon, precomputed): one more pass
+            kpool, n_pools = pool_mass
+            if q.is_cuda:   # 4096 queries at a time: the per-slot mass is [B, t, kpool * n_pools] float32
+                from kernels.dsa.sparse_attention_triton import triton_sparse_mla_mass
+
+                mass = lse.new_empty(*q.shape[:2], n_pools, dtype=torch.float32)
+                for t0 in range(0, q.shape[1], 4096):
+                    t1 = min(t0 + 4096, q.shape[1])
+                    slots = triton_sparse_mla_mass(q[:, t0:t1], kv, indices[:, t0:t1, : kpool * n_pools],
+                                                   lse[:, t0:t1], softmax_scale)
+                    mass[:, t0:t1] = slots.view(*slots.shape[:2], n_pools, kpool).sum(-1)
+            else:
+                mass = torch_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v, pool_mass=pool_mass)[2]
         ctx.save_for_backward(q, kv, indices, out, lse)
         ctx.softmax_scale, ctx.d_v, ctx.runs, ctx.dkv_kernel = softmax_scale, d_v, runs, dkv_kernel
         lse = lse.float()
         ctx.mark_non_differentiable(lse)
-        return out, lse
+        if mass is None:
+            return out, lse
+        mass = mass.float()
+        ctx.mark_non_differentiable(mass)
+        return out, lse, mass
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse):
+    def backward(ctx, grad_out, grad_lse, grad_mass=None):
         q, kv, indices, out, lse = ctx.saved_tensors
         if q.is_cuda:
             from kernels.dsa.sparse_attention_triton import triton_sparse_mla_bwd
@@ -167,14 +192,14 @@ class _SparseMLAAttention(torch.autograd.Function):
                                             ctx.runs, ctx.dkv_kernel)
         else:
             dq, dkv = torch_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, ctx.softmax_scale, ctx.d_v)
-        return dq, dkv, None, None, None, None, None, None, None
+        return dq, dkv, None, None, None, None, None, None, None, None
 
 
 def sparse_mla_attention(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,
     runs: int | None = None, precomputed: tuple[torch.Tensor, torch.Tensor] | None = None,
-    fwd_kernel: str = "auto", dkv_kernel: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    fwd_kernel: str = "auto", dkv_kernel: str = "auto", pool_mass: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Attention of every head over the selected tokens of one shared MLA latent.
 
     ``out[b, t, h] = sum_{s in sel(b, t)} softmax_s(softmax_scale * q[b, t, h] . kv[b, s]) * kv[b, s, :d_v]``
@@ -205,15 +230,20 @@ def sparse_mla_attention(
             with ``dq`` from :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dq`;
             ``runs`` must be ``None``; same conditions as ``fwd_kernel="gluon"``) or ``"auto"`` (Gluon where it
             runs and ``runs`` is ``None``, else Triton).
+        pool_mass: ``(kpool, n_pools)``: also return each query's attention mass per pool of slots,
+            ``mass[b, t, j] = sum_h sum_{r < kpool} P[b, t, h, j * kpool + r]`` (the DSA indexer KL's target
+            before its normalization, :func:`kernels.dsa.indexer_kl_loss`). The Triton and CPU forwards fold it
+            into their softmax; after the Gluon forward or with ``precomputed`` it is one pass of
+            :func:`kernels.dsa.sparse_attention_triton.triton_sparse_mla_mass`. ``None``: not computed.
 
     Returns:
         ``out [B, T, H, d_v]`` in ``q.dtype`` and ``lse [B, T, H]`` float32 (natural log;
-        ``-inf`` for a row without a valid index, whose ``out`` is 0). ``lse`` carries no
-        gradient. Differentiable in ``q`` and ``kv``.
+        ``-inf`` for a row without a valid index, whose ``out`` is 0), and with ``pool_mass`` the mass
+        ``[B, T, n_pools]`` float32. ``lse`` and the mass carry no gradient. Differentiable in ``q`` and ``kv``.
 
     Raises:
-        DSAInputError: on inconsistent shapes or dtypes, an unknown ``fwd_kernel`` or ``dkv_kernel``, or ``runs``
-            with ``dkv_kernel="gluon"``.
+        DSAInputError: on inconsistent shapes or dtypes, an unknown ``fwd_kernel`` or ``dkv_kernel``, ``runs``
+            with ``dkv_kernel="gluon"``, or ``pool_mass`` pools past the index width.
     """
     _check_attention_inputs(q, kv, indices, d_v)
     for name, kernel in (("fwd_kernel", fwd_kernel), ("dkv_kernel", dkv_kernel)):
@@ -223,6 +253,10 @@ def sparse_mla_attention(
         raise DSAInputError(f"dkv_kernel='gluon' sums every slot per query: runs must be None, got {runs}")
     if runs is not None and not 0 < runs <= indices.shape[2]:
         raise DSAInputError(f"runs must be in 1..{indices.shape[2]} (the index width) or None, got {runs}")
+    if pool_mass is not None and not (pool_mass[0] >= 1 and pool_mass[1] >= 1
+                                      and pool_mass[0] * pool_mass[1] <= indices.shape[2]):
+        raise DSAInputError(f"pool_mass (kpool, n_pools) = {pool_mass} must be positive and cover at most "
+                            f"{indices.shape[2]} slots (the index width)")
     if precomputed is not None:
         out, lse = precomputed
         if out.shape != (*q.shape[:3], d_v) or lse.shape != q.shape[:3]:
@@ -230,4 +264,5 @@ def sparse_mla_attention(
                                 f"q {tuple(q.shape)} and d_v={d_v}")
     if "auto" in (fwd_kernel, dkv_kernel):
         fwd_kernel, dkv_kernel = choose_kernels(fwd_kernel, dkv_kernel, runs, _gluon_why(q, kv, indices, d_v))
-    return _SparseMLAAttention.apply(q, kv, indices, softmax_scale, d_v, runs, precomputed, fwd_kernel, dkv_kernel)
+    return _SparseMLAAttention.apply(q, kv, indices, softmax_scale, d_v, runs, precomputed, fwd_kernel, dkv_kernel,
+                                     pool_mass)

@@ -64,15 +64,17 @@ _TUNE = dict(key=["n_heads", "DQK", "DV"], prune_configs_by={"early_config_prune
 @triton.autotune(configs=_attention_configs(), **_TUNE)
 @triton.jit
 def sparse_mla_fwd_kernel(
-    Q, KV, IDX, OUT, LSE,
+    Q, KV, IDX, OUT, LSE, POOL_LSE,
     stride_qb, stride_qt, stride_qh,
     stride_kvb, stride_kvs,
     stride_ib, stride_it,
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lt,
+    stride_pb, stride_pt, stride_ph,
     n_heads, n_idx, scale_log2,
     DQK: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    KPOOL: tl.constexpr = 1, N_POOLS: tl.constexpr = 0,
 ):
     t = tl.program_id(0).to(tl.int64)  # at 1M tokens x H x Dqk, offsets pass 2^31
     pid_h = tl.program_id(1)
@@ -88,6 +90,9 @@ def sparse_mla_fwd_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    # with N_POOLS: KPOOL divides BLOCK_K, so a block of slots holds whole pools, pool k0 // KPOOL first
+    offs_c = tl.arange(0, BLOCK_K // KPOOL)
+    pool_base = POOL_LSE + b * stride_pb + t * stride_pt + offs_h[:, None] * stride_ph
     kv_base = KV + b * stride_kvb
     idx_base = IDX + b * stride_ib + t * stride_it
     for k0 in range(0, n_idx, BLOCK_K):
@@ -102,7 +107,15 @@ def sparse_mla_fwd_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        p_hi = p.to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p_hi, v)
+        if N_POOLS > 0:
+            # each pool's log2-sum-exp2 of its scores, per head: log2(sum_pool p) + m
+            pool_sum = tl.sum(tl.reshape(p, [BLOCK_H, BLOCK_K // KPOOL, KPOOL]), axis=2)
+            pools = k0 // KPOOL + offs_c
+            keep = mask_h[:, None] & (pools < N_POOLS)[None, :]
+            tl.store(pool_base + pools[None, :], tl.where(pool_sum > 0, tl.log2(pool_sum) + m_safe[:, None],
+                                                          float("-inf")), mask=keep)
         m_i = m_new
     has_any = l_i > 0
     out = acc / tl.where(has_any, l_i, 1.0)[:, None]
@@ -404,23 +417,46 @@ def _grid(n_q: int, heads: int, batch: int):
     return lambda meta: (n_q, triton.cdiv(heads, meta["BLOCK_H"]), batch)
 
 
-def triton_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v):
-    """``out [B, T, H, d_v]`` (q.dtype) and ``lse [B, T, H]`` float32; see ``sparse_mla_attention``."""
+def triton_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v, pool_mass=None):
+    """``out [B, T, H, d_v]`` (q.dtype) and ``lse [B, T, H]`` float32; see ``sparse_mla_attention``.
+
+    ``pool_mass=(kpool, n_pools)`` also returns ``mass [B, T, n_pools]`` float32, the attention probability of
+    slots ``[j * kpool, (j + 1) * kpool)`` summed over those slots and all heads (the indexer KL's target before
+    its normalization: :func:`triton_sparse_mla_mass` summed per pool). The forward's softmax leaves each pool's
+    log2-sum-exp2 per head (``[B, T, H, n_pools]`` float32, written once per pool) instead of a second pass
+    over the gathered latent; ``exp2`` of it less the final ``lse`` and a sum over heads finish it here.
+
+    Raises:
+        DSAInputError: ``kpool`` does not divide 16, the smallest key block of the kernel's tilings.
+    """
     batch, n_q, heads, dqk = q.shape
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
     out = torch.empty(batch, n_q, heads, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, n_q, heads, dtype=torch.float32, device=q.device)
+    kpool, n_pools = pool_mass or (1, 0)
+    if 16 % kpool:
+        raise DSAInputError(f"the Triton forward's pool mass needs kpool to divide 16 (its key blocks hold whole "
+                            f"pools), got {kpool}")
+    pool_lse = torch.empty(batch, n_q, heads, n_pools, dtype=torch.float32, device=q.device)
     sparse_mla_fwd_kernel[_grid(n_q, heads, batch)](
-        q, kv, indices, out, lse,
+        q, kv, indices, out, lse, pool_lse,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
         indices.stride(0), indices.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
+        pool_lse.stride(0), pool_lse.stride(1), pool_lse.stride(2),
         heads, indices.shape[2], softmax_scale * _LOG2E,
         DQK=dqk, DV=d_v, BLOCK_D=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(d_v),
+        KPOOL=kpool, N_POOLS=n_pools,
     )
-    return out, lse
+    if not pool_mass:
+        return out, lse
+    lse2 = (lse * _LOG2E).masked_fill(torch.isinf(lse), 0.0)   # a row with no slot: its pools are -inf too
+    mass = torch.empty(batch, n_q, n_pools, dtype=torch.float32, device=q.device)
+    for t0 in range(0, n_q, 8192):   # bounds the exp2 temporary
+        mass[:, t0:t0 + 8192] = torch.exp2(pool_lse[:, t0:t0 + 8192] - lse2[:, t0:t0 + 8192, :, None]).sum(2)
+    return out, lse, mass
 
 
 def run_pairs(indices: torch.Tensor, run: int, n_keys: int, query_block: int = 32768):

@@ -5,8 +5,9 @@ at a DSA shape and length, beside the matmul rate measured in the same process.
 The autotuner keeps only its winner, and it chooses among :func:`_attention_configs` alone; this script
 times any tiling (``--configs``), including ones not in that list, on the indexer's k-pool layout
 (``dsa_bench.pool_indices``), and checks each against the autotuned kernel's output (the same math in a
-different order: differences at bf16 rounding). The run pass (``dkv``) is timed once at its fixed launch
-beside the autotuned whole backward, so the table also gives the backward's split. Where the head count is a
+different order: differences at bf16 rounding), also with the indexer KL target folded in (the pool mass,
+``pool_mass``) against that target's own pass (``triton_sparse_mla_mass``). The run pass (``dkv``) is timed
+once at its fixed launch beside the autotuned whole backward, so the table also gives the backward's split. Where the head count is a
 multiple of 64 (the ``full`` shape), each configuration of the warp-specialized Gluon forward
 (:mod:`kernels.dsa.sparse_attention_gluon`) is timed and checked the same way.
 
@@ -26,7 +27,7 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from dsa_bench import KPOOL, POOL_LAYOUTS, SHAPES, WIDTH, ceilings, pool_indices, timed  # noqa: E402
+from dsa_bench import KPOOL, POOL_LAYOUTS, SHAPES, TOPK, WIDTH, ceilings, pool_indices, timed  # noqa: E402
 from kernels.dsa import sparse_attention_gluon as sag  # noqa: E402
 from kernels.dsa import sparse_attention_triton as sat  # noqa: E402
 
@@ -73,12 +74,18 @@ def main() -> None:
     run_ok, scatter, keys, pairs, counts, ends = sat.run_pairs(idx, KPOOL, t)
     block = dict(DQK=dqk, DV=dqk, BLOCK_D=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dqk))
 
-    def launch_fwd(cfg, out, lse):
+    n_pools = TOPK // KPOOL
+    no_mass = torch.zeros(1, 1, 1, device="cuda")
+
+    def launch_fwd(cfg, out, lse, mass=None):
+        """One forward launch at tiling ``cfg``; with ``mass`` (zeroed ``[1, T, n_pools]``) the pool mass too."""
         bh, bk, warps, stages = cfg
+        pools = dict(KPOOL=KPOOL, N_POOLS=n_pools, POOLS_PAD=triton.next_power_of_2(n_pools)) if mass is not None else {}
+        mass = no_mass if mass is None else mass
         sat.sparse_mla_fwd_kernel.fn[(t, triton.cdiv(h, bh), 1)](
-            q, kv, idx, out, lse, *q.stride()[:3], *kv.stride()[:2], *idx.stride()[:2], *out.stride()[:3],
-            *lse.stride()[:2], h, idx.shape[2], scale * sat._LOG2E, **block, BLOCK_H=bh, BLOCK_K=bk,
-            num_warps=warps, num_stages=stages)
+            q, kv, idx, out, lse, mass, *q.stride()[:3], *kv.stride()[:2], *idx.stride()[:2], *out.stride()[:3],
+            *lse.stride()[:2], *mass.stride()[:2], h, idx.shape[2], scale * sat._LOG2E, **block, BLOCK_H=bh,
+            BLOCK_K=bk, num_warps=warps, num_stages=stages, **pools)
 
     def launch_dq(cfg, dq, delta):
         bh, bk, warps, stages = cfg
@@ -93,6 +100,19 @@ def main() -> None:
     delta_ref = torch.empty(1, t, h, dtype=torch.float32, device="cuda")
     launch_dq((64 if h >= 64 else 16, 32, 8, 2), dq_ref, delta_ref)
 
+    def mass_pass():
+        """The indexer KL target's separate pass (kernels.dsa.loss without the forward's mass): 4096 queries
+        at a time over the pool slots, summed per pool."""
+        pooled = torch.empty(1, t, n_pools, device="cuda")
+        for t0 in range(0, t, 4096):
+            slots = sat.triton_sparse_mla_mass(q[:, t0:t0 + 4096], kv, idx[:, t0:t0 + 4096, :TOPK],
+                                               lse_ref[:, t0:t0 + 4096], scale)
+            pooled[:, t0:t0 + 4096] = slots.view(1, -1, n_pools, KPOOL).sum(-1)
+        return pooled
+
+    mass_ref = mass_pass()
+    t_mass_pass, _ = timed(mass_pass, args.reps)
+
     rows = []
     for text in args.configs:
         cfg = _parse(text)
@@ -104,6 +124,10 @@ def main() -> None:
             row["fwd_s"], _ = timed(lambda: launch_fwd(cfg, out, lse), args.reps)
             row["fwd_tflops"] = fwd_flops / row["fwd_s"] / 1e12
             row["fwd_err"] = (out.float() - out_ref.float()).abs().max().item()
+            mass = torch.empty(1, t, n_pools, device="cuda")
+            # the forward with the indexer KL target folded in (a zeroed buffer each launch, as in the model)
+            row["fwd_mass_s"], _ = timed(lambda: launch_fwd(cfg, out, lse, mass.zero_()), args.reps)
+            row["mass_rel_err"] = ((mass - mass_ref).norm() / mass_ref.norm()).item()
             dq, delta = torch.empty_like(q), torch.empty_like(delta_ref)
             row["dq_s"], _ = timed(lambda: launch_dq(cfg, dq, delta), args.reps)
             row["dq_tflops"] = dq_flops / row["dq_s"] / 1e12
@@ -194,6 +218,8 @@ def main() -> None:
         print(per_query, flush=True)
     print(f"\n{args.shape} shape, {t // 1024}k tokens, {h} heads, index layout {args.index_layout} ({valid_keys:.1f} "
           f"valid keys per query); matmul anchor {ceil['matmul_tflops']:.0f} TF/s")
+    print(f"indexer KL target as its own pass (triton_sparse_mla_mass, 4096 queries at a time): "
+          f"{1e3 * t_mass_pass:.1f} ms; folded into the forward: the fwd+mass column")
     print(f"autotuned: fwd {1e3 * t_fwd_auto:.1f} ms ({fwd_flops / t_fwd_auto / 1e12:.0f} TF/s), whole bwd "
           f"{1e3 * t_whole:.1f} ms, fwd+bwd {(fwd_flops + bwd_flops) / (t_fwd_auto + t_whole) / 1e12:.0f} TF/s; "
           f"run pass {1e3 * t_run_pass:.1f} ms")
@@ -217,20 +243,22 @@ def main() -> None:
                 total = min(gluon_fwd) + t_bwd
                 print(f"Gluon forward {1e3 * min(gluon_fwd):.1f} ms + all-Gluon backward: fwd+bwd "
                       f"{(fwd_flops + bwd_flops) / total / 1e12:.0f} TF/s ({1e3 * total:.1f} ms)")
-    print("\n| BLOCK_H,BLOCK_K,warps,stages | fwd ms | fwd TF/s | dq pass ms | dq pass TF/s | fwd err | dq err |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| BLOCK_H,BLOCK_K,warps,stages | fwd ms | fwd TF/s | fwd+mass ms | dq pass ms | dq pass TF/s | fwd err "
+          "| mass rel err | dq err |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['config']} | {r['error']} ||||||")
+            print(f"| {r['config']} | {r['error']} ||||||||")
         elif "dq_s" not in r:   # a forward-only row (Gluon)
-            print(f"| {r['config']} | {1e3 * r['fwd_s']:.1f} | {r['fwd_tflops']:.0f} | | | {r['fwd_err']:.1e} | |")
+            print(f"| {r['config']} | {1e3 * r['fwd_s']:.1f} | {r['fwd_tflops']:.0f} | | | | {r['fwd_err']:.1e} | | |")
         else:
-            print(f"| {r['config']} | {1e3 * r['fwd_s']:.1f} | {r['fwd_tflops']:.0f} | {1e3 * r['dq_s']:.1f} | "
-                  f"{r['dq_tflops']:.0f} | {r['fwd_err']:.1e} | {r['dq_err']:.1e} |")
+            print(f"| {r['config']} | {1e3 * r['fwd_s']:.1f} | {r['fwd_tflops']:.0f} | {1e3 * r['fwd_mass_s']:.1f} | "
+                  f"{1e3 * r['dq_s']:.1f} | {r['dq_tflops']:.0f} | {r['fwd_err']:.1e} | {r['mass_rel_err']:.1e} | "
+                  f"{r['dq_err']:.1e} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"anchor": ceil, "shape": args.shape, "seq_len": t, "index_layout": args.index_layout,
-                       "valid_keys_per_query": valid_keys, "rows": rows, "run_pass_s": t_run_pass,
+                       "valid_keys_per_query": valid_keys, "rows": rows, "run_pass_s": t_run_pass, "mass_pass_s": t_mass_pass,
                        "bwd_autotuned_s": t_whole, "fwd_autotuned_s": t_fwd_auto, **per_query}, f, indent=1)
 
 
