@@ -16,7 +16,8 @@ filled with NaN before every kernel call (so an unwritten output shows up):
   smallest length, with dkv scattered per query and summed per k-pool run; where the heads are a
   multiple of 64 (the ``full`` shape), the warp-specialized Gluon forward too, to the same bounds, on
   the indexer's indices and on a ragged width with an all ``-1`` query (zero output, ``lse = -inf``),
-  and the backward with the Gluon latent gradient (64 heads per program);
+  and the backward with the Gluon latent gradient (64 heads per program); the indexer KL's target as the
+  forward returns it (``pool_mass``: each pool's attention mass, summed over heads) within 1e-2 of float64;
 * indexer KL loss: the fused Triton kernel (:mod:`kernels.dsa.loss_triton`) against the torch path
   (``kernels.dsa.loss._block_kl``, float32 on the same GPU) on the first 4096 queries' selected pools:
   loss and the gradients of the weights and pool keys within 1e-4 relative, of the bf16 queries
@@ -182,6 +183,14 @@ def check_attention(seq_len: int, shape: dict, indices: torch.Tensor, gen: torch
         lse_max_abs_err=float((lse[:, rows].double() - ref_lse).abs().max()),
     )
     ok = result["out_finite"] and result["out_rel_err"] <= 1e-2 and result["lse_max_abs_err"] <= 5e-2
+    # the indexer KL's target as the model asks for it (pool_mass): folded into the Triton forward, or one pass of
+    # the mass kernel after the Gluon one, against float64 probabilities summed per pool of 16 slots over 2048
+    pools = 2048 // 16
+    _, _, mass = sparse_mla_attention(q.detach(), kv.detach(), indices, scale, dqk, pool_mass=(16, pools))
+    _, _, ref_mass = torch_sparse_mla_fwd(q.detach()[:, rows].double(), kv.detach().double(), indices[:, rows], scale,
+                                          dqk, 64, pool_mass=(16, pools))
+    result["pool_mass_rel_err"] = rel_err(mass[:, rows], ref_mass)
+    ok = ok and result["pool_mass_rel_err"] <= 1e-2
     if gluon_supported(q, kv, dqk) is None:
         try:
             gluon = check_gluon_forward(q.detach(), kv.detach(), indices, scale, dqk, rows, ref_out, ref_lse,
