@@ -497,9 +497,9 @@ class DSAMixer(MegatronModule):
                                    "forward did not run with keep_attention")
             kept = self.kept_attention.popleft()
         # the KL's target, each pool's attention mass, comes out of the attention's own softmax; a recompute
-        # (kept attention) builds no KL, so it asks for none
+        # (kept attention) and an eval forward build no KL, so they ask for none
         pool_mass = None
-        if self.keep_kl_inputs and kept is None:
+        if self.keep_kl_inputs and self.training and kept is None:
             pool_mass = (self.cfg.index_kpool, self.cfg.index_topk // self.cfg.index_kpool)
         o_lat, lse, *mass = sparse_mla_attention(
             q_abs, latent_all, topk, self.softmax_scale, self.kv_lora, runs=self.cfg.index_kpool if per_pool else None,

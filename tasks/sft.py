@@ -273,8 +273,8 @@ class IndexerKL:
 
     A forward hook on each :class:`model.layers.DSAMixer` with its own indexer takes the mixer's
     selection ``topk [b, s, W]`` and the absorbed queries, gathered latent, log-normaliser ``lse`` and
-    per-pool attention mass its forward just computed (detached; ``DSAMixer.keep_kl_inputs``), runs the indexer's own score
-    inputs on a *detached* input (:meth:`model.layers.Indexer.score_inputs`), and hands them to
+    per-pool attention mass its forward just computed (detached; ``DSAMixer.keep_kl_inputs``), runs the
+    indexer's own score inputs on a *detached* input (:meth:`model.layers.Indexer.score_inputs`), and hands them to
     :func:`kernels.dsa.indexer_kl_loss`: the KL trains the indexer only, the LM loss trains the rest.
     """
 

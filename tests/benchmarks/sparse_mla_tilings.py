@@ -7,9 +7,9 @@ times any tiling (``--configs``), including ones not in that list, on the indexe
 (``dsa_bench.pool_indices``), and checks each against the autotuned kernel's output (the same math in a
 different order: differences at bf16 rounding), also with the indexer KL target folded in (the pool mass,
 ``pool_mass``) against that target's own pass (``triton_sparse_mla_mass``). The run pass (``dkv``) is timed
-once at its fixed launch beside the autotuned whole backward, so the table also gives the backward's split. Where the head count is a
-multiple of 64 (the ``full`` shape), each configuration of the warp-specialized Gluon forward
-(:mod:`kernels.dsa.sparse_attention_gluon`) is timed and checked the same way.
+once at its fixed launch beside the autotuned whole backward, so the table also gives the backward's split.
+Where the head count is a multiple of 64 (the ``full`` shape), each configuration of the warp-specialized Gluon
+forward (:mod:`kernels.dsa.sparse_attention_gluon`) is timed and checked the same way.
 
     python tests/benchmarks/sparse_mla_tilings.py --shape full --seq-len 65536 --out $OUT/tilings.json
 """
