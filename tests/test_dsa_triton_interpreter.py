@@ -62,6 +62,9 @@ SCRIPT = textwrap.dedent(
             assert torch.equal(f_out, t_out) and torch.equal(f_lse, t_lse)
             want = mass[..., : 4 * n_pools].view(2, 5, n_pools, 4).sum(-1)
             assert torch.allclose(f_mass, want, atol=1e-5), (f_mass - want).abs().max()
+            # the same from its own pass (after the Gluon forward), 2 queries at a time
+            got = st.triton_sparse_mla_pool_mass(q, kv, idx, lse, 0.3, 4, n_pools, block=2)
+            assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
         # rowsum(dO O): 200 rows (the last program partly masked), d_v 16 and 32
         delta = st.triton_sparse_mla_delta(out, grad)
         assert delta.shape == out.shape[:3] and delta.dtype == torch.float32

@@ -160,16 +160,10 @@ class _SparseMLAAttention(torch.autograd.Function):
             out, lse, *mass = torch_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v, pool_mass=pool_mass)
         mass = mass[0] if mass else None
         if pool_mass and mass is None:   # a forward that does not fold it in (Gluon, precomputed): one more pass
-            kpool, n_pools = pool_mass
-            if q.is_cuda:   # 4096 queries at a time: the per-slot mass is [B, t, kpool * n_pools] float32
-                from kernels.dsa.sparse_attention_triton import triton_sparse_mla_mass
+            if q.is_cuda:
+                from kernels.dsa.sparse_attention_triton import triton_sparse_mla_pool_mass
 
-                mass = lse.new_empty(*q.shape[:2], n_pools, dtype=torch.float32)
-                for t0 in range(0, q.shape[1], 4096):
-                    t1 = min(t0 + 4096, q.shape[1])
-                    slots = triton_sparse_mla_mass(q[:, t0:t1], kv, indices[:, t0:t1, : kpool * n_pools],
-                                                   lse[:, t0:t1], softmax_scale)
-                    mass[:, t0:t1] = slots.view(*slots.shape[:2], n_pools, kpool).sum(-1)
+                mass = triton_sparse_mla_pool_mass(q, kv, indices, lse, softmax_scale, *pool_mass)
             else:
                 mass = torch_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v, pool_mass=pool_mass)[2]
         ctx.save_for_backward(q, kv, indices, out, lse)

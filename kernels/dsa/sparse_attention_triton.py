@@ -38,7 +38,8 @@ from kernels.dsa.errors import DSAInputError
 
 _LOG2E = 1.4426950408889634
 
-__all__ = ["triton_sparse_mla_fwd", "triton_sparse_mla_bwd", "triton_sparse_mla_mass", "run_pairs"]
+__all__ = ["triton_sparse_mla_fwd", "triton_sparse_mla_bwd", "triton_sparse_mla_mass", "triton_sparse_mla_pool_mass",
+           "pool_mass_from_log2", "run_pairs"]
 
 
 def _attention_configs():
@@ -450,13 +451,31 @@ def triton_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v, pool_mass=None):
         DQK=dqk, DV=d_v, BLOCK_D=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(d_v),
         KPOOL=kpool, N_POOLS=n_pools,
     )
-    if not pool_mass:
-        return out, lse
-    lse2 = (lse * _LOG2E).masked_fill(torch.isinf(lse), 0.0)   # a row with no slot: its pools are -inf too
-    mass = torch.empty(batch, n_q, n_pools, dtype=torch.float32, device=q.device)
-    for t0 in range(0, n_q, 8192):   # bounds the exp2 temporary
-        mass[:, t0:t0 + 8192] = torch.exp2(pool_lse[:, t0:t0 + 8192] - lse2[:, t0:t0 + 8192, :, None]).sum(2)
-    return out, lse, mass
+    return (out, lse, pool_mass_from_log2(pool_lse, lse)) if pool_mass else (out, lse)
+
+
+def pool_mass_from_log2(pool_lse: torch.Tensor, lse: torch.Tensor, block: int = 8192) -> torch.Tensor:
+    """``[B, T, J]`` float32 pool mass summed over heads from the forward's per-head pool log2-sum-exp2
+    ``pool_lse [B, T, H, J]`` and its natural-log ``lse [B, T, H]``: ``sum_h exp2(pool_lse - lse * log2(e))``,
+    ``block`` queries at a time (bounds the ``exp2`` temporary). A row without a valid slot (``lse = -inf``,
+    its pools ``-inf`` too) gives 0."""
+    lse2 = (lse * _LOG2E).masked_fill(torch.isinf(lse), 0.0)
+    mass = torch.empty(pool_lse.shape[:2] + pool_lse.shape[3:], dtype=torch.float32, device=pool_lse.device)
+    for t0 in range(0, pool_lse.shape[1], block):
+        mass[:, t0:t0 + block] = torch.exp2(pool_lse[:, t0:t0 + block] - lse2[:, t0:t0 + block, :, None]).sum(2)
+    return mass
+
+
+def triton_sparse_mla_pool_mass(q, kv, indices, lse, softmax_scale, kpool: int, n_pools: int, block: int = 4096):
+    """``[B, T, n_pools]`` float32: :func:`triton_sparse_mla_mass` over the first ``kpool * n_pools`` slots summed
+    per pool of ``kpool``, ``block`` queries at a time (the per-slot mass is ``[B, block, kpool * n_pools]``
+    float32): the pool mass of a forward that does not fold it in (the Gluon one, or a kept output)."""
+    mass = torch.empty(*q.shape[:2], n_pools, dtype=torch.float32, device=q.device)
+    for t0 in range(0, q.shape[1], block):
+        slots = triton_sparse_mla_mass(q[:, t0:t0 + block], kv, indices[:, t0:t0 + block, : kpool * n_pools],
+                                       lse[:, t0:t0 + block], softmax_scale)
+        mass[:, t0:t0 + block] = slots.view(*slots.shape[:2], n_pools, kpool).sum(-1)
+    return mass
 
 
 def run_pairs(indices: torch.Tensor, run: int, n_keys: int, query_block: int = 32768):

@@ -78,7 +78,7 @@ def main() -> None:
     no_pools = torch.empty(1, 1, 1, 0, device="cuda")
 
     def launch_fwd(cfg, out, lse, pool_lse=None):
-        """One forward launch at tiling ``cfg``; with ``pool_lse`` (``[1, T, H, n_pools]``) each pool's log-mass too."""
+        """One forward launch at tiling ``cfg``; with ``pool_lse`` (``[1, T, H, n_pools]``) the pool log-masses."""
         bh, bk, warps, stages = cfg
         pools = dict(KPOOL=KPOOL, N_POOLS=n_pools) if pool_lse is not None else {}
         pool_lse = no_pools if pool_lse is None else pool_lse
@@ -100,15 +100,8 @@ def main() -> None:
     delta_ref = torch.empty(1, t, h, dtype=torch.float32, device="cuda")
     launch_dq((64 if h >= 64 else 16, 32, 8, 2), dq_ref, delta_ref)
 
-    def mass_pass():
-        """The indexer KL target's separate pass (kernels.dsa.loss without the forward's mass): 4096 queries
-        at a time over the pool slots, summed per pool."""
-        pooled = torch.empty(1, t, n_pools, device="cuda")
-        for t0 in range(0, t, 4096):
-            slots = sat.triton_sparse_mla_mass(q[:, t0:t0 + 4096], kv, idx[:, t0:t0 + 4096, :TOPK],
-                                               lse_ref[:, t0:t0 + 4096], scale)
-            pooled[:, t0:t0 + 4096] = slots.view(1, -1, n_pools, KPOOL).sum(-1)
-        return pooled
+    def mass_pass():   # the indexer KL target's own pass, as after the Gluon forward
+        return sat.triton_sparse_mla_pool_mass(q, kv, idx, lse_ref, scale, KPOOL, n_pools)
 
     mass_ref = mass_pass()
     t_mass_pass, _ = timed(mass_pass, args.reps)
@@ -128,7 +121,7 @@ def main() -> None:
             # over heads, the same for every tiling, is timed once below)
             pool_lse = torch.empty(1, t, h, n_pools, device="cuda")
             row["fwd_mass_s"], _ = timed(lambda: launch_fwd(cfg, out, lse, pool_lse), args.reps)
-            mass = torch.exp2(pool_lse - (lse * sat._LOG2E).masked_fill(torch.isinf(lse), 0.0)[..., None]).sum(2)
+            mass = sat.pool_mass_from_log2(pool_lse, lse)
             row["mass_rel_err"] = ((mass - mass_ref).norm() / mass_ref.norm()).item()
             dq, delta = torch.empty_like(q), torch.empty_like(delta_ref)
             row["dq_s"], _ = timed(lambda: launch_dq(cfg, dq, delta), args.reps)
