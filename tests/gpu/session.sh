@@ -18,7 +18,7 @@
 # launches, $NCU_CASES), profile (tests/benchmarks/sft_profile.py: whole-step profile of $PROFILE_CONFIGS,
 # default 64k, with $PROFILE_ARGS; profile_base: the same from a carried earlier tree), layerbench (tests/benchmarks/layer_bench.py: one full-width layer of each kind as
 # one b200-64 rank at 256k and 1M, projected to 64 B200, with $LAYERBENCH_ARGS), hcproj (the mHC projection's
-# Triton kernels vs float64, and their time), hcdiag, gluonsmoke, tilings (see their lines below). The DSA parts need no wheels: with no .whl folder the install is skipped.
+# Triton kernels vs float64, and their time), hcdiag, gluonsmoke, tilings, coldstart (see their lines below). The DSA parts need no wheels: with no .whl folder the install is skipped.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -100,6 +100,19 @@ part profile_base "${T_PROFILE:-420}" bash -c "cd ${BASE_TREE:-.base} && PYTHONP
   ${PROFILE_BASE_ARGS-${PROFILE_ARGS:-}} --out \"$OUT/sft_profile_base.json\""
 part profile "${T_PROFILE:-420}" python3 tests/benchmarks/sft_profile.py --pack runs/sft_gpu_pack \
   --configs ${PROFILE_CONFIGS:-64k} --trace-dir "$OUT" ${PROFILE_ARGS:-} --out "$OUT/sft_profile.json"
+# coldstart: the first SFT step as a fresh worker meets it. Every compiled kernel and autotune result of earlier
+# parts is removed (Triton's, inductor's, in /tmp and ~), the Triton cache is reseeded from the package's
+# tunings as tasks.caching.shared_kernel_cache does, and the profile loads the shipped compile cache
+# (--seed-compile-cache): its "first step" row is the cold start ($PROFILE_CONFIGS, default 64k).
+coldstart() {
+  rm -rf "$TRITON_CACHE_DIR" "$TORCHINDUCTOR_CACHE_DIR" ~/.triton /tmp/torchinductor_* && mkdir -p "$TRITON_CACHE_DIR"
+  python3 -c "import sys, torch; sys.path.insert(0, 'tests/gpu'); import flyte_standin as f; f.install_flytekit_stand_in()
+import tasks.caching as c; print('autotune cache:', c.seed_autotune_cache('$TRITON_CACHE_DIR', torch.cuda.get_device_name()))"
+  python3 tests/benchmarks/sft_profile.py --pack runs/sft_gpu_pack --configs ${PROFILE_CONFIGS:-64k} --steps 2 \
+    --profile-steps 1 --seed-compile-cache --out "$OUT/sft_coldstart.json"
+}
+export -f coldstart && export OUT
+part coldstart "${T_COLDSTART:-420}" bash -c coldstart
 # kdafold (tests/benchmarks/kda_cp_fold_bench.py: the KDA CP state fold, per-rank indexing vs split+unbind, full widths).
 part kdafold "${T_KDAFOLD:-60}" python3 tests/benchmarks/kda_cp_fold_bench.py --out "$OUT/kda_cp_fold.json"
 part layerbench "${T_LAYERBENCH:-540}" python3 tests/benchmarks/layer_bench.py ${LAYERBENCH_ARGS:-} --out "$OUT/layer_bench.json"
