@@ -4,8 +4,9 @@ One program handles one query and a block of ``BLOCK_H`` heads (autotuned per he
 and widths, together with ``BLOCK_K``, warps and stages): it gathers the selected
 latent rows ``kv[idx]`` ``BLOCK_K`` at a time (shared by all heads of the block, as in
 FlashMLA's sparse kernels), runs an online softmax in base 2 and accumulates
-``P @ kv[:, :d_v]`` in float32. The backward recomputes ``P`` from the saved ``lse`` and
-accumulates ``dq`` in registers. ``dkv`` comes one of two ways:
+``P @ kv[:, :d_v]`` in float32; asked for the DSA indexer KL's target, it also stores each k-pool's
+log2-sum-exp2 of its scores per head (:func:`triton_sparse_mla_fwd`, ``pool_mass``). The backward
+recomputes ``P`` from the saved ``lse`` and accumulates ``dq`` in registers. ``dkv`` comes one of two ways:
 
 * per query (``runs=None``): the query's program scatter-adds its ``dkv`` rows with float32
   atomics, one ``Dqk``-wide row per selected key, query and head block. At 8 heads these
