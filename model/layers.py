@@ -501,13 +501,14 @@ class DSAMixer(MegatronModule):
         pool_mass = None
         if self.keep_kl_inputs and self.training and kept is None:
             pool_mass = (self.cfg.index_kpool, self.cfg.index_topk // self.cfg.index_kpool)
-        o_lat, lse, *mass = sparse_mla_attention(
+        result = sparse_mla_attention(
             q_abs, latent_all, topk, self.softmax_scale, self.kv_lora, runs=self.cfg.index_kpool if per_pool else None,
             precomputed=kept, fwd_kernel=self.cfg.dsa_fwd, dkv_kernel=DKV_KERNEL[self.cfg.dsa_dkv], pool_mass=pool_mass)
+        o_lat, lse, mass = (*result, None)[:3]   # the mass only when asked for
         if keep_attention and not torch.is_grad_enabled():
             self.kept_attention.append((o_lat, lse))
         if self.keep_kl_inputs:
-            self.kl_inputs = (*(t.detach() for t in (q_resid, q_abs, latent_all, lse)), mass[0] if mass else None)
+            self.kl_inputs = (*(t.detach() for t in (q_resid, q_abs, latent_all, lse)), mass)
         o = torch.einsum("bshc,hvc->bshv", o_lat, w_uv)
         out, _ = self.o_proj(o.flatten(-2))
         return out.transpose(0, 1), topk

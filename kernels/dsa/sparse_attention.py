@@ -145,20 +145,19 @@ class _SparseMLAAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, indices, softmax_scale, d_v, runs, precomputed=None, fwd_kernel="triton",
                 dkv_kernel="triton", pool_mass=None):
-        mass = None
         if precomputed is not None:   # (out, lse) of an earlier forward on the same inputs
-            out, lse = precomputed
+            result = precomputed
         elif q.is_cuda and fwd_kernel == "gluon":
             from kernels.dsa.sparse_attention_gluon import gluon_sparse_mla_fwd
 
-            out, lse = gluon_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v)
+            result = gluon_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v)
         elif q.is_cuda:
             from kernels.dsa.sparse_attention_triton import triton_sparse_mla_fwd
 
-            out, lse, *mass = triton_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v, pool_mass=pool_mass)
+            result = triton_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v, pool_mass=pool_mass)
         else:
-            out, lse, *mass = torch_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v, pool_mass=pool_mass)
-        mass = mass[0] if mass else None
+            result = torch_sparse_mla_fwd(q, kv, indices, softmax_scale, d_v, pool_mass=pool_mass)
+        out, lse, mass = (*result, None)[:3]   # the mass where the forward folded it in
         if pool_mass and mass is None:   # a forward that does not fold it in (Gluon, precomputed): one more pass
             if q.is_cuda:
                 from kernels.dsa.sparse_attention_triton import triton_sparse_mla_pool_mass

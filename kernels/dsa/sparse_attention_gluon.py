@@ -43,8 +43,10 @@ copies ``q`` and ``dO`` once, ``wgmma`` reads each in both orders, and one 64-ke
 soon as ``Q K^T`` and ``dO V^T`` retire, so the next gather overlaps ``dS^T q + P^T dO`` and the atomics. With
 its atomics predicated off it takes 74.8 ms instead of 135.4 ms (one H100, ``full`` shape, 64k tokens). An H200,
 with 1.41x the copy rate, runs it (and the forward and query gradient) in the same time, so HBM is not what
-bounds these kernels; whether the gather through L2 or the program's own pipeline does is the open question
-in ``docs/dsa_kernels.md``.
+bounds these kernels. Nor are the gathers: with every query's pools the same 128 (L2-resident) or spread over
+its whole history the forward and query gradient take within 7% of their time on a recent window, so their
+own pipeline (the softmax between one key block's two products) bounds them; only this kernel's atomics slow
+down on a spread selection (``docs/dsa_kernels.md``).
 
 The query gradient (:func:`sparse_mla_dq_gluon_kernel`, taken with the Gluon latent gradient:
 ``triton_sparse_mla_bwd``'s ``dq_kernel="auto"``) has the same producer with a two-deep ring of 32-key buffers;
