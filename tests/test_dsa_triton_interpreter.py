@@ -114,6 +114,8 @@ SCRIPT = textwrap.dedent(
         grad = torch.randn(out.shape, generator=gen)
         ref = torch_sparse_mla_bwd(q, kv, idx, out, lse, grad, 0.3, d_v)
         run_ok, scatter = st.run_pairs(idx, 16, 80)[:2]
+        for a, b in zip(st.run_scan(idx.long(), 16, 80), st.torch_run_scan(idx, 16, 80)):
+            assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
         not_run = torch.zeros(2, 6, 4, dtype=torch.bool)
         not_run[0, 0, 1] = not_run[0, 1, 0] = not_run[1, 3, 2] = True
         not_run[1, 5] = True
@@ -125,6 +127,23 @@ SCRIPT = textwrap.dedent(
         for runs in (16, None):
             for a, b in zip(st.triton_sparse_mla_bwd(q, kv, idx, out, lse, grad, 0.3, d_v, runs), ref):
                 assert torch.allclose(a, b, atol=1e-5), (heads, runs, (a - b).abs().max())
+
+    # the run scan on random slots with planted runs and prefixes: widths not a multiple of the run length,
+    # a run length that is not a power of two, fewer slots than one run; int32 and int64 indices
+    for dtype in (torch.int32, torch.int64):
+        for width, run in ((53, 16), (40, 8), (7, 16), (45, 12)):
+            idx = torch.randint(-1, 30, (2, 9, width), generator=gen)
+            for t in range(9):
+                for r in range(width // run):
+                    if (t + r) % 2 == 0:
+                        c = run if (t + r) % 4 else 1 + t % run
+                        idx[0, t, r * run:(r + 1) * run] = -1
+                        idx[0, t, r * run:r * run + c] = torch.arange(3 + t, 3 + t + c)
+            idx[1, 4] = -1
+            got, want = st.run_scan(idx.to(dtype), run, 40), st.torch_run_scan(idx.to(dtype), run, 40)
+            assert (width < run or want[0].bool().any()) and want[1].any() and not want[1].all()
+            for a, b in zip(got, want):
+                assert a.dtype == b.dtype and torch.equal(a, b), (dtype, width, run, a, b)
 
     # every buffer torch.empty gives the indexer is poisoned (finite scores above any real one,
     # out-of-range indices): a read of memory no kernel wrote changes the selection

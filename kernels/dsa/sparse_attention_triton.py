@@ -40,7 +40,7 @@ from kernels.dsa.errors import DSAInputError
 _LOG2E = 1.4426950408889634
 
 __all__ = ["triton_sparse_mla_fwd", "triton_sparse_mla_bwd", "triton_sparse_mla_mass", "triton_sparse_mla_pool_mass",
-           "pool_mass_from_log2", "run_pairs"]
+           "pool_mass_from_log2", "run_pairs", "run_scan", "torch_run_scan"]
 
 
 def _attention_configs():
@@ -479,29 +479,38 @@ def triton_sparse_mla_pool_mass(q, kv, indices, lse, softmax_scale, kpool: int, 
     return mass
 
 
-def run_pairs(indices: torch.Tensor, run: int, n_keys: int, query_block: int = 32768):
-    """The (query, run) pairs of ``indices [B, T, W]`` sorted by run start, for the key-centric ``dkv`` pass.
+@triton.jit
+def run_scan_kernel(IDX, RUN_OK, SCATTER, KEYS, stride_ib, stride_it, n_q, width, n_runs, n_keys, no_run_key,
+                    RUN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RUN: tl.constexpr):
+    """One query's ``[n_runs, RUN]`` slot groups: each group's run length (0: not a run), its sort key, and
+    whether the query has a selected slot outside every run. The definition is :func:`torch_run_scan`'s."""
+    t = tl.program_id(0)
+    b = tl.program_id(1)
+    r = tl.arange(0, BLOCK_R)
+    s = tl.arange(0, BLOCK_RUN)[None, :]
+    slot = r[:, None] * RUN + s
+    # slots past the width, past a group's RUN and past the last group read as -1, as the reference pads them
+    idx = tl.load(IDX + b * stride_ib + t * stride_it + slot, mask=(s < RUN) & (slot < width), other=-1)
+    valid = idx >= 0
+    count = tl.sum(valid.to(tl.int32), 1)
+    first = tl.sum(tl.where(s == 0, idx, 0), 1)
+    expected = tl.where(s < count[:, None], first[:, None] + s, -1)
+    is_run = (first >= 0) & (tl.sum((idx != expected).to(tl.int32), 1) == 0)
+    row = b * n_q + t
+    in_range = r < n_runs
+    tl.store(RUN_OK + row * n_runs + r, tl.where(is_run, count, 0).to(tl.uint8), mask=in_range)
+    key = tl.where(is_run, first + b * n_keys, no_run_key).to(tl.int32)
+    tl.store(KEYS + row * n_runs + r, key, mask=in_range)
+    outside = tl.max(((~is_run) & (count > 0)).to(tl.int32), 0)
+    tl.store(SCATTER + row, outside.to(tl.uint8))
 
-    The slots fall in ``R = ceil(W / run)`` groups ``[r * run, (r + 1) * run)`` (the last one shorter
-    when ``run`` does not divide ``W``). A group is a *run* of length ``c >= 1`` when its slots hold
-    ``s, s + 1, ..., s + c - 1`` with ``s >= 0`` and only ``-1`` after them: the indexer's expanded
-    k-pools (``c = run``) and the tail of the query's own pool (its first ``c < run`` tokens). Returns
-    ``run_ok [B, T, R]`` uint8 (each group's run length, 0 when it is not a run), ``scatter [B, T]`` uint8
-    (1 where a query has a selected slot in no run), ``keys [B * T * R]`` int32 (``b * n_keys + s``
-    ascending; ``B * n_keys`` for groups that are not runs, last), ``pairs`` int32 (``b * T + t`` of each
-    sorted pair; stable, so ascending within a run), ``counts`` uint8 (each sorted pair's run length)
-    and ``ends [B * n_keys]`` int32 (one past each key's last pair). Checked
-    ``query_block`` queries at a time: the ``[t, R, run]`` comparisons are the only full-width temporaries.
 
-    Raises:
-        DSAInputError: when the keys or the pairs do not fit int32 offsets, or ``run`` exceeds 255.
-    """
+def torch_run_scan(indices: torch.Tensor, run: int, n_keys: int, query_block: int = 32768):
+    """Reference of :func:`run_scan_kernel` in torch: ``(run_ok [B, T, R] uint8, scatter [B, T] uint8, keys
+    [B, T, R] int32)`` of ``indices [B, T, W]`` (definitions in :func:`run_pairs`), ``query_block`` queries at a
+    time (the ``[t, R, run]`` comparisons are its full-width temporaries)."""
     batch, n_q, width = indices.shape
     n_runs = -(-width // run)
-    if batch * n_keys >= 2**31 or batch * n_q * n_runs >= 2**31:
-        raise DSAInputError(f"{batch} x {n_keys} keys or {batch} x {n_q} x {n_runs} (query, run) pairs exceed int32")
-    if run > 255:
-        raise DSAInputError(f"run lengths are kept as uint8: runs={run} exceeds 255")
     steps = torch.arange(run, dtype=indices.dtype, device=indices.device)
     run_ok = torch.empty(batch, n_q, n_runs, dtype=torch.uint8, device=indices.device)
     scatter = torch.empty(batch, n_q, dtype=torch.uint8, device=indices.device)
@@ -516,8 +525,55 @@ def run_pairs(indices: torch.Tensor, run: int, n_keys: int, query_block: int = 3
         scatter[:, t0:t0 + query_block] = (~is_run & valid.any(-1)).any(-1).to(torch.uint8)
     first = indices[:, :, ::run].to(torch.int32)
     offset = (torch.arange(batch, dtype=torch.int32, device=indices.device) * n_keys)[:, None, None]
-    keys = torch.where(run_ok.bool(), first + offset, batch * n_keys).flatten()
-    keys, order = torch.sort(keys, stable=True)
+    keys = torch.where(run_ok.bool(), first + offset, batch * n_keys)
+    return run_ok, scatter, keys
+
+
+def run_scan(indices: torch.Tensor, run: int, n_keys: int):
+    """:func:`run_scan_kernel` over ``indices [B, T, W]`` (int32 or int64; one program per query): the same
+    ``(run_ok, scatter, keys)`` as :func:`torch_run_scan`, reading the indices once. In torch the scan was
+    ~7 ms per 64k-token DSA layer on an H200 (padding copy, int64 sums, ``all``/``any`` reductions)."""
+    batch, n_q, width = indices.shape
+    n_runs = -(-width // run)
+    indices = indices if indices.stride(-1) == 1 else indices.contiguous()
+    run_ok = torch.empty(batch, n_q, n_runs, dtype=torch.uint8, device=indices.device)
+    scatter = torch.empty(batch, n_q, dtype=torch.uint8, device=indices.device)
+    keys = torch.empty(batch, n_q, n_runs, dtype=torch.int32, device=indices.device)
+    if indices.numel():
+        block_r = triton.next_power_of_2(n_runs)
+        run_scan_kernel[(n_q, batch)](
+            indices, run_ok, scatter, keys, indices.stride(0), indices.stride(1), n_q, width, n_runs, n_keys,
+            batch * n_keys, RUN=run, BLOCK_R=block_r, BLOCK_RUN=triton.next_power_of_2(run),
+            num_warps=4 if block_r * run >= 1024 else 1,
+        )
+    return run_ok, scatter, keys
+
+
+def run_pairs(indices: torch.Tensor, run: int, n_keys: int):
+    """The (query, run) pairs of ``indices [B, T, W]`` sorted by run start, for the key-centric ``dkv`` pass.
+
+    The slots fall in ``R = ceil(W / run)`` groups ``[r * run, (r + 1) * run)`` (the last one shorter
+    when ``run`` does not divide ``W``). A group is a *run* of length ``c >= 1`` when its slots hold
+    ``s, s + 1, ..., s + c - 1`` with ``s >= 0`` and only ``-1`` after them: the indexer's expanded
+    k-pools (``c = run``) and the tail of the query's own pool (its first ``c < run`` tokens). Returns
+    ``run_ok [B, T, R]`` uint8 (each group's run length, 0 when it is not a run), ``scatter [B, T]`` uint8
+    (1 where a query has a selected slot in no run), ``keys [B * T * R]`` int32 (``b * n_keys + s``
+    ascending; ``B * n_keys`` for groups that are not runs, last), ``pairs`` int32 (``b * T + t`` of each
+    sorted pair; stable, so ascending within a run), ``counts`` uint8 (each sorted pair's run length)
+    and ``ends [B * n_keys]`` int32 (one past each key's last pair). The groups are scanned by
+    :func:`run_scan` (Triton; :func:`torch_run_scan` is its reference).
+
+    Raises:
+        DSAInputError: when the keys or the pairs do not fit int32 offsets, or ``run`` exceeds 255.
+    """
+    batch, n_q, width = indices.shape
+    n_runs = -(-width // run)
+    if batch * n_keys >= 2**31 or batch * n_q * n_runs >= 2**31:
+        raise DSAInputError(f"{batch} x {n_keys} keys or {batch} x {n_q} x {n_runs} (query, run) pairs exceed int32")
+    if run > 255:
+        raise DSAInputError(f"run lengths are kept as uint8: runs={run} exceeds 255")
+    run_ok, scatter, keys = run_scan(indices, run, n_keys)
+    keys, order = torch.sort(keys.flatten(), stable=True)
     pairs = torch.div(order, n_runs, rounding_mode="floor").to(torch.int32)
     counts = run_ok.flatten()[order]
     probes = torch.arange(batch * n_keys, dtype=torch.int32, device=indices.device)
