@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from kernels.hc.projection import bf16_parts, hc_projection
 
-__all__ = ["glue", "hc_maps", "hc_projection", "bf16_parts", "hc_collapse", "hc_merge", "rms_norm", "rms_norm_backward", "kda_gate",
+__all__ = ["glue", "hc_maps", "hc_maps_of_logits", "hc_projection", "bf16_parts", "hc_collapse",
+           "hc_collapse_weight_grad", "hc_streams_grad_float32", "hc_merge", "tensor_core_projection", "rms_norm", "rms_norm_backward", "kda_gate",
            "gated_rms_norm", "swiglu_probs"]
 
 
@@ -52,6 +53,12 @@ def glue(fn, compile: bool, *args):
     return fn(*args)
 
 
+def tensor_core_projection(streams: torch.Tensor, gemm: str) -> bool:
+    """Whether the mHC projection of ``streams`` runs on bf16 tensor cores (:func:`kernels.hc.projection.hc_projection`):
+    ``gemm == "auto"`` with bf16 CUDA streams; otherwise it is a float32 GEMM."""
+    return gemm == "auto" and streams.is_cuda and streams.dtype == torch.bfloat16
+
+
 def hc_maps(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
             hc_eps: float, norm_eps: float, gemm: str = "auto"):
     """mHC maps of ``n`` residual streams (Xie et al. 2026; transformers ``Glm5NextTextHyperConnection``).
@@ -75,12 +82,19 @@ def hc_maps(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     ``(2+n)n`` projected values rather than to the ``n*h`` inputs (same function, one float32 copy
     of the streams fewer).
     """
-    if gemm == "auto" and streams.is_cuda and streams.dtype == torch.bfloat16:
+    if tensor_core_projection(streams, gemm):
         mixed = hc_projection(streams.flatten(-2), fn, norm_eps)
     else:
         flat = streams.flatten(-2).float()
         rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
         mixed = F.linear(flat, fn.float()) * rstd
+    return hc_maps_of_logits(mixed, base, scale, n, iters, hc_eps)
+
+
+def hc_maps_of_logits(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
+                      hc_eps: float):
+    """The mHC maps ``(pre [..., n], post [..., n], comb [..., n, n])``, float32, of the RMS-normalised projection
+    ``mixed [..., (2+n)n]`` float32 (:func:`hc_maps` after its projection; arguments as there)."""
     pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.float().split([n, n, n * n])
     pre_s, post_s, comb_s = scale.float().unbind(0)
@@ -99,6 +113,33 @@ def hc_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     -> ``[..., h]`` in the streams' dtype (accumulated in float32)."""
     # float32 by type promotion: autograd saves the streams as they are, not a float32 copy
     return (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
+
+
+def hc_collapse_weight_grad(block_grad: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """Gradient of :func:`hc_collapse` with respect to ``pre``: ``sum_h block_grad[..., h] * streams[..., i, h]``
+    ``[..., n]`` float32, from ``block_grad [..., h]`` and ``streams [..., n, h]``."""
+    return (block_grad.unsqueeze(-2).float() * streams.float()).sum(-1)
+
+
+def hc_streams_grad_float32(mixed_grad: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, streams: torch.Tensor,
+                            fn: torch.Tensor, pre: torch.Tensor, block_grad: torch.Tensor, streams_grad: torch.Tensor):
+    """The streams' and the projection's gradients of an mHC block whose projection is the float32 GEMM.
+
+    ``mixed = y * rstd`` with ``y = flat @ fn^T`` and ``rstd = rsqrt(mean(flat^2) + eps)`` of ``flat = streams [...,
+    n, h]`` flattened (float32); ``mixed_grad [..., p]``, ``y [..., p]``, ``rstd [..., 1]``, ``pre [..., n]``
+    float32, ``block_grad [..., h]`` (the collapsed block input's gradient), ``streams_grad [..., n, h]`` (the
+    merge's). Returns ``(d_streams [..., n, h]`` in the streams' dtype, ``d_fn [p, n*h]`` in ``fn``'s): the
+    projection's gradient (``d rstd / d flat = -rstd^3 flat / k``) plus ``pre[..., i] * block_grad`` plus
+    ``streams_grad``, summed in float32. :func:`kernels.hc.projection.hc_projection_streams_grad` is the
+    tensor-core path's counterpart."""
+    flat = streams.flatten(-2).float()
+    dy = mixed_grad * rstd
+    coef = (mixed_grad * y).sum(-1, keepdim=True) * rstd.pow(3) / flat.shape[-1]
+    d_flat = dy @ fn.float() - coef * flat
+    d_streams = d_flat.unflatten(-1, streams.shape[-2:]) + streams_grad.float() \
+        + pre.unsqueeze(-1) * block_grad.unsqueeze(-2).float()
+    d_fn = dy.flatten(0, -2).t() @ flat.flatten(0, -2)
+    return d_streams.to(streams.dtype), d_fn.to(fn.dtype)
 
 
 def hc_merge(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:

@@ -157,14 +157,14 @@ class Glm5NextLayer(MegatronModule):
                 keep_attention: bool = False):
         """``keep_attention``: this call is the forward or the recompute of a full-layer checkpoint
         whose DSA sparse attention output is kept (:meth:`model.layers.DSAMixer.forward`)."""
-        post, comb, x = self.attn_hc(streams)
+        post, comb, x, streams = self.attn_hc(streams)
         x = self.input_layernorm(x)
         if isinstance(self.mixer, DSAMixer):
             x, topk = self.mixer(x, prev_topk=prev_topk, cu_seqlens=cu_seqlens, keep_attention=keep_attention)
         else:
             x, topk = self.mixer(x, cu_seqlens=cu_seqlens), None
         streams = self._merge(post, comb, x, streams)
-        post, comb, x = self.ffn_hc(streams)
+        post, comb, x, streams = self.ffn_hc(streams)
         x = self._chunked_mlp(self.post_attention_layernorm(x))
         return self._merge(post, comb, x, streams), topk
 

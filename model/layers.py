@@ -20,7 +20,9 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 from megatron.core.transformer.module import MegatronModule
 
 from model.config import Glm5NextConfig
-from model.fused import gated_rms_norm, glue, hc_collapse, hc_maps, kda_gate
+from kernels.hc.projection import hc_projection_parts, hc_projection_streams_grad
+from model.fused import (gated_rms_norm, glue, hc_collapse, hc_collapse_weight_grad, hc_maps, hc_maps_of_logits,
+                         hc_streams_grad_float32, kda_gate, tensor_core_projection)
 from model.norms import RMSNorm
 from model.ops.kda import chunk_kda_torch
 from model.parallel import CPContext, ParallelLayout, all_gather_seq
@@ -76,6 +78,67 @@ def recompute(fn, *tensors):
     return fn(*tensors)
 
 
+class _HyperConnectionFn(torch.autograd.Function):
+    """One mHC block's maps and collapse, differentiated as a whole (:class:`HyperConnection`).
+
+    ``forward(streams [s, b, n, h], fn, base, scale, hc) -> (post, comb, collapsed, streams)``: the last output is
+    the input itself, returned so that the merge after the block (its only other consumer) reads it through this
+    node. The streams then have one consumer, and ``backward`` receives their three gradients at once (the
+    maps', the collapse's and the merge's) and sums them where it writes the streams' gradient: on CUDA with
+    bf16 streams inside the projection's ``dx`` kernel (:func:`kernels.hc.projection.hc_projection_streams_grad`),
+    elsewhere in :func:`model.fused.hc_streams_grad_float32`. Autograd would otherwise add the three bf16
+    ``[s, b, n, h]`` gradients with two separate kernels (32 adds, ~13 ms of a 64k ``small`` step on an
+    H200). Saved: the streams and the projection's ``y [s, b, p]``, ``rstd [s, b, 1]`` (float32); the maps are
+    recomputed from them in backward (``p = (2+n)n`` values per token).
+    """
+
+    @staticmethod
+    def run(streams, fn, base, scale, hc):
+        """The forward's values without autograd: ``(post, comb, collapsed, y, rstd)``."""
+        flat = streams.flatten(-2)
+        if tensor_core_projection(streams, hc.gemm):
+            y, rstd = hc_projection_parts(flat.reshape(-1, flat.shape[-1]).contiguous(), fn.contiguous(), hc.norm_eps)
+            y, rstd = y.view(*flat.shape[:-1], -1), rstd.view(*flat.shape[:-1], 1)
+        else:
+            f32 = flat.float()
+            rstd = torch.rsqrt(f32.square().mean(-1, keepdim=True) + hc.norm_eps)
+            y = F.linear(f32, fn.float())
+        pre, post, comb = glue(hc_maps_of_logits, hc.compile_glue, y * rstd, base, scale, hc.n, hc.iters, hc.hc_eps)
+        return post, comb, glue(hc_collapse, hc.compile_glue, pre, streams), y, rstd
+
+    @staticmethod
+    def forward(ctx, streams, fn, base, scale, hc):
+        post, comb, collapsed, y, rstd = _HyperConnectionFn.run(streams, fn, base, scale, hc)
+        ctx.hc = hc
+        ctx.save_for_backward(streams, fn, base, scale, y, rstd)
+        return post, comb, collapsed, streams
+
+    @staticmethod
+    def backward(ctx, d_post, d_comb, d_collapsed, d_streams):
+        streams, fn, base, scale, y, rstd = ctx.saved_tensors
+        hc = ctx.hc
+        with torch.enable_grad():
+            leaves = ((y * rstd).requires_grad_(), base.detach().requires_grad_(), scale.detach().requires_grad_())
+            pre, post, comb = glue(hc_maps_of_logits, hc.compile_glue, *leaves, hc.n, hc.iters, hc.hc_eps)
+        if d_collapsed is None:
+            d_collapsed = streams.new_zeros(*streams.shape[:-2], streams.shape[-1])
+        d_streams = torch.zeros_like(streams) if d_streams is None else d_streams
+        d_pre = glue(hc_collapse_weight_grad, hc.compile_glue, d_collapsed, streams)
+        outs = [(o, g) for o, g in ((pre, d_pre), (post, d_post), (comb, d_comb)) if g is not None]
+        d_mixed, d_base, d_scale = torch.autograd.grad([o for o, _ in outs], leaves, [g for _, g in outs])
+        pre = pre.detach()
+        if tensor_core_projection(streams, hc.gemm):
+            m, n, h = streams.shape[:-2].numel(), streams.shape[-2], streams.shape[-1]
+            d_flat, d_fn = hc_projection_streams_grad(
+                d_mixed.reshape(m, -1), streams.reshape(m, n * h), fn, y.reshape(m, -1), rstd.reshape(m, 1),
+                pre.reshape(m, n), d_collapsed.reshape(m, h), d_streams.reshape(m, n * h))
+            d_in = d_flat.view_as(streams)
+        else:
+            d_in, d_fn = glue(hc_streams_grad_float32, hc.compile_glue, d_mixed, y, rstd, streams, fn, pre,
+                              d_collapsed, d_streams)
+        return d_in, d_fn, d_base, d_scale, None
+
+
 class HyperConnection(torch.nn.Module):
     """Manifold-constrained hyper-connection weights (mHC, Xie et al. 2026; ``Glm5NextTextHyperConnection``).
 
@@ -84,8 +147,10 @@ class HyperConnection(torch.nn.Module):
     doubly-stochastic ``comb`` (mix the residual streams; ``hc_sinkhorn_iters`` Sinkhorn-Knopp
     normalisations). Parameters ``fn [(2+n)n, n*h]``, ``base [(2+n)n]``, ``scale [3]``; float32.
 
-    Returns ``(post [s, b, n], comb [s, b, n, n], collapsed [s, b, h])`` from ``forward``; the
-    layer output is ``post[..., None] * block_out[..., None, :] + comb^T @ streams``.
+    ``forward(streams)`` returns ``(post [s, b, n], comb [s, b, n, n], collapsed [s, b, h], streams)``, float32
+    maps; the layer output is ``post[..., None] * block_out[..., None, :] + comb^T @ streams`` with the returned
+    ``streams`` (the same values, through this block's autograd node: :class:`_HyperConnectionFn` sums all of
+    the streams' gradients in one pass).
     """
 
     def __init__(self, config: Glm5NextConfig):
@@ -99,18 +164,16 @@ class HyperConnection(torch.nn.Module):
         self.scale = torch.nn.Parameter(torch.ones(3))
         torch.nn.init.normal_(self.fn, std=0.02)
 
-    def maps(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor):
-        """``(pre [s, b, n], post [s, b, n], comb [s, b, n, n])``, float32, of ``streams [s, b, n, h]``
-        with the parameters ``fn``, ``base``, ``scale`` (passed in so that a recompute can
-        differentiate them); :func:`model.fused.hc_maps`."""
-        return glue(hc_maps, self.compile_glue, streams, fn, base, scale, self.n, self.iters, self.hc_eps,
-                    self.norm_eps, self.gemm)
+    def maps(self, streams: torch.Tensor):
+        """``(pre [s, b, n], post [s, b, n], comb [s, b, n, n])``, float32, of ``streams [s, b, n, h]``:
+        :func:`model.fused.hc_maps`, differentiable as a plain function (inspection, tests)."""
+        return glue(hc_maps, self.compile_glue, streams, self.fn, self.base, self.scale, self.n, self.iters,
+                    self.hc_eps, self.norm_eps, self.gemm)
 
     def forward(self, streams: torch.Tensor):
-        # Recomputed in backward: plain autograd would keep two float32 copies of the
-        # [s, b, n*h] streams per call for a (2+n)n-wide projection (the mHC paper recomputes too).
-        pre, post, comb = recompute(self.maps, streams, self.fn, self.base, self.scale)
-        return post, comb, glue(hc_collapse, self.compile_glue, pre, streams)
+        if torch.is_grad_enabled():
+            return _HyperConnectionFn.apply(streams, self.fn, self.base, self.scale, self)
+        return (*_HyperConnectionFn.run(streams, self.fn, self.base, self.scale, self)[:3], streams)
 
 
 def _depthwise_causal_conv(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor | None,

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.hc import projection as fused_proj
 from model import fused
 
 N, H, T = 4, 32, 37
@@ -38,6 +39,39 @@ def _hc_maps_float64(streams, fn, base, scale, n, iters, hc_eps, norm_eps):
     return pre, post, comb
 
 
+def _maps_of_logits_float64(mixed, base, scale, n, iters, hc_eps):
+    mixed, base, scale = mixed.double(), base.double(), scale.double()
+    pre = torch.sigmoid(mixed[..., :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(mixed[..., n:2 * n] * scale[1] + base[n:2 * n])
+    comb = torch.softmax(mixed[..., 2 * n:].unflatten(-1, (n, n)) * scale[2] + base[2 * n:].view(n, n), -1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def _streams_grad_args(streams, fn):
+    flat = streams.flatten(-2).float()
+    y = flat @ fn.T
+    rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + 1e-6)
+    return (_rand(T, 1, (2 + N) * N, seed=23), y, rstd, streams, fn, torch.rand(T, 1, N),
+            _rand(T, 1, H, seed=24), _rand(T, 1, N, H, seed=25))
+
+
+def _streams_grad_float64(mixed_grad, y, rstd, streams, fn, pre, block_grad, streams_grad):
+    # autograd through the float64 definition mixed = rsqrt(mean(flat^2) + eps) * flat @ fn^T, plus the two
+    # other terms written out; rstd and y come from the float32 inputs, so eps is recovered from rstd
+    flat = streams.flatten(-2).double().requires_grad_(True)
+    fn64 = fn.double().requires_grad_(True)
+    eps = (1 / rstd.double().square() - flat.detach().pow(2).mean(-1, keepdim=True)).mean().item()
+    mixed = (flat @ fn64.T) / torch.sqrt(flat.pow(2).mean(-1, keepdim=True) + eps)
+    d_flat, d_fn = torch.autograd.grad(mixed, (flat, fn64), mixed_grad.double())
+    d_streams = d_flat.unflatten(-1, streams.shape[-2:]) + streams_grad.double() \
+        + pre.double().unsqueeze(-1) * block_grad.double().unsqueeze(-2)
+    return d_streams, d_fn
+
+
 def _cases():
     streams = _rand(T, 1, N, H, seed=1)
     maps_args = (streams, 0.02 * _rand((2 + N) * N, N * H, seed=2), 0.1 * _rand((2 + N) * N, seed=3),
@@ -51,6 +85,12 @@ def _cases():
     return {
         "hc_maps": (fused.hc_maps, maps_args, lambda *a: _hc_maps_float64(*a)),
         "hc_maps_bf16_gemm": (fused.hc_maps, maps_bf16_args, lambda *a: _hc_maps_float64(*a[:8])),
+        "hc_maps_of_logits": (fused.hc_maps_of_logits, (_rand(T, 1, (2 + N) * N, seed=21), *maps_args[2:7]),
+                              lambda m, b, s, n, it, e: _maps_of_logits_float64(m, b, s, n, it, e)),
+        "hc_collapse_weight_grad": (fused.hc_collapse_weight_grad, (_rand(T, 1, H, seed=22), streams),
+                                    lambda g, s: torch.einsum("tbh,tbih->tbi", g.double(), s.double())),
+        "hc_streams_grad_float32": (fused.hc_streams_grad_float32, _streams_grad_args(streams, maps_args[1]),
+                                    _streams_grad_float64),
         "hc_collapse": (fused.hc_collapse, (torch.rand(T, 1, N), streams),
                         lambda pre, s: (pre.double().unsqueeze(-1) * s.double()).sum(-2)),
         "hc_merge": (fused.hc_merge, (post, comb, _rand(T, 1, H, seed=9), streams),
@@ -198,3 +238,69 @@ def test_hc_projection_compiled_by_inductor_keeps_its_low_parts():
     assert results[0][0].shape == (5, 7, (2 + N) * N)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_hyper_connection_block_gradients_equal_autograd_of_its_parts(dtype):
+    """The block's one autograd node (maps, collapse and the streams handed to the merge) against plain
+    autograd through ``hc_maps``, ``hc_collapse`` and ``hc_merge`` of the same streams, in float64."""
+    from model.config import preset
+    from model.layers import HyperConnection
+
+    cfg = preset("tiny")
+    hc = HyperConnection(cfg)
+    with torch.no_grad():
+        hc.base.copy_(0.1 * _rand(*hc.base.shape, seed=40))
+        hc.scale.add_(0.1 * _rand(3, seed=41))
+    streams = _rand(9, 2, cfg.hc_mult, cfg.hidden_size, seed=42).to(dtype)
+    block_out = _rand(9, 2, cfg.hidden_size, seed=43)
+    cot = _rand(9, 2, cfg.hc_mult, cfg.hidden_size, seed=44)
+
+    def loss(post, comb, collapsed, s):
+        merged = fused.hc_merge(post, comb, (torch.tanh(collapsed.double()) * block_out).to(s.dtype), s)
+        return (merged.double() * cot).sum() + (collapsed.double() * block_out).sum()
+
+    params = [hc.fn, hc.base, hc.scale]
+    s_node = streams.clone().requires_grad_(True)
+    post, comb, collapsed, handed = hc(s_node)
+    assert handed.data_ptr() == s_node.data_ptr() and handed.grad_fn is not None
+    got = torch.autograd.grad(loss(post, comb, collapsed, handed), [s_node, *params])
+    # the reference: the same float64 math as separate autograd nodes
+    s64 = streams.double().requires_grad_(True)
+    p64 = [p.detach().double().requires_grad_(True) for p in params]
+    pre, post, comb = _hc_maps_float64(s64, *p64, hc.n, hc.iters, hc.hc_eps, hc.norm_eps)
+    want = torch.autograd.grad(loss(post, comb, (pre.unsqueeze(-1) * s64).sum(-2), s64), [s64, *p64])
+    assert got[0].dtype == dtype and got[1].dtype == hc.fn.dtype
+    tol = {torch.float64: 1e-4, torch.float32: 1e-4, torch.bfloat16: 2e-2}[dtype]   # float32 maps in every case
+    for name, g, w in zip(("streams", "fn", "base", "scale"), got, want):
+        err = (g.double() - w).abs().max().item()
+        assert err <= tol * w.abs().max().item(), (name, err, w.abs().max().item())
+    # only the collapsed input used: the maps' and the merge's gradients are absent, the streams' comes from pre
+    s_node = streams.clone().requires_grad_(True)
+    _, _, collapsed, _ = hc(s_node)
+    (g_only,) = torch.autograd.grad((collapsed.double() * block_out).sum(), [s_node])
+    s64 = streams.double().requires_grad_(True)
+    pre = _hc_maps_float64(s64, *p64, hc.n, hc.iters, hc.hc_eps, hc.norm_eps)[0]
+    (w_only,) = torch.autograd.grad(((pre.unsqueeze(-1) * s64).sum(-2) * block_out).sum(), [s64])
+    assert (g_only.double() - w_only).abs().max().item() <= tol * w_only.abs().max().item()
+
+
+def test_projection_backward_reference_adds_the_streams_other_gradients():
+    # the tensor-core path's reference with the collapse's and the merge's terms, against the plain backward
+    # plus those terms summed in float64 (the GPU kernel is checked against this by tests/gpu/hc_projection_check.py)
+    m, n, h, p = 50, N, H, (2 + N) * N
+    x = _rand(m, n * h, dtype=torch.bfloat16, seed=50)
+    w = 0.02 * _rand(p, n * h, seed=51)
+    _, y, rstd = fused_proj.torch_hc_projection_fwd(x, w, 1e-6)
+    grad, pre = _rand(m, p, seed=52), torch.rand(m, n, generator=torch.Generator().manual_seed(53))
+    block_grad, streams_grad = _rand(m, h, dtype=torch.bfloat16, seed=54), _rand(m, n * h, dtype=torch.bfloat16, seed=55)
+    plain_dx, plain_dw = fused_proj.torch_hc_projection_bwd(grad, x, w, y, rstd)
+    dx, dw = fused_proj.hc_projection_streams_grad(grad, x, w, y, rstd, pre, block_grad, streams_grad)
+    want = plain_dx.double() + streams_grad.double() + (pre.double()[:, :, None] * block_grad.double()[:, None, :]).flatten(1)
+    assert dx.dtype == torch.bfloat16 and torch.equal(dw, plain_dw)
+    # one bf16 rounding of the float32 sum (2^-9 of it), against the float64 sum with the rounded plain dx (2^-9
+    # of that term): the terms can cancel, so each rounding is bounded by its own magnitude
+    err = (dx.double() - want).abs()
+    assert (err <= 2.0 ** -8 * (want.abs() + plain_dx.double().abs()) + 1e-9).all(), err.max()
+    # and the terms are there: without them the result is far off
+    assert ((plain_dx.double() - want).abs() > 0.1).any()

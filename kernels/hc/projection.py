@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["bf16_parts", "hc_projection", "torch_hc_projection_fwd", "torch_hc_projection_bwd"]
+__all__ = ["bf16_parts", "hc_projection", "hc_projection_parts", "hc_projection_streams_grad", "torch_hc_projection_fwd",
+           "torch_hc_projection_bwd"]
 
 
 def bf16_parts(x: torch.Tensor, parts: int) -> torch.Tensor:
@@ -61,10 +62,15 @@ def torch_hc_projection_fwd(x: torch.Tensor, w: torch.Tensor, eps: float):
 
 
 def torch_hc_projection_bwd(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
-                            rstd: torch.Tensor):
+                            rstd: torch.Tensor, pre: torch.Tensor | None = None, block_grad: torch.Tensor | None = None,
+                            streams_grad: torch.Tensor | None = None):
     """Reference backward: ``(dx, dw)`` (``x``'s and ``w``'s dtypes) from the float32 gradient ``grad [m, p]``
     of ``out``. ``dy = grad * rstd`` in two bf16 parts (and a float32 ``w`` in two), the three larger products
-    of the split summed on tensor cores; the RMS term's gradient added in float32 before ``dx``'s one rounding."""
+    of the split summed on tensor cores; the RMS term's gradient added in float32 before ``dx``'s one rounding.
+
+    With ``pre [m, n]`` float32, ``block_grad [m, h]`` and ``streams_grad [m, n * h]`` (all three or none; ``k = n
+    * h``), ``dx`` also holds ``pre[:, i] * block_grad`` in its ``i``-th ``h`` columns plus ``streams_grad``, summed
+    in float32 before the rounding: the streams' gradient of an mHC block (:class:`model.layers.HyperConnection`)."""
     p, k = w.shape
     dy = grad * rstd                                              # [m, p]
     d_rstd = (grad * y).sum(-1, keepdim=True)                     # [m, 1]
@@ -77,6 +83,8 @@ def torch_hc_projection_bwd(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor
         w_hi, w_lo = bf16_parts(w, 2)
         a, b = torch.cat([hi, hi, lo], dim=-1), torch.cat([w_hi, w_lo, w_hi], dim=0)
     dx = _mm_f32(a, b) - (d_rstd * rstd.pow(3) / k) * x.float()   # d rstd / dx = -rstd^3 x / k
+    if pre is not None:
+        dx = dx + streams_grad.float() + (pre[:, :, None] * block_grad.float()[:, None, :]).flatten(1)
     dw = _mm_f32(torch.cat([hi, lo], dim=-1).t(), x).unflatten(0, (2, p)).sum(0)   # [p, k]
     return dx.to(x.dtype), dw.to(w.dtype)
 
@@ -154,3 +162,38 @@ def hc_projection(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     lead = x.shape[:-1]
     out, _, _ = _fwd(x.reshape(-1, x.shape[-1]).contiguous(), w.contiguous(), eps)
     return out.reshape(*lead, w.shape[0])
+
+
+def hc_projection_parts(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y [m, p], rstd [m, 1])``, float32, of :func:`hc_projection`'s forward on ``x [m, k]`` bf16 (``out = y *
+    rstd``), without autograd: for a caller that differentiates with :func:`hc_projection_streams_grad`."""
+    _, y, rstd = _fwd(x, w, eps)
+    return y, rstd
+
+
+def hc_projection_streams_grad(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
+                               rstd: torch.Tensor, pre: torch.Tensor, block_grad: torch.Tensor,
+                               streams_grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole gradient of an mHC block's streams in one pass over them, and the projection's weight gradient.
+
+    Args:
+        grad: ``[m, p]`` float32, the gradient of ``out = y * rstd`` (the mixing logits).
+        x: ``[m, n * h]`` bf16, the flattened streams; w: ``[p, n * h]`` bf16 or float32.
+        y, rstd: :func:`hc_projection_parts` of ``x`` and ``w``.
+        pre: ``[m, n]`` float32, the collapse weights; block_grad: ``[m, h]``, the gradient of the collapsed block
+            input ``sum_i pre[:, i] * x_i``; streams_grad: ``[m, n * h]``, the streams' gradient from their other
+            consumers (the merge after the block).
+
+    Returns:
+        ``(dx [m, n * h]`` in ``x``'s dtype, ``dw`` in ``w``'s): the projection's ``dx`` plus ``pre[:, i] *
+        block_grad`` in stream ``i``'s columns plus ``streams_grad``, summed in float32 and rounded once
+        (:func:`torch_hc_projection_bwd` is the definition; on CUDA the Triton ``dx`` kernel adds the two terms
+        where it writes ``dx``: the three bf16 gradients are never summed by separate kernels).
+    """
+    args = (grad.float().contiguous(), x, w, y, rstd, pre.contiguous(), block_grad.contiguous(),
+            streams_grad.contiguous())
+    if x.is_cuda:
+        from kernels.hc.projection_triton import triton_hc_projection_bwd
+
+        return triton_hc_projection_bwd(*args)
+    return torch_hc_projection_bwd(*args)

@@ -12,18 +12,21 @@ kernel reads each ``x`` tile once and does everything that needs it there:
 * ``dx`` (:func:`hc_projection_dx_kernel`, one program per ``BLOCK_M`` rows and ``BLOCK_K`` columns):
   ``dy = grad * rstd`` and the RMS term's coefficient from the row's ``grad`` and ``y``; ``dy @ w`` from
   two-part splits (``hi.w + lo.w``; ``hi.w_hi + hi.w_lo + lo.w_hi`` for a float32 ``w``; the low parts'
-  products in their own accumulator); minus the RMS term in float32; one bf16 rounding.
+  products in their own accumulator); minus the RMS term in float32; with ``EXTRA``, plus the streams'
+  other gradients of an mHC block (the collapse's and the merge's, :class:`model.layers.HyperConnection`);
+  one bf16 rounding.
 * ``dw`` (:func:`hc_projection_dw_kernel`, one program per ``BLOCK_K`` columns and slice of the rows):
   ``dy^T @ x`` with ``dy`` in two parts (each part's products in its own accumulator), float32 partial sums
   per slice, summed in a fixed order by torch (deterministic: no atomics).
 
 The tiles are fixed (no autotuning, nothing to tune at a cold start): ``BLOCK_M = 64`` rows, ``BLOCK_K = 128``
-columns, ``p`` padded to a power of two >= 16 (the weight as float32 with zero rows: its tiles load unmasked
+columns (64 in the ``dx`` kernel), ``p`` padded to a power of two >= 16 (the weight as float32 with zero rows: its tiles load unmasked
 and are split into bf16 in registers, :func:`_padded_weight` says why). Triton's casts round (``x.to(bf16)``
 is round-to-nearest-even), unlike inductor's fused ones, which is why these kernels and not a compiled graph
 split the operands.
-Checked against float64 on an H200 by ``tests/gpu/hc_projection_check.py``; Triton's CPU interpreter has
-no exact bfloat16, so there is no CPU test of these kernels (the torch reference has them).
+Checked against float64 on an H200 by ``tests/gpu/hc_projection_check.py``. Triton's CPU interpreter has
+no bfloat16, so ``tests/test_hc_projection_interpreter.py`` runs a float32 copy of this source there: the
+indexing, masks and arithmetic, not the bf16 splits (the torch reference has those).
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ import triton
 import triton.language as tl
 
 BLOCK_M, BLOCK_K, WARPS, STAGES = 64, 128, 4, 3
+# The dx kernel's columns: at 128, a float32 weight (three parts) took 254 registers per thread and, with the
+# mHC block's two added gradients, spilled 248 bytes (ptxas for sm_90, kernels.dsa.sm90); at 64, 137 and none.
+DX_BLOCK_K = 64
 DW_PROGRAMS_PER_SM = 4
 
 
@@ -87,8 +93,10 @@ def hc_projection_fwd_kernel(
 
 @triton.jit
 def hc_projection_dx_kernel(
-    GRAD, Y, RSTD, X, W, DX, m, k, p, stride_g, stride_y, stride_x, stride_w, stride_dx,
-    W_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    GRAD, Y, RSTD, X, W, DX, PRE, DB, DS, m, k, p, n, h, stride_g, stride_y, stride_x, stride_w, stride_dx,
+    stride_pre, stride_db, stride_ds,
+    W_PARTS: tl.constexpr, EXTRA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -103,6 +111,12 @@ def hc_projection_dx_kernel(
     ok = (rows[:, None] < m) & (ks[None, :] < k)
     x = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=ok, other=0.0).to(tl.float32)
     dx = (acc + acc_lo) - (coef / k)[:, None] * x                            # d rstd / dx = -rstd^3 x / k
+    if EXTRA:   # the streams' other two gradients: the collapse's pre[i] * d(block input), and the merge's
+        stream = ks // h
+        pre = tl.load(PRE + rows[:, None] * stride_pre + stream[None, :], mask=ok, other=0.0)
+        db = tl.load(DB + rows[:, None] * stride_db + (ks - stream * h)[None, :], mask=ok, other=0.0)
+        ds = tl.load(DS + rows[:, None] * stride_ds + ks[None, :], mask=ok, other=0.0)
+        dx += pre * db.to(tl.float32) + ds.to(tl.float32)
     tl.store(DX + rows[:, None] * stride_dx + ks[None, :], dx.to(DX.dtype.element_ty), mask=ok)
 
 
@@ -164,16 +178,22 @@ def triton_hc_projection_fwd(x: torch.Tensor, w: torch.Tensor, eps: float):
 
 
 def triton_hc_projection_bwd(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
-                             rstd: torch.Tensor):
-    """``(dx, dw)`` of :func:`kernels.hc.projection.torch_hc_projection_bwd` for contiguous CUDA tensors."""
+                             rstd: torch.Tensor, pre: torch.Tensor | None = None, block_grad: torch.Tensor | None = None,
+                             streams_grad: torch.Tensor | None = None):
+    """``(dx, dw)`` of :func:`kernels.hc.projection.torch_hc_projection_bwd` for contiguous CUDA tensors, with its
+    optional terms (``pre``, ``block_grad``, ``streams_grad``: all three or none) added in the ``dx`` kernel."""
     m, k = x.shape
     p = w.shape[0]
     bp = _block_p(p)
     dx = torch.empty_like(x)
     wp = _padded_weight(w, bp)
-    hc_projection_dx_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))](
-        grad, y, rstd, x, wp, dx, m, k, p, grad.stride(0), y.stride(0), x.stride(0), wp.stride(0), dx.stride(0),
-        W_PARTS=3 if w.dtype == torch.float32 else 1, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_P=bp,
+    extra = pre is not None
+    n, h = (pre.shape[1], block_grad.shape[1]) if extra else (1, k)
+    pre, block_grad, streams_grad = (pre, block_grad, streams_grad) if extra else (x, x, x)   # unread without EXTRA
+    hc_projection_dx_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(k, DX_BLOCK_K))](
+        grad, y, rstd, x, wp, dx, pre, block_grad, streams_grad, m, k, p, n, h, grad.stride(0), y.stride(0),
+        x.stride(0), wp.stride(0), dx.stride(0), pre.stride(0), block_grad.stride(0), streams_grad.stride(0),
+        W_PARTS=3 if w.dtype == torch.float32 else 1, EXTRA=extra, BLOCK_M=BLOCK_M, BLOCK_K=DX_BLOCK_K, BLOCK_P=bp,
         num_warps=WARPS, num_stages=STAGES)
     # enough row slices for a few programs per SM, each a whole number of row blocks
     col_blocks = triton.cdiv(k, BLOCK_K)

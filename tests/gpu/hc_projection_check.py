@@ -141,6 +141,40 @@ def correctness(k: int) -> list[dict]:
     return rows
 
 
+def streams_grad_check(k: int) -> list[dict]:
+    """:func:`kernels.hc.projection.hc_projection_streams_grad` (the ``dx`` kernel with an mHC block's other two
+    stream gradients added, ``EXTRA``) against float64: ``dx + pre[:, i] * block_grad + streams_grad`` within one
+    bf16 rounding (``2^-8`` of each element plus ``1e-5`` of the largest), ``dw`` bitwise the plain backward's."""
+    from kernels.hc.projection import _bwd, hc_projection_parts, hc_projection_streams_grad
+
+    rows, n = [], N_STREAMS
+    h = k // n
+    for m in (300, 65_536):
+        g = torch.Generator(device="cuda").manual_seed(m + 7)
+        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+        for dtype in (torch.bfloat16, torch.float32):
+            w = (0.02 * torch.randn(P, k, generator=g, device="cuda")).to(dtype)
+            grad = torch.randn(m, P, generator=g, device="cuda")
+            pre = torch.rand(m, n, generator=g, device="cuda") + 1e-6
+            block_grad = torch.randn(m, h, generator=g, device="cuda").to(torch.bfloat16)
+            streams_grad = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+            y, rstd = hc_projection_parts(x, w, 1e-6)
+            dx, dw = hc_projection_streams_grad(grad, x, w, y, rstd, pre, block_grad, streams_grad)
+            _, plain_dw = _bwd(grad, x, w, y, rstd)
+            x64, w64 = x.double().requires_grad_(True), w.double()
+            mixed = (x64 @ w64.T) / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+            (dx64,) = torch.autograd.grad(mixed, x64, grad.double())
+            want = dx64 + streams_grad.double() + (pre.double()[:, :, None] * block_grad.double()[:, None, :]).flatten(1)
+            ratio = ((dx.double() - want).abs() / (2.0 ** -8 * want.abs() + 1e-5 * want.abs().max())).max().item()
+            ok = ratio <= 1 and torch.equal(dw, plain_dw)
+            r = {"rows": m, "k": k, "weight": str(dtype).removeprefix("torch."), "call": "streams grad",
+                 "dx_over_allowance": ratio, "dw_bitwise_plain": torch.equal(dw, plain_dw), "ok": ok}
+            rows.append(r)
+            print(f"{m:>7} rows k={k} {r['weight']:<8} streams grad  dx {ratio:6.2f} of allowance, dw bitwise "
+                  f"{r['dw_bitwise_plain']}  {'ok' if ok else 'FAIL'}", flush=True)
+    return rows
+
+
 def timings(k: int) -> list[dict]:
     rows = []
     for m in (65_536, 262_144):
@@ -178,7 +212,7 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[4096, 16384], help="k = n * h (small, full)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    checks = [r for k in args.widths for r in correctness(k)]
+    checks = [r for k in args.widths for r in correctness(k) + streams_grad_check(k)]
     times = [r for k in args.widths for r in timings(k)]
     print("\n| rows | k | float32 path ms | Triton ms | speedup | Triton TB/s (min bytes) |\n|---|---|---|---|---|---|")
     for r in times:
