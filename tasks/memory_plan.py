@@ -117,7 +117,8 @@ def activation_bytes_per_token(mcfg, layer: int, tp: int, width: int, on_gpu: bo
     tensors, deduplicated by storage) on CPU in ``tests/test_sft.py`` and on an H200
     (``docs/measurements.md``: every part within 1% for the ``small`` preset). Parts:
 
-    * ``mhc``: the two hyper-connections' input streams (their float32 maps are recomputed);
+    * ``mhc``: the two hyper-connections' input streams and their projections' float32 ``y`` (``(2+n)n`` values)
+      and ``rstd`` (the maps are recomputed from them: :class:`model.layers.HyperConnection`);
     * ``other``: the two RMSNorms (input + float32 rstd) and the two stream merges (the block
       output and the float32 ``post`` and ``comb`` maps: :func:`model.fused.hc_merge` mixes in float32);
     * ``mixer``: projections, convolutions, gates and norms around the token mixer;
@@ -135,7 +136,7 @@ def activation_bytes_per_token(mcfg, layer: int, tp: int, width: int, on_gpu: bo
     """
     f32 = 4
     h, n = mcfg.hidden_size, mcfg.hc_mult
-    parts = {"mhc": 2 * n * h * width + 2 * n * f32,
+    parts = {"mhc": 2 * n * h * width + 2 * ((2 + n) * n + 1) * f32,
              "other": 4 * h * width + 2 * (n * n + n) * f32 + 2 * f32}
     if mcfg.layer_types[layer] == "linear_attention":
         heads = mcfg.linear_num_heads // tp
