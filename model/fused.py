@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from kernels.hc.projection import bf16_parts, hc_projection
 
 __all__ = ["glue", "hc_maps", "hc_maps_of_logits", "hc_projection", "bf16_parts", "hc_collapse",
-           "hc_collapse_weight_grad", "hc_streams_grad_float32", "hc_merge", "tensor_core_projection", "rms_norm", "rms_norm_backward", "kda_gate",
-           "gated_rms_norm", "swiglu_probs"]
+           "hc_collapse_weight_grad", "hc_streams_grad_float32", "hc_merge", "tensor_core_projection", "rms_norm",
+           "rms_norm_backward", "kda_gate", "gated_rms_norm", "swiglu_probs"]
 
 
 # Graphs one glue function may need in a process: SFT's step alone compiles a few per function

@@ -19,9 +19,9 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
 
-from model.config import Glm5NextConfig
 from kernels.hc.projection import hc_projection_parts, hc_projection_streams_grad
-from model.fused import (gated_rms_norm, glue, hc_collapse, hc_collapse_weight_grad, hc_maps, hc_maps_of_logits,
+from model.config import Glm5NextConfig
+from model.fused import (gated_rms_norm, glue, hc_collapse, hc_collapse_weight_grad, hc_maps_of_logits,
                          hc_streams_grad_float32, kda_gate, tensor_core_projection)
 from model.norms import RMSNorm
 from model.ops.kda import chunk_kda_torch
@@ -45,7 +45,7 @@ class _Recompute(torch.autograd.Function):
     """``fn(*tensors)`` that saves only ``tensors`` (via ``ctx.save_for_backward``) and reruns ``fn`` in backward.
 
     For cheap elementwise/float32 sections whose intermediates cost more memory than their
-    recompute (mHC maps, the KDA gate and gated norm): plain autograd keeps float32 copies of
+    recompute (the KDA gate and gated norm): plain autograd keeps float32 copies of
     ``[s, b, width]`` tensors at every step. Parameters used by ``fn`` must be among ``tensors``
     so their gradients flow. Saved tensors go through the saved-tensor hooks, so activation
     offload (:class:`model.offload.OffloadActivations`) still moves them.
@@ -163,12 +163,6 @@ class HyperConnection(torch.nn.Module):
         self.base = torch.nn.Parameter(torch.zeros((2 + n) * n))
         self.scale = torch.nn.Parameter(torch.ones(3))
         torch.nn.init.normal_(self.fn, std=0.02)
-
-    def maps(self, streams: torch.Tensor):
-        """``(pre [s, b, n], post [s, b, n], comb [s, b, n, n])``, float32, of ``streams [s, b, n, h]``:
-        :func:`model.fused.hc_maps`, differentiable as a plain function (inspection, tests)."""
-        return glue(hc_maps, self.compile_glue, streams, self.fn, self.base, self.scale, self.n, self.iters,
-                    self.hc_eps, self.norm_eps, self.gemm)
 
     def forward(self, streams: torch.Tensor):
         if torch.is_grad_enabled():

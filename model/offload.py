@@ -1,8 +1,8 @@
 """Activation offload: tensors saved for backward go to (pinned) host memory, each storage copied once.
 
 ``torch.autograd.graph.save_on_cpu`` copies a tensor to the host once for every op that saves
-it, views included: in a glm5_next layer the mHC streams are saved as ``[s, b, 1, n, h]`` by the
-recomputed maps and as ``[s, n, h]`` by the merge, the DSA latent by the attention kernel and by
+it, views included: in a glm5_next layer the mHC streams are saved by the hyper-connection and, as
+a view, by the merge, the DSA latent by the attention kernel and by
 an einsum, the MoE routing map as a 64x expanded view; its pinned memory was 1.75x the distinct
 activation bytes (110.6 GiB for 63.5 GiB, ``small`` at 256k on an H200).
 :class:`OffloadActivations` copies such a tensor's storage once and rebuilds every saved view

@@ -20,10 +20,10 @@ kernel reads each ``x`` tile once and does everything that needs it there:
   per slice, summed in a fixed order by torch (deterministic: no atomics).
 
 The tiles are fixed (no autotuning, nothing to tune at a cold start): ``BLOCK_M = 64`` rows, ``BLOCK_K = 128``
-columns (64 in the ``dx`` kernel), ``p`` padded to a power of two >= 16 (the weight as float32 with zero rows: its tiles load unmasked
-and are split into bf16 in registers, :func:`_padded_weight` says why). Triton's casts round (``x.to(bf16)``
-is round-to-nearest-even), unlike inductor's fused ones, which is why these kernels and not a compiled graph
-split the operands.
+columns (64 in the ``dx`` kernel), ``p`` padded to a power of two >= 16 (the weight as float32 with zero rows:
+its tiles load unmasked and are split into bf16 in registers, :func:`_padded_weight` says why). Triton's casts
+round (``x.to(bf16)`` is round-to-nearest-even), unlike inductor's fused ones, which is why these kernels and
+not a compiled graph split the operands.
 Checked against float64 on an H200 by ``tests/gpu/hc_projection_check.py``. Triton's CPU interpreter has
 no bfloat16, so ``tests/test_hc_projection_interpreter.py`` runs a float32 copy of this source there: the
 indexing, masks and arithmetic, not the bf16 splits (the torch reference has those).
