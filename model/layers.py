@@ -78,6 +78,12 @@ def recompute(fn, *tensors):
     return fn(*tensors)
 
 
+def _triton_maps(mixed: torch.Tensor) -> bool:
+    """Whether the mHC maps of ``mixed`` run as the Triton kernels (CUDA tensors; a test of their wiring forces it
+    under Triton's CPU interpreter)."""
+    return mixed.is_cuda
+
+
 class _HyperConnectionFn(torch.autograd.Function):
     """One mHC block's maps and collapse, differentiated as a whole (:class:`HyperConnection`).
 
@@ -89,7 +95,8 @@ class _HyperConnectionFn(torch.autograd.Function):
     elsewhere in :func:`model.fused.hc_streams_grad_float32`. Autograd would otherwise add the three bf16
     ``[s, b, n, h]`` gradients with two separate kernels (32 adds, ~13 ms of a 64k ``small`` step on an
     H200). Saved: the streams and the projection's ``y [s, b, p]``, ``rstd [s, b, 1]`` (float32); the maps are
-    recomputed from them in backward (``p = (2+n)n`` values per token).
+    recomputed from them in backward (``p = (2+n)n`` values per token). On CUDA the maps and their gradient are
+    one Triton kernel each (:mod:`kernels.hc.maps_triton`: the Sinkhorn-Knopp chain in registers).
     """
 
     @staticmethod
@@ -103,8 +110,18 @@ class _HyperConnectionFn(torch.autograd.Function):
             f32 = flat.float()
             rstd = torch.rsqrt(f32.square().mean(-1, keepdim=True) + hc.norm_eps)
             y = F.linear(f32, fn.float())
-        pre, post, comb = glue(hc_maps_of_logits, hc.compile_glue, y * rstd, base, scale, hc.n, hc.iters, hc.hc_eps)
+        pre, post, comb = _HyperConnectionFn.maps(y * rstd, base, scale, hc)
         return post, comb, glue(hc_collapse, hc.compile_glue, pre, streams), y, rstd
+
+    @staticmethod
+    def maps(mixed, base, scale, hc):
+        """``(pre, post, comb)`` of the logits ``mixed``: one Triton kernel on CUDA (:mod:`kernels.hc.maps_triton`),
+        else the torch definition."""
+        if _triton_maps(mixed):
+            from kernels.hc.maps_triton import triton_hc_maps_fwd
+
+            return triton_hc_maps_fwd(mixed, base, scale, hc.n, hc.iters, hc.hc_eps)
+        return glue(hc_maps_of_logits, hc.compile_glue, mixed, base, scale, hc.n, hc.iters, hc.hc_eps)
 
     @staticmethod
     def forward(ctx, streams, fn, base, scale, hc):
@@ -117,16 +134,24 @@ class _HyperConnectionFn(torch.autograd.Function):
     def backward(ctx, d_post, d_comb, d_collapsed, d_streams):
         streams, fn, base, scale, y, rstd = ctx.saved_tensors
         hc = ctx.hc
-        with torch.enable_grad():
-            leaves = ((y * rstd).requires_grad_(), base.detach().requires_grad_(), scale.detach().requires_grad_())
-            pre, post, comb = glue(hc_maps_of_logits, hc.compile_glue, *leaves, hc.n, hc.iters, hc.hc_eps)
+        mixed = y * rstd
         if d_collapsed is None:
             d_collapsed = streams.new_zeros(*streams.shape[:-2], streams.shape[-1])
         d_streams = torch.zeros_like(streams) if d_streams is None else d_streams
         d_pre = glue(hc_collapse_weight_grad, hc.compile_glue, d_collapsed, streams)
-        outs = [(o, g) for o, g in ((pre, d_pre), (post, d_post), (comb, d_comb)) if g is not None]
-        d_mixed, d_base, d_scale = torch.autograd.grad([o for o, _ in outs], leaves, [g for _, g in outs])
-        pre = pre.detach()
+        if _triton_maps(mixed):
+            from kernels.hc.maps_triton import triton_hc_maps_bwd
+
+            pre = _HyperConnectionFn.maps(mixed, base, scale, hc)[0]
+            d_mixed, d_base, d_scale = triton_hc_maps_bwd(mixed, base, scale, hc.n, hc.iters, hc.hc_eps, d_pre,
+                                                          d_post, d_comb)
+        else:
+            with torch.enable_grad():
+                leaves = (mixed.requires_grad_(), base.detach().requires_grad_(), scale.detach().requires_grad_())
+                pre, post, comb = glue(hc_maps_of_logits, hc.compile_glue, *leaves, hc.n, hc.iters, hc.hc_eps)
+            outs = [(o, g) for o, g in ((pre, d_pre), (post, d_post), (comb, d_comb)) if g is not None]
+            d_mixed, d_base, d_scale = torch.autograd.grad([o for o, _ in outs], leaves, [g for _, g in outs])
+            pre = pre.detach()
         if tensor_core_projection(streams, hc.gemm):
             m, n, h = streams.shape[:-2].numel(), streams.shape[-2], streams.shape[-1]
             d_flat, d_fn = hc_projection_streams_grad(

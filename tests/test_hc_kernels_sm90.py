@@ -1,0 +1,46 @@
+"""The mHC kernels compiled for sm_90 on the CPU (Triton's front end and bundled ptxas: :mod:`kernels.dsa.sm90`).
+
+Triton's CPU interpreter runs what the compiler rejects (a variable bound to tensors of different shapes in the
+two branches of a runtime ``if`` passed the interpreter and failed to compile), and ptxas' register use is only
+visible in a compile: each kernel must compile at the launch configuration its wrapper uses and spill nothing.
+Their values are checked by tests/test_hc_maps_triton.py and tests/test_hc_projection_interpreter.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from kernels.dsa.sm90 import compile_sm90, resources  # noqa: E402
+
+
+def _signature(kernel, constexprs, types):
+    return {n: types.get(n, "i32") for n in kernel.arg_names if n not in constexprs}
+
+
+@pytest.mark.parametrize("name", ["hc_maps_fwd_kernel", "hc_maps_bwd_kernel"])
+def test_hc_maps_kernels_compile_without_spills(name):
+    import kernels.hc.maps_triton as mt
+
+    kernel = getattr(mt, name)
+    constexprs = dict(NP=4, BLOCK_T=mt.BLOCK_T)
+    types = {n: "*fp32" for n in ("MIXED", "BASE", "SCALE", "PRE", "POST", "COMB", "DPRE", "DPOST", "DCOMB", "DZ")}
+    types["eps"] = "fp32"
+    compiled = compile_sm90(kernel, _signature(kernel, constexprs, types), constexprs, 4, 1,
+                            unaligned=("T", "n", "iters", "steps", "stride_m", "stride_dz"))
+    assert resources(compiled, 4)["stack_bytes"] == 0
+
+
+@pytest.mark.parametrize("w_parts", [1, 3])
+@pytest.mark.parametrize("extra", [False, True])
+def test_projection_dx_kernel_compiles_without_spills(w_parts, extra):
+    import kernels.hc.projection_triton as pt
+
+    kernel = pt.hc_projection_dx_kernel
+    constexprs = dict(W_PARTS=w_parts, EXTRA=extra, BLOCK_M=pt.BLOCK_M, BLOCK_K=pt.DX_BLOCK_K, BLOCK_P=32)
+    types = {"GRAD": "*fp32", "Y": "*fp32", "RSTD": "*fp32", "X": "*bf16", "W": "*fp32", "DX": "*bf16",
+             "PRE": "*fp32", "DB": "*bf16", "DS": "*bf16"}
+    compiled = compile_sm90(kernel, _signature(kernel, constexprs, types), constexprs, pt.WARPS, pt.STAGES,
+                            unaligned=("m", "p", "n", "stride_pre"))
+    assert resources(compiled, pt.WARPS)["stack_bytes"] == 0

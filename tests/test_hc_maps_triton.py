@@ -1,0 +1,101 @@
+"""The mHC maps' Triton kernels (kernels/hc/maps_triton.py) under Triton's CPU interpreter.
+
+The maps are float32 throughout, so the interpreter runs exactly the arithmetic a GPU runs. Expected values:
+autograd of the torch definition (:func:`model.fused.hc_maps_of_logits`) in float64. The interpreter must be
+chosen before the kernels are defined, so the checks run in a subprocess with ``TRITON_INTERPRET=1``.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+KERNELS = textwrap.dedent(
+    """
+    import torch
+    from kernels.hc.maps_triton import triton_hc_maps_bwd, triton_hc_maps_fwd
+    from model.fused import hc_maps_of_logits
+
+    g = torch.Generator().manual_seed(0)
+    # n 4 (the presets), 3 (padded to 4 inside the kernel), 2; 20 Sinkhorn iterations, 5, 2 and 1 (the first
+    # column normalisation only); 150 tokens: a partial last block of 64; leading dims [5, 30]
+    for n, iters in ((4, 20), (3, 5), (2, 2), (4, 1)):
+        p = (2 + n) * n
+        mixed = 2 * torch.randn(5, 30, p, generator=g)
+        base, scale = 0.3 * torch.randn(p, generator=g), 1 + 0.2 * torch.randn(3, generator=g)
+        leaves = [t.double().requires_grad_(True) for t in (mixed, base, scale)]
+        want = hc_maps_of_logits(*leaves, n, iters, 1e-6)
+        got = triton_hc_maps_fwd(mixed, base, scale, n, iters, 1e-6)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and a.dtype == torch.float32
+            assert torch.allclose(a.double(), b, rtol=1e-5, atol=1e-6), (n, iters, (a.double() - b).abs().max())
+        cot = [torch.randn(w.shape, generator=g) for w in want]
+        for used in ((0, 1, 2), (2,), (0, 1)):   # an unused output's gradient is None
+            grads = [cot[i] if i in used else None for i in range(3)]
+            ref = torch.autograd.grad([want[i] for i in used], leaves, [cot[i].double() for i in used],
+                                      retain_graph=True)
+            for name, a, b in zip(("mixed", "base", "scale"), triton_hc_maps_bwd(mixed, base, scale, n, iters, 1e-6,
+                                                                                  *grads), ref):
+                assert a.shape == b.shape, (name, a.shape, b.shape)
+                err = (a.double() - b).abs().max().item()
+                assert err <= 1e-5 * max(1.0, b.abs().max().item()), (n, iters, used, name, err)
+    try:
+        triton_hc_maps_fwd(torch.zeros(3, 23), torch.zeros(24), torch.ones(3), 4, 20, 1e-6)
+        raise AssertionError("a wrong width passed")
+    except ValueError as e:
+        assert "[..., (2+n)n]" in str(e)
+    print("MAPS_OK")
+    """
+)
+
+WIRING = textwrap.dedent(
+    """
+    import torch
+    import model.layers as layers
+    from model.config import preset
+    from model.fused import hc_merge
+
+    # the block with the Triton maps (forced on the CPU, run by the interpreter) against the block with the
+    # torch maps, both through the float32 projection: the same values and gradients
+    cfg = preset("tiny")
+    hc = layers.HyperConnection(cfg)
+    with torch.no_grad():
+        hc.base.normal_(std=0.2, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(2)
+    streams = torch.randn(70, 1, cfg.hc_mult, cfg.hidden_size, generator=g)
+    block = torch.randn(70, 1, cfg.hidden_size, generator=g)
+    cot = torch.randn(70, 1, cfg.hc_mult, cfg.hidden_size, generator=g)
+    results = []
+    for triton_maps in (False, True):
+        layers._triton_maps = lambda mixed, on=triton_maps: on
+        s = streams.clone().requires_grad_(True)
+        post, comb, collapsed, handed = hc(s)
+        loss = (hc_merge(post, comb, torch.tanh(collapsed) * block, handed) * cot).sum()
+        grads = torch.autograd.grad(loss, [s, hc.fn, hc.base, hc.scale])
+        results.append((post, comb, collapsed, *grads))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * b.abs().max().item()), (a - b).abs().max()
+    print("WIRING_OK")
+    """
+)
+
+
+def _run(script: str, marker: str):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0 and marker in result.stdout, result.stderr[-3000:]
+
+
+def test_hc_maps_kernels_under_the_interpreter_equal_float64_autograd():
+    _run(KERNELS, "MAPS_OK")
+
+
+def test_hyper_connection_with_the_triton_maps_equals_the_torch_maps():
+    _run(WIRING, "WIRING_OK")
