@@ -175,6 +175,41 @@ def streams_grad_check(k: int) -> list[dict]:
     return rows
 
 
+def maps_check(tokens: int = 65_536) -> list[dict]:
+    """The mHC maps' Triton kernels (:mod:`kernels.hc.maps_triton`) on the GPU against the compiled torch definition
+    (:func:`model.fused.hc_maps_of_logits` through ``torch.compile``, as the layer ran them before): values and
+    gradients within float32 rounding (relative ``1e-4``), and forward + backward times. The kernels' own numerics
+    are checked on the CPU under Triton's interpreter (float32, the same arithmetic)."""
+    from kernels.hc.maps_triton import triton_hc_maps_bwd, triton_hc_maps_fwd
+    from model.fused import hc_maps_of_logits
+
+    n, iters, eps = N_STREAMS, 20, 1e-6
+    g = torch.Generator(device="cuda").manual_seed(3)
+    mixed = 2 * torch.randn(tokens, 1, P, generator=g, device="cuda")
+    base, scale = 0.3 * torch.randn(P, generator=g, device="cuda"), 1 + 0.2 * torch.randn(3, generator=g, device="cuda")
+    cot = [torch.randn(tokens, 1, *shape, generator=g, device="cuda") for shape in ((n,), (n,), (n, n))]
+    compiled = torch.compile(hc_maps_of_logits, fullgraph=True)
+    leaves = [t.clone().requires_grad_(True) for t in (mixed, base, scale)]
+
+    def glue_path():
+        outs = compiled(*leaves, n, iters, eps)
+        return outs, torch.autograd.grad(outs, leaves, cot)
+
+    def triton_path():
+        outs = triton_hc_maps_fwd(mixed, base, scale, n, iters, eps)
+        return outs, triton_hc_maps_bwd(mixed, base, scale, n, iters, eps, *cot)
+
+    (want, want_g), (got, got_g) = glue_path(), triton_path()
+    errs = [((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip([*got, *got_g],
+                                                                                         [*want, *want_g])]
+    t_glue, t_triton = _time(glue_path), _time(triton_path)
+    ok = max(errs) <= 1e-4
+    print(f"mHC maps, {tokens} tokens: compiled torch {1e3 * t_glue:.2f} ms, Triton {1e3 * t_triton:.2f} ms "
+          f"(forward + backward); largest relative difference {max(errs):.1e}  {'ok' if ok else 'FAIL'}", flush=True)
+    return [{"call": "mhc maps", "tokens": tokens, "compiled_s": t_glue, "triton_s": t_triton,
+             "max_rel_diff": max(errs), "ok": ok}]
+
+
 def timings(k: int) -> list[dict]:
     rows = []
     for m in (65_536, 262_144):
@@ -212,7 +247,7 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[4096, 16384], help="k = n * h (small, full)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    checks = [r for k in args.widths for r in correctness(k) + streams_grad_check(k)]
+    checks = [r for k in args.widths for r in correctness(k) + streams_grad_check(k)] + maps_check()
     times = [r for k in args.widths for r in timings(k)]
     print("\n| rows | k | float32 path ms | Triton ms | speedup | Triton TB/s (min bytes) |\n|---|---|---|---|---|---|")
     for r in times:
