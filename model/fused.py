@@ -54,8 +54,9 @@ def glue(fn, compile: bool, *args):
 
 
 def tensor_core_projection(streams: torch.Tensor, gemm: str) -> bool:
-    """Whether the mHC projection of ``streams`` runs on bf16 tensor cores (:func:`kernels.hc.projection.hc_projection`):
-    ``gemm == "auto"`` with bf16 CUDA streams; otherwise it is a float32 GEMM."""
+    """Whether the mHC projection of ``streams`` runs on bf16 tensor cores
+    (:func:`kernels.hc.projection.hc_projection`): ``gemm == "auto"`` with bf16 CUDA streams; otherwise it is a
+    float32 GEMM."""
     return gemm == "auto" and streams.is_cuda and streams.dtype == torch.bfloat16
 
 

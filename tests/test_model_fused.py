@@ -293,10 +293,12 @@ def test_projection_backward_reference_adds_the_streams_other_gradients():
     w = 0.02 * _rand(p, n * h, seed=51)
     _, y, rstd = fused_proj.torch_hc_projection_fwd(x, w, 1e-6)
     grad, pre = _rand(m, p, seed=52), torch.rand(m, n, generator=torch.Generator().manual_seed(53))
-    block_grad, streams_grad = _rand(m, h, dtype=torch.bfloat16, seed=54), _rand(m, n * h, dtype=torch.bfloat16, seed=55)
+    block_grad = _rand(m, h, dtype=torch.bfloat16, seed=54)
+    streams_grad = _rand(m, n * h, dtype=torch.bfloat16, seed=55)
     plain_dx, plain_dw = fused_proj.torch_hc_projection_bwd(grad, x, w, y, rstd)
     dx, dw = fused_proj.hc_projection_streams_grad(grad, x, w, y, rstd, pre, block_grad, streams_grad)
-    want = plain_dx.double() + streams_grad.double() + (pre.double()[:, :, None] * block_grad.double()[:, None, :]).flatten(1)
+    collapse = (pre.double()[:, :, None] * block_grad.double()[:, None, :]).flatten(1)
+    want = plain_dx.double() + streams_grad.double() + collapse
     assert dx.dtype == torch.bfloat16 and torch.equal(dw, plain_dw)
     # one bf16 rounding of the float32 sum (2^-9 of it), against the float64 sum with the rounded plain dx (2^-9
     # of that term): the terms can cancel, so each rounding is bounded by its own magnitude

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["bf16_parts", "hc_projection", "hc_projection_parts", "hc_projection_streams_grad", "torch_hc_projection_fwd",
-           "torch_hc_projection_bwd"]
+__all__ = ["bf16_parts", "hc_projection", "hc_projection_parts", "hc_projection_streams_grad",
+           "torch_hc_projection_fwd", "torch_hc_projection_bwd"]
 
 
 def bf16_parts(x: torch.Tensor, parts: int) -> torch.Tensor:
@@ -62,8 +62,8 @@ def torch_hc_projection_fwd(x: torch.Tensor, w: torch.Tensor, eps: float):
 
 
 def torch_hc_projection_bwd(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
-                            rstd: torch.Tensor, pre: torch.Tensor | None = None, block_grad: torch.Tensor | None = None,
-                            streams_grad: torch.Tensor | None = None):
+                            rstd: torch.Tensor, pre: torch.Tensor | None = None,
+                            block_grad: torch.Tensor | None = None, streams_grad: torch.Tensor | None = None):
     """Reference backward: ``(dx, dw)`` (``x``'s and ``w``'s dtypes) from the float32 gradient ``grad [m, p]``
     of ``out``. ``dy = grad * rstd`` in two bf16 parts (and a float32 ``w`` in two), the three larger products
     of the split summed on tensor cores; the RMS term's gradient added in float32 before ``dx``'s one rounding.

@@ -178,8 +178,8 @@ def triton_hc_projection_fwd(x: torch.Tensor, w: torch.Tensor, eps: float):
 
 
 def triton_hc_projection_bwd(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
-                             rstd: torch.Tensor, pre: torch.Tensor | None = None, block_grad: torch.Tensor | None = None,
-                             streams_grad: torch.Tensor | None = None):
+                             rstd: torch.Tensor, pre: torch.Tensor | None = None,
+                             block_grad: torch.Tensor | None = None, streams_grad: torch.Tensor | None = None):
     """``(dx, dw)`` of :func:`kernels.hc.projection.torch_hc_projection_bwd` for contiguous CUDA tensors, with its
     optional terms (``pre``, ``block_grad``, ``streams_grad``: all three or none) added in the ``dx`` kernel."""
     m, k = x.shape

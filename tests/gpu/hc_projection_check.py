@@ -164,7 +164,8 @@ def streams_grad_check(k: int) -> list[dict]:
             x64, w64 = x.double().requires_grad_(True), w.double()
             mixed = (x64 @ w64.T) / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
             (dx64,) = torch.autograd.grad(mixed, x64, grad.double())
-            want = dx64 + streams_grad.double() + (pre.double()[:, :, None] * block_grad.double()[:, None, :]).flatten(1)
+            collapse = (pre.double()[:, :, None] * block_grad.double()[:, None, :]).flatten(1)
+            want = dx64 + streams_grad.double() + collapse
             ratio = ((dx.double() - want).abs() / (2.0 ** -8 * want.abs() + 1e-5 * want.abs().max())).max().item()
             ok = ratio <= 1 and torch.equal(dw, plain_dw)
             r = {"rows": m, "k": k, "weight": str(dtype).removeprefix("torch."), "call": "streams grad",
