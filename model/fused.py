@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from kernels.hc.projection import bf16_parts, hc_projection
 
 __all__ = ["glue", "hc_maps", "hc_maps_of_logits", "hc_projection", "bf16_parts", "hc_collapse",
-           "hc_collapse_weight_grad", "hc_streams_grad_float32", "hc_merge", "tensor_core_projection", "rms_norm",
-           "rms_norm_backward", "kda_gate", "gated_rms_norm", "swiglu_probs"]
+           "hc_collapse_weight_grad", "hc_streams_grad_float32", "hc_merge", "hc_merge_backward",
+           "tensor_core_projection", "rms_norm", "rms_norm_backward", "kda_gate", "gated_rms_norm", "swiglu_probs"]
 
 
 # Graphs one glue function may need in a process: SFT's step alone compiles a few per function
@@ -161,6 +161,20 @@ def hc_merge(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams:
     for i in range(streams.shape[-2]):
         mixed = mixed + comb[..., i, :].unsqueeze(-1) * streams[..., i, :].unsqueeze(-2)
     return mixed.to(streams.dtype)
+
+
+def hc_merge_backward(grad: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor,
+                      streams: torch.Tensor):
+    """Gradients ``(d_post, d_comb, d_out, d_streams)`` of :func:`hc_merge` for ``grad [..., n, h]``, in float32
+    products as the merge computes (``d_post``, ``d_comb`` float32; ``d_out``, ``d_streams`` in their inputs'
+    dtypes): ``d_out = sum_j post_j g_j``, ``d_post_j = sum_h g_j out``, ``d_comb_ij = sum_h streams_i g_j``,
+    ``d_streams_i = sum_j comb_ij g_j``. :mod:`kernels.hc.merge_triton` computes the same in one pass on CUDA."""
+    g = grad.float()
+    d_out = (post.unsqueeze(-1) * g).sum(-2)
+    d_post = (g * out.float().unsqueeze(-2)).sum(-1)
+    d_comb = (streams.float().unsqueeze(-3) * g.unsqueeze(-2)).sum(-1).transpose(-1, -2)
+    d_streams = (comb.unsqueeze(-1) * g.unsqueeze(-3)).sum(-2)
+    return d_post, d_comb, d_out.to(out.dtype), d_streams.to(streams.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

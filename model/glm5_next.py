@@ -51,8 +51,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from model.config import DSA, Glm5NextConfig
-from model.fused import glue, hc_merge
-from model.layers import DSAMixer, HyperConnection, KDAMixer, RMSNorm, init_normal
+from model.layers import DSAMixer, HyperConnection, KDAMixer, RMSNorm, init_normal, merge_streams
 from model.moe import GatherMoELayer, GroupedMLP
 from model.offload import OffloadChain
 from model.parallel import ParallelLayout
@@ -127,7 +126,7 @@ class Glm5NextLayer(MegatronModule):
         self.recompute_mlp = mlp_recomputed(config.recompute_granularity, config.recompute_modules, self.is_moe)
 
     def _merge(self, post, comb, out, streams):
-        return glue(hc_merge, self.config.compile_glue, post, comb, out, streams)
+        return merge_streams(post, comb, out, streams, self.config.compile_glue)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.moe_sequence_parallel:

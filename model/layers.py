@@ -21,13 +21,14 @@ from megatron.core.transformer.module import MegatronModule
 
 from kernels.hc.projection import hc_projection_parts, hc_projection_streams_grad
 from model.config import Glm5NextConfig
-from model.fused import (gated_rms_norm, glue, hc_collapse, hc_collapse_weight_grad, hc_maps_of_logits,
-                         hc_streams_grad_float32, kda_gate, tensor_core_projection)
+from model.fused import (gated_rms_norm, glue, hc_collapse, hc_collapse_weight_grad, hc_maps_of_logits, hc_merge,
+                         hc_merge_backward, hc_streams_grad_float32, kda_gate, tensor_core_projection)
 from model.norms import RMSNorm
 from model.ops.kda import chunk_kda_torch
 from model.parallel import CPContext, ParallelLayout, all_gather_seq
 
-__all__ = ["RMSNorm", "HyperConnection", "KDAMixer", "DSAMixer", "fold_cp_states", "recompute", "init_normal"]
+__all__ = ["RMSNorm", "HyperConnection", "merge_streams", "KDAMixer", "DSAMixer", "fold_cp_states", "recompute",
+           "init_normal"]
 
 
 def init_normal(std: float):
@@ -78,10 +79,40 @@ def recompute(fn, *tensors):
     return fn(*tensors)
 
 
-def _triton_maps(mixed: torch.Tensor) -> bool:
-    """Whether the mHC maps of ``mixed`` run as the Triton kernels (CUDA tensors; a test of their wiring forces it
-    under Triton's CPU interpreter)."""
-    return mixed.is_cuda
+def _triton_mhc(t: torch.Tensor) -> bool:
+    """Whether the mHC maps and the merge's backward on ``t`` run as the Triton kernels of :mod:`kernels.hc` (CUDA
+    tensors; a test of their wiring forces it under Triton's CPU interpreter)."""
+    return t.is_cuda
+
+
+class _MergeFn(torch.autograd.Function):
+    """:func:`model.fused.hc_merge` with its backward in one pass (:mod:`kernels.hc.merge_triton` on CUDA,
+    :func:`model.fused.hc_merge_backward` elsewhere); the forward is the glue function (compiled on GPUs). Saves
+    the same tensors as autograd of the merge would: ``post``, ``comb``, the block output and the streams."""
+
+    @staticmethod
+    def forward(ctx, post, comb, out, streams, compile_glue):
+        ctx.save_for_backward(post, comb, out, streams)
+        ctx.compile_glue = compile_glue
+        return glue(hc_merge, compile_glue, post, comb, out, streams)
+
+    @staticmethod
+    def backward(ctx, grad):
+        post, comb, out, streams = ctx.saved_tensors
+        if _triton_mhc(streams):
+            from kernels.hc.merge_triton import triton_hc_merge_bwd
+
+            return (*triton_hc_merge_bwd(grad, post, comb, out, streams), None)
+        return (*glue(hc_merge_backward, ctx.compile_glue, grad, post, comb, out, streams), None)
+
+
+def merge_streams(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor,
+                  compile_glue: bool) -> torch.Tensor:
+    """The next residual streams ``[s, b, n, h]`` of an mHC block (:func:`model.fused.hc_merge`; ``post [s, b, n]``,
+    ``comb [s, b, n, n]`` float32, the block output ``out [s, b, h]``), differentiable through :class:`_MergeFn`."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (post, comb, out, streams)):
+        return _MergeFn.apply(post, comb, out, streams, compile_glue)
+    return glue(hc_merge, compile_glue, post, comb, out, streams)
 
 
 class _HyperConnectionFn(torch.autograd.Function):
@@ -117,7 +148,7 @@ class _HyperConnectionFn(torch.autograd.Function):
     def maps(mixed, base, scale, hc):
         """``(pre, post, comb)`` of the logits ``mixed``: one Triton kernel on CUDA (:mod:`kernels.hc.maps_triton`),
         else the torch definition."""
-        if _triton_maps(mixed):
+        if _triton_mhc(mixed):
             from kernels.hc.maps_triton import triton_hc_maps_fwd
 
             return triton_hc_maps_fwd(mixed, base, scale, hc.n, hc.iters, hc.hc_eps)
@@ -139,7 +170,7 @@ class _HyperConnectionFn(torch.autograd.Function):
             d_collapsed = streams.new_zeros(*streams.shape[:-2], streams.shape[-1])
         d_streams = torch.zeros_like(streams) if d_streams is None else d_streams
         d_pre = glue(hc_collapse_weight_grad, hc.compile_glue, d_collapsed, streams)
-        if _triton_maps(mixed):
+        if _triton_mhc(mixed):
             from kernels.hc.maps_triton import triton_hc_maps_bwd
 
             pre = _HyperConnectionFn.maps(mixed, base, scale, hc)[0]

@@ -3,7 +3,7 @@
 Triton's CPU interpreter runs what the compiler rejects (a variable bound to tensors of different shapes in the
 two branches of a runtime ``if`` passed the interpreter and failed to compile), and ptxas' register use is only
 visible in a compile: each kernel must compile at the launch configuration its wrapper uses and spill nothing.
-Their values are checked by tests/test_hc_maps_triton.py and tests/test_hc_projection_interpreter.py.
+Their values are checked by tests/test_hc_kernels_interpreter.py and tests/test_hc_projection_interpreter.py.
 """
 
 from __future__ import annotations
@@ -44,3 +44,15 @@ def test_projection_dx_kernel_compiles_without_spills(w_parts, extra):
     compiled = compile_sm90(kernel, _signature(kernel, constexprs, types), constexprs, pt.WARPS, pt.STAGES,
                             unaligned=("m", "p", "n", "stride_pre"))
     assert resources(compiled, pt.WARPS)["stack_bytes"] == 0
+
+
+def test_merge_backward_kernel_compiles_without_spills():
+    import kernels.hc.merge_triton as mt
+
+    kernel = mt.hc_merge_bwd_kernel
+    constexprs = dict(NP=4, BLOCK_T=mt.BLOCK_T, BLOCK_C=mt.BLOCK_C)
+    types = {"G": "*bf16", "OUT": "*bf16", "S": "*bf16", "POST": "*fp32", "COMB": "*fp32", "D_OUT": "*bf16",
+             "D_S": "*bf16", "D_POST": "*fp32", "D_COMB": "*fp32"}
+    compiled = compile_sm90(kernel, _signature(kernel, constexprs, types), constexprs, mt.WARPS, 1,
+                            unaligned=("T", "n"))
+    assert resources(compiled, mt.WARPS)["stack_bytes"] == 0

@@ -72,6 +72,12 @@ def _streams_grad_float64(mixed_grad, y, rstd, streams, fn, pre, block_grad, str
     return d_streams, d_fn
 
 
+def _merge_backward_float64(grad, post, comb, out, streams):
+    leaves = [t.double().requires_grad_(True) for t in (post, comb, out, streams)]
+    mixed = leaves[0].unsqueeze(-1) * leaves[2].unsqueeze(-2) + leaves[1].transpose(-1, -2) @ leaves[3]
+    return torch.autograd.grad(mixed, leaves, grad.double())
+
+
 def _cases():
     streams = _rand(T, 1, N, H, seed=1)
     maps_args = (streams, 0.02 * _rand((2 + N) * N, N * H, seed=2), 0.1 * _rand((2 + N) * N, seed=3),
@@ -91,6 +97,8 @@ def _cases():
                                     lambda g, s: torch.einsum("tbh,tbih->tbi", g.double(), s.double())),
         "hc_streams_grad_float32": (fused.hc_streams_grad_float32, _streams_grad_args(streams, maps_args[1]),
                                     _streams_grad_float64),
+        "hc_merge_backward": (fused.hc_merge_backward, (_rand(T, 1, N, H, seed=26), post, comb, _rand(T, 1, H, seed=27),
+                                                        streams), _merge_backward_float64),
         "hc_collapse": (fused.hc_collapse, (torch.rand(T, 1, N), streams),
                         lambda pre, s: (pre.double().unsqueeze(-1) * s.double()).sum(-2)),
         "hc_merge": (fused.hc_merge, (post, comb, _rand(T, 1, H, seed=9), streams),

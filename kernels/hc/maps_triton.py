@@ -20,7 +20,7 @@ The kernels take ``n`` up to ``NP`` (``n`` rounded up to a power of two; padded 
 produce the gradient with respect to the affine logits ``z = mixed * scale + base``; :func:`triton_hc_maps_bwd`
 turns it into the gradients of ``mixed``, ``base`` and ``scale``. Checked under Triton's CPU interpreter
 (float32 throughout, so exactly what runs on a GPU) against autograd of the definition in float64 by
-``tests/test_hc_maps_triton.py``.
+``tests/test_hc_kernels_interpreter.py``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""The mHC maps' Triton kernels (kernels/hc/maps_triton.py) under Triton's CPU interpreter.
+"""The mHC maps' and merge-backward Triton kernels (kernels/hc/maps_triton.py, merge_triton.py) under Triton's CPU
+interpreter, and the layer's wiring of them.
 
-The maps are float32 throughout, so the interpreter runs exactly the arithmetic a GPU runs. Expected values:
-autograd of the torch definition (:func:`model.fused.hc_maps_of_logits`) in float64. The interpreter must be
-chosen before the kernels are defined, so the checks run in a subprocess with ``TRITON_INTERPRET=1``.
+The maps are float32 throughout, so the interpreter runs exactly the arithmetic a GPU runs; the merge backward
+has no bf16 arithmetic of its own and runs here on float32 tensors. Expected values: autograd of the torch
+definitions (:func:`model.fused.hc_maps_of_logits`, :func:`model.fused.hc_merge`) in float64. The interpreter must
+be chosen before the kernels are defined, so the checks run in a subprocess with ``TRITON_INTERPRET=1``.
 """
 
 import os
@@ -53,15 +55,44 @@ KERNELS = textwrap.dedent(
     """
 )
 
+MERGE = textwrap.dedent(
+    """
+    import torch
+    from kernels.hc.merge_triton import triton_hc_merge_bwd
+    from model.fused import hc_merge
+
+    g = torch.Generator().manual_seed(0)
+    # h 200: a partial last 64-column chunk; n 3: the fourth stream slot masked; 21 and 9 tokens: partial blocks
+    for n, h, tokens in ((4, 200, 21), (3, 64, 9), (4, 1024, 17)):
+        post = 2 * torch.rand(tokens, 1, n, generator=g)
+        comb = torch.softmax(torch.randn(tokens, 1, n, n, generator=g), -1)
+        out, streams = torch.randn(tokens, 1, h, generator=g), torch.randn(tokens, 1, n, h, generator=g)
+        grad = torch.randn(tokens, 1, n, h, generator=g)
+        leaves = [x.double().requires_grad_(True) for x in (post, comb, out, streams)]
+        want = torch.autograd.grad(hc_merge(*leaves), leaves, grad.double())
+        for name, a, b in zip(("post", "comb", "out", "streams"), triton_hc_merge_bwd(grad, post, comb, out, streams),
+                              want):
+            assert a.shape == b.shape and a.dtype == torch.float32, (name, a.shape, b.shape)
+            err = (a.double() - b).abs().max().item()
+            assert err <= 2e-6 * max(1.0, b.abs().max().item()), (n, h, name, err)
+    try:
+        triton_hc_merge_bwd(torch.zeros(3, 4, 8), torch.zeros(3, 4), torch.zeros(3, 4, 4), torch.zeros(3, 7),
+                            torch.zeros(3, 4, 8))
+        raise AssertionError("a wrong block-output width passed")
+    except ValueError as e:
+        assert "do not fit" in str(e)
+    print("MERGE_OK")
+    """
+)
+
 WIRING = textwrap.dedent(
     """
     import torch
     import model.layers as layers
     from model.config import preset
-    from model.fused import hc_merge
 
-    # the block with the Triton maps (forced on the CPU, run by the interpreter) against the block with the
-    # torch maps, both through the float32 projection: the same values and gradients
+    # the block and its merge with the Triton kernels (forced on the CPU, run by the interpreter) against the torch
+    # maps and merge backward, both through the float32 projection: the same values and gradients
     cfg = preset("tiny")
     hc = layers.HyperConnection(cfg)
     with torch.no_grad():
@@ -71,11 +102,11 @@ WIRING = textwrap.dedent(
     block = torch.randn(70, 1, cfg.hidden_size, generator=g)
     cot = torch.randn(70, 1, cfg.hc_mult, cfg.hidden_size, generator=g)
     results = []
-    for triton_maps in (False, True):
-        layers._triton_maps = lambda mixed, on=triton_maps: on
+    for triton in (False, True):
+        layers._triton_mhc = lambda t, on=triton: on
         s = streams.clone().requires_grad_(True)
         post, comb, collapsed, handed = hc(s)
-        loss = (hc_merge(post, comb, torch.tanh(collapsed) * block, handed) * cot).sum()
+        loss = (layers.merge_streams(post, comb, torch.tanh(collapsed) * block, handed, False) * cot).sum()
         grads = torch.autograd.grad(loss, [s, hc.fn, hc.base, hc.scale])
         results.append((post, comb, collapsed, *grads))
     for a, b in zip(*results):
@@ -97,5 +128,9 @@ def test_hc_maps_kernels_under_the_interpreter_equal_float64_autograd():
     _run(KERNELS, "MAPS_OK")
 
 
-def test_hyper_connection_with_the_triton_maps_equals_the_torch_maps():
+def test_hc_merge_backward_kernel_under_the_interpreter_equals_float64_autograd():
+    _run(MERGE, "MERGE_OK")
+
+
+def test_hyper_connection_and_merge_with_the_triton_kernels_equal_the_torch_paths():
     _run(WIRING, "WIRING_OK")
