@@ -28,15 +28,7 @@ def _hc_maps_float64(streams, fn, base, scale, n, iters, hc_eps, norm_eps):
     # transformers' order: normalise the flattened streams, then project
     flat = streams.flatten(-2).double()
     flat = flat / torch.sqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
-    mixed = flat @ fn.double().T
-    pre = torch.sigmoid(mixed[..., :n] * scale[0] + base[:n]) + hc_eps
-    post = 2 * torch.sigmoid(mixed[..., n:2 * n] * scale[1] + base[n:2 * n])
-    comb = torch.softmax(mixed[..., 2 * n:].unflatten(-1, (n, n)) * scale[2] + base[2 * n:].view(n, n), -1) + hc_eps
-    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    return pre, post, comb
+    return _maps_of_logits_float64(flat @ fn.double().T, base, scale, n, iters, hc_eps)
 
 
 def _maps_of_logits_float64(mixed, base, scale, n, iters, hc_eps):

@@ -33,12 +33,20 @@ BLOCK_T = 64
 
 
 @triton.jit
-def _gates(MIXED, BASE, SCALE, rows, i, tok, n, stride_m, PART: tl.constexpr):
-    """``(z, sigmoid(z))`` of the pre (``PART`` 0) or post (1) logits ``[BLOCK_T, NP]``, zero past ``n``."""
-    ok = tok[:, None] & (i[None, :] < n)
+def _tokens(T, n, NP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """This program's token rows ``[BLOCK_T]`` (int64), their mask, the stream index ``[NP]`` and the ``[BLOCK_T,
+    NP]`` mask of real tokens and streams."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok = rows < T
+    i = tl.arange(0, NP)
+    return rows, tok, i, tok[:, None] & (i[None, :] < n)
+
+
+@triton.jit
+def _gate(MIXED, BASE, SCALE, rows, i, ok, n, stride_m, PART: tl.constexpr):
+    """``sigmoid(z)`` of the pre (``PART`` 0) or post (1) logits ``z`` ``[BLOCK_T, NP]``, ``z`` zero past ``n``."""
     z = tl.load(MIXED + rows[:, None] * stride_m + PART * n + i[None, :], mask=ok, other=0.0)
-    z = z * tl.load(SCALE + PART) + tl.load(BASE + PART * n + i, mask=i < n, other=0.0)[None, :]
-    return z, tl.sigmoid(z)
+    return tl.sigmoid(z * tl.load(SCALE + PART) + tl.load(BASE + PART * n + i, mask=i < n, other=0.0)[None, :])
 
 
 @triton.jit
@@ -89,14 +97,11 @@ def _normalize_grad(c, g, eps, AXIS: tl.constexpr):
 @triton.jit
 def hc_maps_fwd_kernel(MIXED, BASE, SCALE, PRE, POST, COMB, T, n, iters, eps, stride_m,
                        NP: tl.constexpr, BLOCK_T: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tok = rows < T
-    i = tl.arange(0, NP)
-    ok = tok[:, None] & (i[None, :] < n)
-    _, sig = _gates(MIXED, BASE, SCALE, rows, i, tok, n, stride_m, 0)
-    tl.store(PRE + rows[:, None] * n + i[None, :], sig + eps, mask=ok)
-    _, sig = _gates(MIXED, BASE, SCALE, rows, i, tok, n, stride_m, 1)
-    tl.store(POST + rows[:, None] * n + i[None, :], 2 * sig, mask=ok)
+    rows, tok, i, ok = _tokens(T, n, NP, BLOCK_T)
+    tl.store(PRE + rows[:, None] * n + i[None, :], _gate(MIXED, BASE, SCALE, rows, i, ok, n, stride_m, 0) + eps,
+             mask=ok)
+    tl.store(POST + rows[:, None] * n + i[None, :], 2 * _gate(MIXED, BASE, SCALE, rows, i, ok, n, stride_m, 1),
+             mask=ok)
     s, valid = _comb_softmax(MIXED, BASE, SCALE, rows, tok, n, stride_m, NP)
     c = _normalize(tl.where(valid, s + eps, 0.0), eps, 1)
     for _ in range(iters - 1):
@@ -110,14 +115,11 @@ def hc_maps_fwd_kernel(MIXED, BASE, SCALE, PRE, POST, COMB, T, n, iters, eps, st
 @triton.jit
 def hc_maps_bwd_kernel(MIXED, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, T, n, steps, eps, stride_m, stride_dz,
                        NP: tl.constexpr, BLOCK_T: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tok = rows < T
-    i = tl.arange(0, NP)
-    ok = tok[:, None] & (i[None, :] < n)
-    _, sig = _gates(MIXED, BASE, SCALE, rows, i, tok, n, stride_m, 0)
+    rows, tok, i, ok = _tokens(T, n, NP, BLOCK_T)
+    sig = _gate(MIXED, BASE, SCALE, rows, i, ok, n, stride_m, 0)
     g = tl.load(DPRE + rows[:, None] * n + i[None, :], mask=ok, other=0.0)
     tl.store(DZ + rows[:, None] * stride_dz + i[None, :], g * sig * (1 - sig), mask=ok)
-    _, sig = _gates(MIXED, BASE, SCALE, rows, i, tok, n, stride_m, 1)
+    sig = _gate(MIXED, BASE, SCALE, rows, i, ok, n, stride_m, 1)
     g = tl.load(DPOST + rows[:, None] * n + i[None, :], mask=ok, other=0.0)
     tl.store(DZ + rows[:, None] * stride_dz + n + i[None, :], 2 * g * sig * (1 - sig), mask=ok)
 
