@@ -13,8 +13,8 @@ recomputes ``P`` from the saved ``lse`` and accumulates ``dq`` in registers. ``d
   atomics bound the backward (69 G adds per 64k-token call).
 * per key run (``runs=kpool``, the indexer's layout: slots ``[r * kpool, (r + 1) * kpool)`` hold
   one k-pool's consecutive tokens or ``-1``, the last, shorter group the query's own pool's first
-  tokens, then ``-1``): the (query, run) pairs are sorted by the run's first token (``torch.sort``,
-  stable), and :func:`sparse_mla_bwd_runs_kernel` walks the sorted list in fixed chunks,
+  tokens, then ``-1``): :func:`run_scan_kernel` finds each query's runs in one pass over its indices, the
+  (query, run) pairs are sorted by the run's first token (``torch.sort``, stable), and :func:`sparse_mla_bwd_runs_kernel` walks the sorted list in fixed chunks,
   recomputing ``P`` and ``dP`` of each pair's query rows against the run's ``kpool`` latent rows
   (masked past the pair's run length) and summing ``dS^T Q + P^T dO`` over all queries of the run in
   registers: one atomic row flush per run and chunk instead of one per query. A run is any group
