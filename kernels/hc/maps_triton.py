@@ -5,7 +5,7 @@
 row softmax of ``mixed_comb * s2 + b_comb`` plus ``eps``, normalised over its columns once and then ``iters - 1``
 times over rows and columns (Sinkhorn-Knopp; Xie et al. 2026, mHC). Each token's ``n x n`` matrix is tiny (16
 values at ``n = 4``), and the chain is ``2 iters - 1 = 39`` dependent normalisations: under ``torch.compile``
-inductor emitted one kernel per normalisation, about 3,000 launches of 2-5 us per 64k ``small`` step (8.5 ms of
+inductor emitted one kernel per normalisation, 3,088 launches of 2-5 us per 64k ``small`` step (8.6 ms of
 GPU time and launch-bound gaps between them, H200 trace). Here one program keeps ``BLOCK_T`` tokens' matrices in
 registers for the whole chain.
 
