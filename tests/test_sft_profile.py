@@ -22,6 +22,11 @@ from sft_profile import kernel_family  # noqa: E402
     ("sparse_mla_dq_gluon_kernel", "sparse MLA bwd"),
     ("sparse_mla_dkv_gluon_kernel", "sparse MLA bwd"),
     ("sparse_mla_delta_kernel", "sparse MLA bwd"),
+    ("run_scan_kernel", "sparse MLA bwd"),
+    # the mHC kernels (kernels/hc/*_triton.py), not the inductor glue around them
+    ("hc_projection_dx_kernel", "mHC"),
+    ("hc_maps_bwd_kernel", "mHC"),
+    ("hc_merge_bwd_kernel", "mHC"),
     # the indexer's attention-mass target is the indexer KL's, not attention
     ("sparse_mla_mass_kernel", "DSA indexer"),
     ("pool_scores_gluon_kernel", "DSA indexer"),

@@ -54,11 +54,13 @@ DATASHEET_TFLOPS = 989.0   # H100/H200 SXM dense bf16 (tasks.trainer.PEAK_BF16_T
 # CUTLASS's, Triton's and inductor's (triton_poi_ / triton_red_ / triton_per_) kernel names.
 FAMILIES: list[tuple[str, str]] = [
     ("sparse MLA fwd", r"sparse_mla_fwd"),
-    # the Triton backward (per query, runs), the Gluon query and latent gradients, and their rowsum(dO O)
-    ("sparse MLA bwd", r"sparse_mla_(bwd|dq|dkv|delta)"),
+    # the Triton backward (per query, runs, the runs' scan), the Gluon query and latent gradients, rowsum(dO O)
+    ("sparse MLA bwd", r"sparse_mla_(bwd|dq|dkv|delta)|run_scan"),
     ("DSA indexer", r"pool_scores|select_kernel|expand_kernel|compress_kernel|sparse_mla_mass|indexer_kl"),
     ("KDA/fla", r"chunk_|kda|delta_rule|solve_tril|cumsum_|l2norm|wy_|causal_conv1d|recompute_w_u|kkt"),
-    # torch.compile's fused glue (mHC maps/merge, norms, gates, SwiGLU): pointwise, reduction and
+    # the mHC kernels of kernels/hc: the projection, the maps (gates and Sinkhorn-Knopp), the merge's backward
+    ("mHC", r"^hc_(projection|maps|merge)_"),
+    # torch.compile's fused glue (mHC collapse/merge forward, norms, gates, SwiGLU): pointwise, reduction and
     # persistent-reduction kernels, whose names also hold the ops they fuse ("_to_copy", "sum").
     ("inductor glue", r"^triton_(poi|red|per)_"),
     ("GEMM", r"gemm|gemv|cutlass|wmma|xmma|cublas|nvjet|matmul|_mm_|grouped_mm|Kernel2|splitK"),
