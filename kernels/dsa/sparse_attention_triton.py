@@ -14,7 +14,8 @@ recomputes ``P`` from the saved ``lse`` and accumulates ``dq`` in registers. ``d
 * per key run (``runs=kpool``, the indexer's layout: slots ``[r * kpool, (r + 1) * kpool)`` hold
   one k-pool's consecutive tokens or ``-1``, the last, shorter group the query's own pool's first
   tokens, then ``-1``): :func:`run_scan_kernel` finds each query's runs in one pass over its indices, the
-  (query, run) pairs are sorted by the run's first token (``torch.sort``, stable), and :func:`sparse_mla_bwd_runs_kernel` walks the sorted list in fixed chunks,
+  (query, run) pairs are sorted by the run's first token (``torch.sort``, stable), and
+  :func:`sparse_mla_bwd_runs_kernel` walks the sorted list in fixed chunks,
   recomputing ``P`` and ``dP`` of each pair's query rows against the run's ``kpool`` latent rows
   (masked past the pair's run length) and summing ``dS^T Q + P^T dO`` over all queries of the run in
   registers: one atomic row flush per run and chunk instead of one per query. A run is any group
@@ -484,8 +485,9 @@ def run_scan_kernel(IDX, RUN_OK, SCATTER, KEYS, stride_ib, stride_it, n_q, width
                     RUN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RUN: tl.constexpr):
     """One query's ``[n_runs, RUN]`` slot groups: each group's run length (0: not a run), its sort key, and
     whether the query has a selected slot outside every run. The definition is :func:`torch_run_scan`'s."""
-    t = tl.program_id(0)
-    b = tl.program_id(1)
+    # int64 offsets: one rank's 1M queries x 2,063 slots pass 2^31 elements
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     s = tl.arange(0, BLOCK_RUN)[None, :]
     slot = r[:, None] * RUN + s
@@ -529,6 +531,14 @@ def torch_run_scan(indices: torch.Tensor, run: int, n_keys: int, query_block: in
     return run_ok, scatter, keys
 
 
+def run_scan_tile(n_runs: int, run: int) -> tuple[int, int, int]:
+    """``(BLOCK_R, BLOCK_RUN, warps)`` of :func:`run_scan_kernel` for ``n_runs`` groups of ``run`` slots: the
+    groups and slots rounded to powers of two, 16 slots per thread (the 2,063-slot selection's [256, 16] tile
+    takes 8 warps)."""
+    block_r, block_run = triton.next_power_of_2(n_runs), triton.next_power_of_2(run)
+    return block_r, block_run, max(1, min(8, block_r * block_run // 512))
+
+
 def run_scan(indices: torch.Tensor, run: int, n_keys: int):
     """:func:`run_scan_kernel` over ``indices [B, T, W]`` (int32 or int64; one program per query): the same
     ``(run_ok, scatter, keys)`` as :func:`torch_run_scan`, reading the indices once. In torch the scan was
@@ -540,11 +550,10 @@ def run_scan(indices: torch.Tensor, run: int, n_keys: int):
     scatter = torch.empty(batch, n_q, dtype=torch.uint8, device=indices.device)
     keys = torch.empty(batch, n_q, n_runs, dtype=torch.int32, device=indices.device)
     if indices.numel():
-        block_r = triton.next_power_of_2(n_runs)
+        block_r, block_run, warps = run_scan_tile(n_runs, run)
         run_scan_kernel[(n_q, batch)](
             indices, run_ok, scatter, keys, indices.stride(0), indices.stride(1), n_q, width, n_runs, n_keys,
-            batch * n_keys, RUN=run, BLOCK_R=block_r, BLOCK_RUN=triton.next_power_of_2(run),
-            num_warps=4 if block_r * run >= 1024 else 1,
+            batch * n_keys, RUN=run, BLOCK_R=block_r, BLOCK_RUN=block_run, num_warps=warps,
         )
     return run_ok, scatter, keys
 

@@ -1,9 +1,11 @@
-"""The mHC kernels compiled for sm_90 on the CPU (Triton's front end and bundled ptxas: :mod:`kernels.dsa.sm90`).
+"""The mHC kernels and the sparse MLA backward's run scan compiled for sm_90 on the CPU (Triton's front end and
+bundled ptxas: :mod:`kernels.dsa.sm90`).
 
 Triton's CPU interpreter runs what the compiler rejects (a variable bound to tensors of different shapes in the
 two branches of a runtime ``if`` passed the interpreter and failed to compile), and ptxas' register use is only
 visible in a compile: each kernel must compile at the launch configuration its wrapper uses and spill nothing.
-Their values are checked by tests/test_hc_kernels_interpreter.py and tests/test_hc_projection_interpreter.py.
+Their values are checked by tests/test_hc_kernels_interpreter.py, tests/test_hc_projection_interpreter.py and
+tests/test_dsa_triton_interpreter.py.
 """
 
 from __future__ import annotations
@@ -56,3 +58,17 @@ def test_merge_backward_kernel_compiles_without_spills():
     compiled = compile_sm90(kernel, _signature(kernel, constexprs, types), constexprs, mt.WARPS, 1,
                             unaligned=("T", "n"))
     assert resources(compiled, mt.WARPS)["stack_bytes"] == 0
+
+
+def test_run_scan_kernel_compiles_without_spills_at_the_full_selection_width():
+    import kernels.dsa.sparse_attention_triton as sat
+
+    # index_topk 2048 plus the own pool's 15-token tail: 129 groups of 16, a [256, 16] tile; the warps run_scan picks
+    kernel = sat.run_scan_kernel
+    block_r, block_run, warps = sat.run_scan_tile(129, 16)
+    assert (block_r, block_run) == (256, 16)
+    constexprs = dict(RUN=16, BLOCK_R=block_r, BLOCK_RUN=block_run)
+    types = {"IDX": "*i32", "RUN_OK": "*u8", "SCATTER": "*u8", "KEYS": "*i32"}
+    compiled = compile_sm90(kernel, _signature(kernel, constexprs, types), constexprs, warps, 1,
+                            unaligned=("width", "n_runs", "stride_it"))
+    assert resources(compiled, warps)["stack_bytes"] == 0
