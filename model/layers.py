@@ -173,9 +173,8 @@ class _HyperConnectionFn(torch.autograd.Function):
         if _triton_mhc(mixed):
             from kernels.hc.maps_triton import triton_hc_maps_bwd
 
-            pre = _HyperConnectionFn.maps(mixed, base, scale, hc)[0]
-            d_mixed, d_base, d_scale = triton_hc_maps_bwd(mixed, base, scale, hc.n, hc.iters, hc.hc_eps, d_pre,
-                                                          d_post, d_comb)
+            d_mixed, d_base, d_scale, pre = triton_hc_maps_bwd(mixed, base, scale, hc.n, hc.iters, hc.hc_eps,
+                                                               d_pre, d_post, d_comb)
         else:
             with torch.enable_grad():
                 leaves = (mixed.requires_grad_(), base.detach().requires_grad_(), scale.detach().requires_grad_())

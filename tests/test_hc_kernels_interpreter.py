@@ -41,8 +41,9 @@ KERNELS = textwrap.dedent(
             grads = [cot[i] if i in used else None for i in range(3)]
             ref = torch.autograd.grad([want[i] for i in used], leaves, [cot[i].double() for i in used],
                                       retain_graph=True)
-            for name, a, b in zip(("mixed", "base", "scale"), triton_hc_maps_bwd(mixed, base, scale, n, iters, 1e-6,
-                                                                                  *grads), ref):
+            *got_grads, pre = triton_hc_maps_bwd(mixed, base, scale, n, iters, 1e-6, *grads)
+            assert pre.shape == want[0].shape and torch.allclose(pre.double(), want[0], rtol=1e-5, atol=1e-6)
+            for name, a, b in zip(("mixed", "base", "scale"), got_grads, ref):
                 assert a.shape == b.shape, (name, a.shape, b.shape)
                 err = (a.double() - b).abs().max().item()
                 assert err <= 1e-5 * max(1.0, b.abs().max().item()), (n, iters, used, name, err)

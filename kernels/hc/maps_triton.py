@@ -113,10 +113,11 @@ def hc_maps_fwd_kernel(MIXED, BASE, SCALE, PRE, POST, COMB, T, n, iters, eps, st
 
 
 @triton.jit
-def hc_maps_bwd_kernel(MIXED, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, T, n, steps, eps, stride_m, stride_dz,
+def hc_maps_bwd_kernel(MIXED, BASE, SCALE, DPRE, DPOST, DCOMB, DZ, PRE, T, n, steps, eps, stride_m, stride_dz,
                        NP: tl.constexpr, BLOCK_T: tl.constexpr):
     rows, tok, i, ok = _tokens(T, n, NP, BLOCK_T)
     sig = _gate(MIXED, BASE, SCALE, rows, i, ok, n, stride_m, 0)
+    tl.store(PRE + rows[:, None] * n + i[None, :], sig + eps, mask=ok)   # the caller's collapse weights
     g = tl.load(DPRE + rows[:, None] * n + i[None, :], mask=ok, other=0.0)
     tl.store(DZ + rows[:, None] * stride_dz + i[None, :], g * sig * (1 - sig), mask=ok)
     sig = _gate(MIXED, BASE, SCALE, rows, i, ok, n, stride_m, 1)
@@ -180,8 +181,10 @@ def triton_hc_maps_bwd(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Ten
                        hc_eps: float, d_pre: torch.Tensor, d_post: torch.Tensor, d_comb: torch.Tensor):
     """Gradients ``(d_mixed [..., (2+n)n], d_base [(2+n)n], d_scale [3])``, float32, of
     :func:`triton_hc_maps_fwd` for the output gradients ``d_pre``, ``d_post`` (``[..., n]``) and ``d_comb`` (``[...,
-    n, n]``); ``None`` for an unused output. The kernel gives the gradient of the affine logits ``z``; ``d_mixed =
-    dz * scale``, ``d_base = sum_t dz`` and ``d_scale`` (per group) ``= sum_t dz * mixed`` follow in torch.
+    n, n]``); ``None`` for an unused output; and ``pre [..., n]`` (float32, as the forward gives it), which the
+    kernel computes on the way and an mHC block's backward needs. The kernel gives the gradient of the affine
+    logits ``z``; ``d_mixed = dz * scale``, ``d_base = sum_t dz`` and ``d_scale`` (per group) ``= sum_t dz *
+    mixed`` follow in torch.
 
     Raises:
         ValueError: as :func:`triton_hc_maps_fwd`.
@@ -197,12 +200,14 @@ def triton_hc_maps_bwd(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Ten
         return g.reshape(t, width).float().contiguous()
 
     dz = torch.empty(t, p, dtype=torch.float32, device=mixed.device)
+    pre = torch.empty(t, n, dtype=torch.float32, device=mixed.device)
     if t:
         hc_maps_bwd_kernel[(triton.cdiv(t, BLOCK_T),)](
             flat, base.float().contiguous(), scale.float().contiguous(), grad(d_pre, n), grad(d_post, n),
-            grad(d_comb, n * n), dz, t, n, 1 + 2 * max(iters - 1, 0), hc_eps, flat.stride(0), dz.stride(0),
+            grad(d_comb, n * n), dz, pre, t, n, 1 + 2 * max(iters - 1, 0), hc_eps, flat.stride(0), dz.stride(0),
             NP=triton.next_power_of_2(n), BLOCK_T=BLOCK_T, num_warps=4)
-    group = torch.tensor([n, n, n * n], device=mixed.device)
-    col_scale = scale.float().repeat_interleave(group, output_size=p)
+    s = scale.float()
+    col_scale = torch.cat([s[0].expand(n), s[1].expand(n), s[2].expand(n * n)])   # no host-built index tensor
     d_scale = torch.stack([part.sum() for part in (dz * flat).split([n, n, n * n], dim=-1)])
-    return (dz * col_scale).view(mixed.shape), dz.sum(0).to(base.dtype), d_scale.to(scale.dtype)
+    return ((dz * col_scale).view(mixed.shape), dz.sum(0).to(base.dtype), d_scale.to(scale.dtype),
+            pre.view(*mixed.shape[:-1], n))
