@@ -317,6 +317,9 @@ def from_hf(hf: Any, **overrides: Any) -> Glm5NextConfig:
         activation_func=F.silu,
         activation_func_clamp_value=h["swiglu_limit"],
         bias_activation_fusion=False,
+        # megatron's switch for an activation module in MLPSubmodules.activation_func (named for
+        # Transformer Engine's); every MLP spec here puts model.moe.SwiGLUActivation there
+        use_te_activation_func=True,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         apply_rope_fusion=False,

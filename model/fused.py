@@ -28,7 +28,8 @@ from kernels.hc.projection import bf16_parts, hc_projection
 
 __all__ = ["glue", "hc_maps", "hc_maps_of_logits", "hc_projection", "bf16_parts", "hc_collapse",
            "hc_collapse_weight_grad", "hc_streams_grad_float32", "hc_merge", "hc_merge_backward",
-           "tensor_core_projection", "rms_norm", "rms_norm_backward", "kda_gate", "gated_rms_norm", "swiglu_probs"]
+           "tensor_core_projection", "rms_norm", "rms_norm_backward", "kda_gate", "gated_rms_norm", "swiglu",
+           "swiglu_probs"]
 
 
 # Graphs one glue function may need in a process: SFT's step alone compiles a few per function
@@ -224,17 +225,26 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (weight.float() * of * torch.sigmoid(gate.float())).to(dtype)
 
 
-def swiglu_probs(hidden: torch.Tensor, probs: torch.Tensor, clamp: float | None, linear_offset: float,
-                 activation=F.silu) -> torch.Tensor:
-    """Routed experts' gated activation ``act(gate) * (up + offset) * p`` of ``hidden [T, 2f]``.
+def swiglu(hidden: torch.Tensor, clamp: float | None, linear_offset: float, activation=F.silu) -> torch.Tensor:
+    """Gated activation ``act(gate) * (up + offset)`` of ``hidden [..., 2f]`` -> ``[..., f]``, ``hidden``'s dtype.
 
-    ``gate = hidden[:, :f]`` clamped above at ``clamp``, ``up = hidden[:, f:]`` clamped to
-    ``[-clamp, clamp]`` (megatron's ``activation_func_clamp_value``); ``probs [T]`` float32, the product
-    with it formed in float32 and cast back to ``hidden``'s dtype, as megatron's MLP does. -> ``[T, f]``.
+    ``gate = hidden[..., :f]`` clamped above at ``clamp``, ``up = hidden[..., f:]`` clamped to
+    ``[-clamp, clamp]``: megatron's ``MLP`` gated-linear-unit path with ``activation_func_clamp_value``
+    (megatron/core/transformer/mlp.py, ``glu``), the same ops in the same order.
     """
     gate, up = torch.chunk(hidden, 2, dim=-1)
     if clamp is not None:
         gate = gate.clamp(min=None, max=clamp)
         up = up.clamp(min=-clamp, max=clamp)
-    inner = activation(gate) * (up + linear_offset)
+    return activation(gate) * (up + linear_offset)
+
+
+def swiglu_probs(hidden: torch.Tensor, probs: torch.Tensor, clamp: float | None, linear_offset: float,
+                 activation=F.silu) -> torch.Tensor:
+    """Routed experts' gated activation ``act(gate) * (up + offset) * p`` of ``hidden [T, 2f]`` (:func:`swiglu`).
+
+    ``probs [T]`` float32, the product with it formed in float32 and cast back to ``hidden``'s dtype, as
+    megatron's MLP does. -> ``[T, f]``.
+    """
+    inner = swiglu(hidden, clamp, linear_offset, activation)
     return (inner * probs.unsqueeze(-1)).to(inner.dtype)

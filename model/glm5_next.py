@@ -52,7 +52,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from model.config import DSA, Glm5NextConfig
 from model.layers import DSAMixer, HyperConnection, KDAMixer, RMSNorm, init_normal, merge_streams
-from model.moe import GatherMoELayer, GroupedMLP
+from model.moe import GatherMoELayer, GroupedMLP, SwiGLUActivation
 from model.offload import OffloadChain
 from model.parallel import ParallelLayout
 
@@ -80,6 +80,15 @@ class Glm5NextLayerSubmodules:
     mlp: Any
 
 
+def _with_swiglu(builder):
+    """An MLP builder of megatron's spec (a ``functools.partial`` with ``submodules=MLPSubmodules``, or
+    None) with :class:`model.moe.SwiGLUActivation` in its activation slot."""
+    if builder is None:
+        return None
+    sub = dataclasses.replace(builder.keywords["submodules"], activation_func=SwiGLUActivation)
+    return functools.partial(builder.func, *builder.args, **{**builder.keywords, "submodules": sub})
+
+
 def layer_spec(config: Glm5NextConfig, layer_idx: int) -> ModuleSpec:
     """The ModuleSpec of layer ``layer_idx`` (0-based) from the config's schedules."""
     if config.layer_types[layer_idx] == DSA:
@@ -92,10 +101,13 @@ def layer_spec(config: Glm5NextConfig, layer_idx: int) -> ModuleSpec:
         # megatron's local MoE spec: MoELayer with SequentialMLP experts; the layer's class carries the
         # token permutation (moe_permute), the experts' module the expert path (moe_experts)
         sub = mlp.keywords["submodules"]
+        sub = dataclasses.replace(sub, experts=_with_swiglu(sub.experts), shared_experts=_with_swiglu(sub.shared_experts))
         if config.moe_experts == "grouped":
             sub = dataclasses.replace(sub, experts=functools.partial(GroupedMLP, *sub.experts.args,
                                                                      **sub.experts.keywords))
         mlp = functools.partial(GatherMoELayer, *mlp.args, **{**mlp.keywords, "submodules": sub})
+    else:
+        mlp = _with_swiglu(mlp)
     return ModuleSpec(module=Glm5NextLayer, submodules=Glm5NextLayerSubmodules(mixer=mixer, mlp=mlp))
 
 

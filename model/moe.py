@@ -27,9 +27,34 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
-from model.fused import glue, swiglu_probs
+from model.fused import glue, swiglu, swiglu_probs
 
-__all__ = ["GroupedMLP", "grouped_swiglu_experts", "GatherTokenDispatcher", "GatherMoELayer", "permutation_maps"]
+__all__ = ["SwiGLUActivation", "GroupedMLP", "grouped_swiglu_experts", "GatherTokenDispatcher", "GatherMoELayer", "permutation_maps"]
+
+
+class SwiGLUActivation(torch.nn.Module):
+    """The clamped SwiGLU of megatron's ``MLP`` as the module in its activation slot
+    (``MLPSubmodules.activation_func``, called by ``MLP.forward`` when ``config.use_te_activation_func``).
+
+    ``forward(hidden [..., 2f]) -> [..., f]`` in ``hidden``'s dtype: :func:`model.fused.swiglu` with the
+    config's ``activation_func``, ``activation_func_clamp_value`` and ``glu_linear_offset``, through
+    ``torch.compile`` on CUDA when ``config.compile_glue`` (:func:`model.fused.glue`). megatron's own
+    gated path runs the two clamps, the activation, the offset add and the product as separate eager
+    kernels, and its backward another five (``where``/``le``/``ge`` per clamp): 10 ms of a 64k ``small``
+    step on an H200 for the dense MLP and the seven shared experts (``docs/measurements.md``).
+    The dense MLP, the shared experts and megatron's SequentialMLP experts all take it
+    (:func:`model.glm5_next.layer_spec`), so every MLP of the model runs this one definition.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.activation = config.activation_func
+        self.clamp = config.activation_func_clamp_value
+        self.offset = config.glu_linear_offset
+        self.compile = getattr(config, "compile_glue", False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return glue(swiglu, self.compile, hidden, self.clamp, self.offset, self.activation)
 
 
 class _GroupedLinear(torch.autograd.Function):

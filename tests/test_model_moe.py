@@ -112,3 +112,25 @@ def test_gather_permutation_backward_sums_each_tokens_rows():
     torch.autograd.gradcheck(lambda a: _Unpermute.apply(a, rows, inverse), (y,))
     # unpermute(permute(x)) == k * x: every token comes back from its k experts
     assert torch.allclose(_Unpermute.apply(_Permute.apply(x, rows, inverse), rows, inverse), k * x)
+
+
+def test_every_mlp_runs_the_clamped_swiglu_module_and_matches_float64():
+    from megatron.core.transformer.mlp import MLP
+
+    from model.moe import SwiGLUActivation
+
+    for experts in ("grouped", "sequential"):
+        model = build_model(preset("tiny", moe_experts=experts), seed=1)
+        mlps = [m for m in model.modules() if isinstance(m, MLP)]   # dense, shared experts, sequential experts
+        assert len(mlps) > sum(layer.is_moe for layer in model.layers)
+        assert all(isinstance(m.activation_func, SwiGLUActivation) for m in mlps), experts
+    dense = next(layer.mlp for layer in model.layers if not layer.is_moe)
+    clamp = dense.config.activation_func_clamp_value
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 1, dense.config.hidden_size, generator=gen) * 40   # wide enough that both clamps bind
+    out, _ = dense(x)
+    fc1, fc2 = dense.linear_fc1.weight.double(), dense.linear_fc2.weight.double()
+    gate, up = (x.double() @ fc1.T).chunk(2, dim=-1)
+    assert (gate > clamp).any() and (up.abs() > clamp).any()
+    ref = (F.silu(gate.clamp(max=clamp)) * up.clamp(-clamp, clamp)) @ fc2.T
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
