@@ -42,6 +42,54 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
+def _bmm_token_major(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``out[t, h] = a[t, h] @ b[h]`` for ``a [T, H, i]``, ``b [H, i, j]`` -> contiguous ``[T, H, j]``.
+
+    One batched GEMM over heads whose output is a strided view of the token-major result (row stride
+    ``H * j``, batch stride ``j``): cuBLAS writes it in place, where ``einsum`` leaves a head-major
+    ``[H, T, j]`` result that the next consumer copies.
+    """
+    out = a.new_empty(a.shape[0], a.shape[1], b.shape[-1])
+    torch.bmm(a.transpose(0, 1), b, out=out.transpose(0, 1))
+    return out
+
+
+class _PerHeadMatmul(torch.autograd.Function):
+    """``y [b, s, H, j] = x [b, s, H, i] @ w [H, i, j]`` per head, ``y`` and ``dx`` contiguous token-major.
+
+    The MLA absorbed forms (DeepSeek-V2, arXiv:2405.04434, section 2.1.3): the query times ``W_UK`` and the
+    latent output times ``W_UV``. Their consumers (the sparse MLA kernels, ``o_proj``, ``q_b_proj``'s
+    backward) read ``[tokens, H * width]`` rows; ``einsum`` gave them head-major tensors and each took a copy
+    (six of ``q W_UK``'s 512 MiB per 64k ``small`` step on an H200, ~4 ms). ``dw [H, i, j]`` is one batched
+    GEMM over heads of strided views, no copy.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return _bmm_token_major(x.flatten(0, 1), w).view(*x.shape[:3], w.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        g = grad.flatten(0, 1)
+        dx = _bmm_token_major(g, w.transpose(1, 2)).view(x.shape) if ctx.needs_input_grad[0] else None
+        dw = torch.bmm(x.flatten(0, 1).permute(1, 2, 0), g.transpose(0, 1)) if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
+def per_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [b, s, H, i] @ w [H, i, j]`` per head -> contiguous ``[b, s, H, j]`` in ``x``'s dtype
+    (``einsum("bshi,hij->bshj")`` without its head-major output; :class:`_PerHeadMatmul`).
+
+    Raises:
+        ValueError: ``x`` and ``w`` disagree on the head count or the inner width.
+    """
+    if x.dim() != 4 or w.dim() != 3 or x.shape[2] != w.shape[0] or x.shape[3] != w.shape[1]:
+        raise ValueError(f"per_head_matmul: x [b, s, H, i] and w [H, i, j], got {tuple(x.shape)} and {tuple(w.shape)}")
+    return _PerHeadMatmul.apply(x.contiguous(), w)
+
+
 class _Recompute(torch.autograd.Function):
     """``fn(*tensors)`` that saves only ``tensors`` (via ``ctx.save_for_backward``) and reruns ``fn`` in backward.
 
@@ -550,7 +598,7 @@ class DSAMixer(MegatronModule):
         q_resid = self.q_a_layernorm(self.q_a_proj(xb))
         q = self.q_b_proj(q_resid)[0].unflatten(-1, (self.heads, self.nope))
         w_uk = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.kv_lora)[:, : self.nope]
-        return q_resid, torch.einsum("bshd,hdc->bshc", q, w_uk)
+        return q_resid, per_head_matmul(q, w_uk)
 
     def latent(self, xb: torch.Tensor) -> torch.Tensor:
         """This rank's normed KV latent ``[b, s, kv_lora]`` of ``xb [b, s, h]`` (before the CP gather)."""
@@ -621,6 +669,6 @@ class DSAMixer(MegatronModule):
             self.kept_attention.append((o_lat, lse))
         if self.keep_kl_inputs:
             self.kl_inputs = (*(t.detach() for t in (q_resid, q_abs, latent_all, lse)), mass)
-        o = torch.einsum("bshc,hvc->bshv", o_lat, w_uv)
+        o = per_head_matmul(o_lat, w_uv.transpose(1, 2))
         out, _ = self.o_proj(o.flatten(-2))
         return out.transpose(0, 1), topk

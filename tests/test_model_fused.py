@@ -307,3 +307,27 @@ def test_projection_backward_reference_adds_the_streams_other_gradients():
     assert torch.allclose(dw.double(), dw64, rtol=0, atol=2e-5 * dw64.abs().max().item())
     # and the terms are there: without them the result is far off
     assert ((dx64 - want).abs() > 0.1).any()
+
+
+def test_per_head_matmul_is_the_einsum_token_major_with_its_gradients():
+    from model.layers import per_head_matmul
+
+    gen = torch.Generator().manual_seed(0)
+    kv_b = torch.randn(3, 4 + 6, 7, generator=gen, dtype=torch.float64)   # [H, nope + v, c] as kv_b_proj's view
+    # q W_UK (a slice of kv_b) and o_lat W_UV^T (a transposed slice), as DSAMixer forms them
+    for width, absorb in ((4, lambda w: w[:, :4]), (7, lambda w: w[:, 4:].transpose(1, 2))):
+        x = torch.randn(2, 5, 3, width, generator=gen, dtype=torch.float64)
+        want_x, want_w = x.clone().requires_grad_(), kv_b.clone().requires_grad_()
+        want = torch.einsum("bshi,hij->bshj", want_x, absorb(want_w))
+        target = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+        want.backward(target)
+        for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+            got_x, got_w = (t.to(dtype, copy=True).requires_grad_() for t in (x, kv_b))
+            got = per_head_matmul(got_x, absorb(got_w))
+            assert got.is_contiguous() and got.shape == want.shape
+            got.backward(target.to(dtype))
+            assert got_x.grad.is_contiguous()
+            for a, b in ((got, want), (got_x.grad, want_x.grad), (got_w.grad, want_w.grad)):
+                assert ((a.double() - b).norm() / b.norm()).item() < tol
+    with pytest.raises(ValueError, match="per_head_matmul"):
+        per_head_matmul(x, kv_b[:2, :4])
