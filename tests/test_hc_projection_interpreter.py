@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent(
     spec.loader.exec_module(pt)
 
     g = torch.Generator().manual_seed(0)
-    # 70 rows: a partial row block; h 48 with 64-column dx blocks: blocks straddle streams; p 24 padded to 32
+    # 70 rows: a partial row block; h 48 with 32-column dx tiles: tiles straddle streams; p 24 padded to 32
     m, n, h, p, eps = 70, 4, 48, 24, 1e-6
     k = n * h
     x = torch.randn(m, k, generator=g)
@@ -49,15 +49,29 @@ SCRIPT = textwrap.dedent(
         x, wp, out, y, rstd, m, k, p, eps, x.stride(0), wp.stride(0), out.stride(0), y.stride(0),
         W_PARTS=3, BLOCK_M=pt.BLOCK_M, BLOCK_K=pt.BLOCK_K, BLOCK_P=bp)
     assert torch.allclose(out.double(), want.detach(), rtol=1e-5, atol=1e-6), (out.double() - want).abs().max()
-    for extra in (False, True):
-        dx = torch.empty_like(x)
+    # columns per program: the default (one program spans all 192), and 128 (two programs, the second a tail)
+    for extra, columns in ((False, pt.DX_COLUMNS), (True, pt.DX_COLUMNS), (True, 2 * pt.DX_BLOCK_K)):
+        dx = torch.full_like(x, float("nan"))
         terms = (pre, block_grad, streams_grad) if extra else (x, x, x)
-        pt.hc_projection_dx_kernel[(triton.cdiv(m, pt.BLOCK_M), triton.cdiv(k, pt.DX_BLOCK_K))](
-            grad, y, rstd, x, wp, dx, *terms, m, k, p, n if extra else 1, h if extra else k, grad.stride(0),
-            y.stride(0), x.stride(0), wp.stride(0), dx.stride(0), *(t.stride(0) for t in terms),
-            W_PARTS=3, EXTRA=extra, BLOCK_M=pt.BLOCK_M, BLOCK_K=pt.DX_BLOCK_K, BLOCK_P=bp)
+        pt.launch_dx(grad, y, rstd, x, wp, dx, *terms, n if extra else 1, h if extra else k, 3, extra, columns)
         ref = dx64 + extra64 if extra else dx64
-        assert torch.allclose(dx.double(), ref, rtol=1e-4, atol=1e-5), (extra, (dx.double() - ref).abs().max())
+        assert torch.allclose(dx.double(), ref, rtol=1e-4, atol=1e-5), (extra, columns, (dx.double() - ref).abs().max())
+
+    # h 64: every 32-column tile lies in one stream (the kernel's one-value-per-row pre); 3 streams, 3 programs
+    n2, h2 = 3, 64
+    k2 = n2 * h2
+    x2, w2 = torch.randn(m, k2, generator=g), 0.02 * torch.randn(p, k2, generator=g)
+    pre2, bg2, sg2 = torch.rand(m, n2, generator=g), torch.randn(m, h2, generator=g), torch.randn(m, k2, generator=g)
+    x64, w64 = x2.double().requires_grad_(True), w2.double().requires_grad_(True)
+    want = (x64 @ w64.T) / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    ref = torch.autograd.grad(want, x64, grad.double())[0] + sg2.double() + \
+        (pre2.double()[:, :, None] * bg2.double()[:, None, :]).flatten(1)
+    wp2 = pt._padded_weight(w2, bp)
+    y2 = (x2 @ w2.T).contiguous()
+    rstd2 = torch.rsqrt(x2.pow(2).mean(-1, keepdim=True) + eps)
+    dx = torch.full_like(x2, float("nan"))
+    pt.launch_dx(grad, y2, rstd2, x2, wp2, dx, pre2, bg2, sg2, n2, h2, 3, True, 2 * pt.DX_BLOCK_K)
+    assert torch.allclose(dx.double(), ref, rtol=1e-4, atol=1e-5), (dx.double() - ref).abs().max()
     part = torch.empty(2, p, k)
     pt.hc_projection_dw_kernel[(triton.cdiv(k, pt.BLOCK_K), 2)](
         grad, y, rstd, x, part, m, k, p, 64, grad.stride(0), y.stride(0), x.stride(0), part.stride(0),

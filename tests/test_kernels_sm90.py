@@ -35,12 +35,13 @@ def test_hc_maps_kernels_compile_without_spills(name):
 
 
 @pytest.mark.parametrize("w_parts", [1, 3])
-@pytest.mark.parametrize("extra", [False, True])
-def test_projection_dx_kernel_compiles_without_spills(w_parts, extra):
+@pytest.mark.parametrize("extra,stream_tiles", [(False, False), (True, False), (True, True)])
+def test_projection_dx_kernel_compiles_without_spills(w_parts, extra, stream_tiles):
     import kernels.hc.projection_triton as pt
 
     kernel = pt.hc_projection_dx_kernel
-    constexprs = dict(W_PARTS=w_parts, EXTRA=extra, BLOCK_M=pt.BLOCK_M, BLOCK_K=pt.DX_BLOCK_K, BLOCK_P=32)
+    constexprs = dict(W_PARTS=w_parts, EXTRA=extra, STREAM_TILES=stream_tiles, BLOCK_M=pt.BLOCK_M,
+                      BLOCK_K=pt.DX_BLOCK_K, BLOCK_P=32)
     types = {"GRAD": "*fp32", "Y": "*fp32", "RSTD": "*fp32", "X": "*bf16", "W": "*fp32", "DX": "*bf16",
              "PRE": "*fp32", "DB": "*bf16", "DS": "*bf16"}
     compiled = compile_sm90(kernel, _signature(kernel, constexprs, types), constexprs, pt.WARPS, pt.STAGES,

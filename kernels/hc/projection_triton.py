@@ -9,8 +9,9 @@ kernel reads each ``x`` tile once and does everything that needs it there:
   small parts' products in an accumulator of their own, so that their sums round at their own small
   magnitude, not at ``y``'s) and the row's sum of squares from the same tile; writes ``y``, ``rstd`` and
   ``out = y * rstd``.
-* ``dx`` (:func:`hc_projection_dx_kernel`, one program per ``BLOCK_M`` rows and ``BLOCK_K`` columns):
-  ``dy = grad * rstd`` and the RMS term's coefficient from the row's ``grad`` and ``y``; ``dy @ w`` from
+* ``dx`` (:func:`hc_projection_dx_kernel`, one program per ``BLOCK_M`` rows and ``DX_COLUMNS`` columns, a loop
+  over ``DX_BLOCK_K``-wide tiles): ``dy = grad * rstd`` and the RMS term's coefficient from the row's ``grad``
+  and ``y``, once; per tile ``dy @ w`` from
   two-part splits (``hi.w + lo.w``; ``hi.w_hi + hi.w_lo + lo.w_hi`` for a float32 ``w``; the low parts'
   products in their own accumulator); minus the RMS term in float32; with ``EXTRA``, plus the streams'
   other gradients of an mHC block (the collapse's and the merge's, :class:`model.layers.HyperConnection`);
@@ -20,7 +21,7 @@ kernel reads each ``x`` tile once and does everything that needs it there:
   per slice, summed in a fixed order by torch (deterministic: no atomics).
 
 The tiles are fixed (no autotuning, nothing to tune at a cold start): ``BLOCK_M = 64`` rows, ``BLOCK_K = 128``
-columns (64 in the ``dx`` kernel), ``p`` padded to a power of two >= 16 (the weight as float32 with zero rows:
+columns (32 in the ``dx`` kernel, 1024 per ``dx`` program), ``p`` padded to a power of two >= 16 (the weight as float32 with zero rows:
 its tiles load unmasked and are split into bf16 in registers, :func:`_padded_weight` says why). Triton's casts
 round (``x.to(bf16)`` is round-to-nearest-even), unlike inductor's fused ones, which is why these kernels and
 not a compiled graph split the operands.
@@ -36,9 +37,14 @@ import triton
 import triton.language as tl
 
 BLOCK_M, BLOCK_K, WARPS, STAGES = 64, 128, 4, 3
-# The dx kernel's columns: at 128, a float32 weight (three parts) took 254 registers per thread and, with the
-# mHC block's two added gradients, spilled 248 bytes (ptxas for sm_90, kernels.dsa.sm90); at 64, 137 and none.
-DX_BLOCK_K = 64
+# The dx kernel's tiles: 64 rows x 32 columns, a loop over DX_COLUMNS columns per program. dy's split and the RMS
+# coefficient are formed once per 64 rows instead of once per tile, and the loop lets the compiler load the next
+# tile while this one's products run. One 64 x 64 tile per program (65,536 programs at 64k x 4096) ran at a third
+# of the copy rate: 1.39 ms per call on an H100 for the 1.66 GB it moves (docs/measurements.md). In the loop,
+# 64-column tiles with a float32 weight and the mHC block's added gradients take 232 registers per thread (2
+# CTAs per SM, ptxas for sm_90, kernels.dsa.sm90); 32-column tiles take 126 (4 CTAs per SM), no spill either way.
+DX_BLOCK_K = 32
+DX_COLUMNS = 1024
 DW_PROGRAMS_PER_SM = 4
 
 
@@ -93,31 +99,43 @@ def hc_projection_fwd_kernel(
 
 @triton.jit
 def hc_projection_dx_kernel(
-    GRAD, Y, RSTD, X, W, DX, PRE, DB, DS, m, k, p, n, h, stride_g, stride_y, stride_x, stride_w, stride_dx,
-    stride_pre, stride_db, stride_ds,
-    W_PARTS: tl.constexpr, EXTRA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    GRAD, Y, RSTD, X, W, DX, PRE, DB, DS, m, k, p, n, h, k_per_program, stride_g, stride_y, stride_x, stride_w,
+    stride_dx, stride_pre, stride_db, stride_ds,
+    W_PARTS: tl.constexpr, EXTRA: tl.constexpr, STREAM_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     cols = tl.arange(0, BLOCK_P)
+    # dy's two parts and the RMS coefficient once per row block, then a loop over this program's columns
     hi, lo, coef = _split_dy(GRAD, Y, RSTD, rows, cols, m, p, stride_g, stride_y)
-    w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=ks[None, :] < k, other=0.0)   # [BLOCK_P, BLOCK_K]
-    w_hi = w.to(tl.bfloat16)
-    acc = tl.dot(hi, w_hi)
-    acc_lo = tl.dot(lo, w_hi)
-    if W_PARTS == 3:
-        acc_lo = tl.dot(hi, (w - w_hi.to(tl.float32)).to(tl.bfloat16), acc_lo)
-    ok = (rows[:, None] < m) & (ks[None, :] < k)
-    x = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=ok, other=0.0).to(tl.float32)
-    dx = (acc + acc_lo) - (coef / k)[:, None] * x                            # d rstd / dx = -rstd^3 x / k
-    if EXTRA:   # the streams' other two gradients: the collapse's pre[i] * d(block input), and the merge's
-        stream = ks // h
-        pre = tl.load(PRE + rows[:, None] * stride_pre + stream[None, :], mask=ok, other=0.0)
-        db = tl.load(DB + rows[:, None] * stride_db + (ks - stream * h)[None, :], mask=ok, other=0.0)
-        ds = tl.load(DS + rows[:, None] * stride_ds + ks[None, :], mask=ok, other=0.0)
-        dx += pre * db.to(tl.float32) + ds.to(tl.float32)
-    tl.store(DX + rows[:, None] * stride_dx + ks[None, :], dx.to(DX.dtype.element_ty), mask=ok)
+    coef = coef / k                                                            # d rstd / dx = -rstd^3 x / k
+    k_start = tl.program_id(1) * k_per_program
+    k_end = tl.minimum(k_start + k_per_program, k)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        ok = (rows[:, None] < m) & (ks[None, :] < k_end)
+        # the streams' tiles first: their loads are in flight while the products below run
+        x = tl.load(X + rows[:, None] * stride_x + ks[None, :], mask=ok, other=0.0).to(tl.float32)
+        if EXTRA:   # the streams' other two gradients: the collapse's pre[i] * d(block input), and the merge's
+            if STREAM_TILES:   # BLOCK_K divides h: the tile lies in one stream, pre is one value per row
+                stream = k0 // h
+                pre = tl.load(PRE + rows * stride_pre + stream, mask=rows < m, other=0.0)[:, None]
+                db = tl.load(DB + rows[:, None] * stride_db + (ks - stream * h)[None, :], mask=ok, other=0.0)
+            else:
+                streams = ks // h
+                pre = tl.load(PRE + rows[:, None] * stride_pre + streams[None, :], mask=ok, other=0.0)
+                db = tl.load(DB + rows[:, None] * stride_db + (ks - streams * h)[None, :], mask=ok, other=0.0)
+            ds = tl.load(DS + rows[:, None] * stride_ds + ks[None, :], mask=ok, other=0.0)
+        w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=ks[None, :] < k_end, other=0.0)  # [BLOCK_P, BLOCK_K]
+        w_hi = w.to(tl.bfloat16)
+        acc = tl.dot(hi, w_hi)
+        acc_lo = tl.dot(lo, w_hi)
+        if W_PARTS == 3:
+            acc_lo = tl.dot(hi, (w - w_hi.to(tl.float32)).to(tl.bfloat16), acc_lo)
+        dx = (acc + acc_lo) - coef[:, None] * x
+        if EXTRA:
+            dx += pre * db.to(tl.float32) + ds.to(tl.float32)
+        tl.store(DX + rows[:, None] * stride_dx + ks[None, :], dx.to(DX.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -177,6 +195,25 @@ def triton_hc_projection_fwd(x: torch.Tensor, w: torch.Tensor, eps: float):
     return out, y, rstd
 
 
+def launch_dx(grad, y, rstd, x, wp, dx, pre, block_grad, streams_grad, n: int, h: int, w_parts: int, extra: bool,
+              columns: int = DX_COLUMNS) -> None:
+    """Write ``dx [m, k]`` with :func:`hc_projection_dx_kernel`: one program per ``BLOCK_M`` rows and ``columns``
+    columns (a multiple of ``DX_BLOCK_K``), the arguments as :func:`triton_hc_projection_bwd` prepares them
+    (``wp`` the padded float32 weight; ``pre``, ``block_grad``, ``streams_grad`` unread without ``extra``).
+
+    Raises:
+        ValueError: ``columns`` is not a multiple of ``DX_BLOCK_K``.
+    """
+    if columns % DX_BLOCK_K:
+        raise ValueError(f"launch_dx: columns per program must be a multiple of {DX_BLOCK_K}, got {columns}")
+    m, k = x.shape
+    hc_projection_dx_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(k, columns))](
+        grad, y, rstd, x, wp, dx, pre, block_grad, streams_grad, m, k, grad.shape[1], n, h, columns, grad.stride(0),
+        y.stride(0), x.stride(0), wp.stride(0), dx.stride(0), pre.stride(0), block_grad.stride(0),
+        streams_grad.stride(0), W_PARTS=w_parts, EXTRA=extra, STREAM_TILES=extra and h % DX_BLOCK_K == 0,
+        BLOCK_M=BLOCK_M, BLOCK_K=DX_BLOCK_K, BLOCK_P=wp.shape[0], num_warps=WARPS, num_stages=STAGES)
+
+
 def triton_hc_projection_bwd(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
                              rstd: torch.Tensor, pre: torch.Tensor | None = None,
                              block_grad: torch.Tensor | None = None, streams_grad: torch.Tensor | None = None):
@@ -190,11 +227,8 @@ def triton_hc_projection_bwd(grad: torch.Tensor, x: torch.Tensor, w: torch.Tenso
     extra = pre is not None
     n, h = (pre.shape[1], block_grad.shape[1]) if extra else (1, k)
     pre, block_grad, streams_grad = (pre, block_grad, streams_grad) if extra else (x, x, x)   # unread without EXTRA
-    hc_projection_dx_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(k, DX_BLOCK_K))](
-        grad, y, rstd, x, wp, dx, pre, block_grad, streams_grad, m, k, p, n, h, grad.stride(0), y.stride(0),
-        x.stride(0), wp.stride(0), dx.stride(0), pre.stride(0), block_grad.stride(0), streams_grad.stride(0),
-        W_PARTS=3 if w.dtype == torch.float32 else 1, EXTRA=extra, BLOCK_M=BLOCK_M, BLOCK_K=DX_BLOCK_K, BLOCK_P=bp,
-        num_warps=WARPS, num_stages=STAGES)
+    launch_dx(grad, y, rstd, x, wp, dx, pre, block_grad, streams_grad, n, h, 3 if w.dtype == torch.float32 else 1,
+              extra)
     # enough row slices for a few programs per SM, each a whole number of row blocks
     col_blocks = triton.cdiv(k, BLOCK_K)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
