@@ -101,7 +101,8 @@ def layer_spec(config: Glm5NextConfig, layer_idx: int) -> ModuleSpec:
         # megatron's local MoE spec: MoELayer with SequentialMLP experts; the layer's class carries the
         # token permutation (moe_permute), the experts' module the expert path (moe_experts)
         sub = mlp.keywords["submodules"]
-        sub = dataclasses.replace(sub, experts=_with_swiglu(sub.experts), shared_experts=_with_swiglu(sub.shared_experts))
+        sub = dataclasses.replace(sub, experts=_with_swiglu(sub.experts),
+                                  shared_experts=_with_swiglu(sub.shared_experts))
         if config.moe_experts == "grouped":
             sub = dataclasses.replace(sub, experts=functools.partial(GroupedMLP, *sub.experts.args,
                                                                      **sub.experts.keywords))

@@ -29,7 +29,8 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDisp
 
 from model.fused import glue, swiglu, swiglu_probs
 
-__all__ = ["SwiGLUActivation", "GroupedMLP", "grouped_swiglu_experts", "GatherTokenDispatcher", "GatherMoELayer", "permutation_maps"]
+__all__ = ["SwiGLUActivation", "GroupedMLP", "grouped_swiglu_experts", "GatherTokenDispatcher", "GatherMoELayer",
+           "permutation_maps"]
 
 
 class SwiGLUActivation(torch.nn.Module):

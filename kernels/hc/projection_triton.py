@@ -21,10 +21,10 @@ kernel reads each ``x`` tile once and does everything that needs it there:
   per slice, summed in a fixed order by torch (deterministic: no atomics).
 
 The tiles are fixed (no autotuning, nothing to tune at a cold start): ``BLOCK_M = 64`` rows, ``BLOCK_K = 128``
-columns (32 in the ``dx`` kernel, 1024 per ``dx`` program), ``p`` padded to a power of two >= 16 (the weight as float32 with zero rows:
-its tiles load unmasked and are split into bf16 in registers, :func:`_padded_weight` says why). Triton's casts
-round (``x.to(bf16)`` is round-to-nearest-even), unlike inductor's fused ones, which is why these kernels and
-not a compiled graph split the operands.
+columns (32 in the ``dx`` kernel, 1024 per ``dx`` program), ``p`` padded to a power of two >= 16 (the weight as
+float32 with zero rows: its tiles load unmasked and are split into bf16 in registers, :func:`_padded_weight` says
+why). Triton's casts round (``x.to(bf16)`` is round-to-nearest-even), unlike inductor's fused ones, which is why
+these kernels and not a compiled graph split the operands.
 Checked against float64 on an H200 by ``tests/gpu/hc_projection_check.py``. Triton's CPU interpreter has
 no bfloat16, so ``tests/test_hc_projection_interpreter.py`` runs a float32 copy of this source there: the
 indexing, masks and arithmetic, not the bf16 splits (the torch reference has those).
@@ -126,7 +126,8 @@ def hc_projection_dx_kernel(
                 pre = tl.load(PRE + rows[:, None] * stride_pre + streams[None, :], mask=ok, other=0.0)
                 db = tl.load(DB + rows[:, None] * stride_db + (ks - streams * h)[None, :], mask=ok, other=0.0)
             ds = tl.load(DS + rows[:, None] * stride_ds + ks[None, :], mask=ok, other=0.0)
-        w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=ks[None, :] < k_end, other=0.0)  # [BLOCK_P, BLOCK_K]
+        # [BLOCK_P, BLOCK_K]
+        w = tl.load(W + cols[:, None] * stride_w + ks[None, :], mask=ks[None, :] < k_end, other=0.0)
         w_hi = w.to(tl.bfloat16)
         acc = tl.dot(hi, w_hi)
         acc_lo = tl.dot(lo, w_hi)
