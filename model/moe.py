@@ -52,7 +52,7 @@ class SwiGLUActivation(torch.nn.Module):
         self.activation = config.activation_func
         self.clamp = config.activation_func_clamp_value
         self.offset = config.glu_linear_offset
-        self.compile = getattr(config, "compile_glue", False)
+        self.compile = config.compile_glue
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return glue(swiglu, self.compile, hidden, self.clamp, self.offset, self.activation)

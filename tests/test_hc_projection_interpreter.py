@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent(
     for extra, columns in ((False, pt.DX_COLUMNS), (True, pt.DX_COLUMNS), (True, 2 * pt.DX_BLOCK_K)):
         dx = torch.full_like(x, float("nan"))
         terms = (pre, block_grad, streams_grad) if extra else (x, x, x)
-        pt.launch_dx(grad, y, rstd, x, wp, dx, *terms, n if extra else 1, h if extra else k, 3, extra, columns)
+        pt.launch_dx(grad, y, rstd, x, wp, dx, *terms, h if extra else k, 3, extra, columns)
         ref = dx64 + extra64 if extra else dx64
         assert torch.allclose(dx.double(), ref, rtol=1e-4, atol=1e-5), (extra, columns, (dx.double() - ref).abs().max())
 
@@ -70,7 +70,7 @@ SCRIPT = textwrap.dedent(
     y2 = (x2 @ w2.T).contiguous()
     rstd2 = torch.rsqrt(x2.pow(2).mean(-1, keepdim=True) + eps)
     dx = torch.full_like(x2, float("nan"))
-    pt.launch_dx(grad, y2, rstd2, x2, wp2, dx, pre2, bg2, sg2, n2, h2, 3, True, 2 * pt.DX_BLOCK_K)
+    pt.launch_dx(grad, y2, rstd2, x2, wp2, dx, pre2, bg2, sg2, h2, 3, True, 2 * pt.DX_BLOCK_K)
     assert torch.allclose(dx.double(), ref, rtol=1e-4, atol=1e-5), (dx.double() - ref).abs().max()
     part = torch.empty(2, p, k)
     pt.hc_projection_dw_kernel[(triton.cdiv(k, pt.BLOCK_K), 2)](

@@ -45,7 +45,7 @@ def test_projection_dx_kernel_compiles_without_spills(w_parts, extra, stream_til
     types = {"GRAD": "*fp32", "Y": "*fp32", "RSTD": "*fp32", "X": "*bf16", "W": "*fp32", "DX": "*bf16",
              "PRE": "*fp32", "DB": "*bf16", "DS": "*bf16"}
     compiled = compile_sm90(kernel, _signature(kernel, constexprs, types), constexprs, pt.WARPS, pt.STAGES,
-                            unaligned=("m", "p", "n", "stride_pre"))
+                            unaligned=("m", "p", "stride_pre"))
     assert resources(compiled, pt.WARPS)["stack_bytes"] == 0
 
 

@@ -10,10 +10,10 @@ sum_i comb_ij * streams_i`` from the block output ``out [T, h]``, the streams ``
 Under ``torch.compile`` the backward of the collapse and the merge together ran as four inductor kernels per
 block, each re-reading ``g`` or the streams: 22 ms of a 64k ``small`` step (``h`` 1024, ``n`` 4) on an H200 (the
 profile's trace), against 0.39 ms per merge to read ``g``, the streams and ``out`` once and write ``d_out`` and
-``d_streams`` once at 4.8 TB/s. Here one program takes ``BLOCK_T`` tokens, walks ``h`` in ``BLOCK_C``-wide chunks, writes both elementwise
-gradients per chunk and keeps the two reductions in float32 registers. The products are float32, as in the
-definition (whose float32 maps promote the bf16 operands); the gradients are rounded once to their tensors'
-dtypes.
+``d_streams`` once at 4.8 TB/s. Here one program takes ``BLOCK_T`` tokens, walks ``h`` in ``BLOCK_C``-wide
+chunks, writes both elementwise gradients per chunk and keeps the two reductions in float32 registers. The
+products are float32, as in the definition (whose float32 maps promote the bf16 operands); the gradients are
+rounded once to their tensors' dtypes.
 
 Checked under Triton's CPU interpreter with float32 tensors (the interpreter has no bfloat16; the kernel has no
 bf16 arithmetic of its own, only loads and the final stores) against autograd of the definition in float64 by

@@ -99,7 +99,7 @@ def hc_projection_fwd_kernel(
 
 @triton.jit
 def hc_projection_dx_kernel(
-    GRAD, Y, RSTD, X, W, DX, PRE, DB, DS, m, k, p, n, h, k_per_program, stride_g, stride_y, stride_x, stride_w,
+    GRAD, Y, RSTD, X, W, DX, PRE, DB, DS, m, k, p, h, k_per_program, stride_g, stride_y, stride_x, stride_w,
     stride_dx, stride_pre, stride_db, stride_ds,
     W_PARTS: tl.constexpr, EXTRA: tl.constexpr, STREAM_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -196,7 +196,7 @@ def triton_hc_projection_fwd(x: torch.Tensor, w: torch.Tensor, eps: float):
     return out, y, rstd
 
 
-def launch_dx(grad, y, rstd, x, wp, dx, pre, block_grad, streams_grad, n: int, h: int, w_parts: int, extra: bool,
+def launch_dx(grad, y, rstd, x, wp, dx, pre, block_grad, streams_grad, h: int, w_parts: int, extra: bool,
               columns: int = DX_COLUMNS) -> None:
     """Write ``dx [m, k]`` with :func:`hc_projection_dx_kernel`: one program per ``BLOCK_M`` rows and ``columns``
     columns (a multiple of ``DX_BLOCK_K``), the arguments as :func:`triton_hc_projection_bwd` prepares them
@@ -209,7 +209,7 @@ def launch_dx(grad, y, rstd, x, wp, dx, pre, block_grad, streams_grad, n: int, h
         raise ValueError(f"launch_dx: columns per program must be a multiple of {DX_BLOCK_K}, got {columns}")
     m, k = x.shape
     hc_projection_dx_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(k, columns))](
-        grad, y, rstd, x, wp, dx, pre, block_grad, streams_grad, m, k, grad.shape[1], n, h, columns, grad.stride(0),
+        grad, y, rstd, x, wp, dx, pre, block_grad, streams_grad, m, k, grad.shape[1], h, columns, grad.stride(0),
         y.stride(0), x.stride(0), wp.stride(0), dx.stride(0), pre.stride(0), block_grad.stride(0),
         streams_grad.stride(0), W_PARTS=w_parts, EXTRA=extra, STREAM_TILES=extra and h % DX_BLOCK_K == 0,
         BLOCK_M=BLOCK_M, BLOCK_K=DX_BLOCK_K, BLOCK_P=wp.shape[0], num_warps=WARPS, num_stages=STAGES)
@@ -226,10 +226,9 @@ def triton_hc_projection_bwd(grad: torch.Tensor, x: torch.Tensor, w: torch.Tenso
     dx = torch.empty_like(x)
     wp = _padded_weight(w, bp)
     extra = pre is not None
-    n, h = (pre.shape[1], block_grad.shape[1]) if extra else (1, k)
+    h = block_grad.shape[1] if extra else k
     pre, block_grad, streams_grad = (pre, block_grad, streams_grad) if extra else (x, x, x)   # unread without EXTRA
-    launch_dx(grad, y, rstd, x, wp, dx, pre, block_grad, streams_grad, n, h, 3 if w.dtype == torch.float32 else 1,
-              extra)
+    launch_dx(grad, y, rstd, x, wp, dx, pre, block_grad, streams_grad, h, 3 if w.dtype == torch.float32 else 1, extra)
     # enough row slices for a few programs per SM, each a whole number of row blocks
     col_blocks = triton.cdiv(k, BLOCK_K)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
