@@ -197,3 +197,12 @@ def indexer_builds(heads: int, dim: int, kpool: int, n_select: int) -> list[tupl
             rows.append((f"gluon scores {_label(config.kwargs)}",
                          compile_gluon_scores(heads, dim, n_select, config.kwargs), 4))
     return rows
+
+
+def compile_gluon_sparse_fwd_pair(heads: int, dim: int, config, index_dtype: str = "*i32"):
+    """The paired-block sparse MLA forward (:func:`kernels.dsa.sparse_attention_gluon.sparse_mla_fwd_pair_kernel`)
+    compiled for sm_90 with ``config`` (``GATHER_ROWS``, ``PRODUCER_REGS``, ``CONSUMER_REGS``), ``heads`` x ``dim``
+    bf16 queries and latent (``d_v == dim``); aligned as the launcher specializes."""
+    pointers = dict(zip(["Q", "KV", "IDX", "OUT", "LSE"], ["*bf16", "*bf16", index_dtype, "*bf16", "*fp32"]))
+    return _compile_gluon_sparse(sparse_attention_gluon.sparse_mla_fwd_pair_kernel, pointers,
+                                 ("n_idx", "scale_log2"), heads, dim, config)

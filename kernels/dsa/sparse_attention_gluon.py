@@ -82,6 +82,9 @@ BLOCK_H = 64
 CONSUMER_WARPS = 8
 """The default partition: two warpgroups, one per half of the key block (``S``) and of ``d_v`` (``O``)."""
 PRODUCER_WARPS = 4
+WG_WARPS = 4
+"""One consumer warpgroup: the paired-block forward's default partition and its second consumer partition."""
+_WG_WARPS = gl.constexpr(WG_WARPS)
 _BLOCK_H = gl.constexpr(BLOCK_H)
 _CONSUMER_WARPS = gl.constexpr(CONSUMER_WARPS)
 _PRODUCER_WARPS = gl.constexpr(PRODUCER_WARPS)
@@ -116,6 +119,12 @@ def _wgmma_layout(n):
     """The register layout of a ``[64, n]`` ``wgmma`` result split over the two consumer warpgroups: each holds
     all 64 rows (four warps of 16) and half of the ``n`` columns."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, n // 2, 16])
+
+
+@gluon.constexpr_function
+def _wg_layout(n):
+    """The register layout of a ``[64, n]`` ``wgmma`` result held by one warpgroup (four warps of 16 rows)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
 
 @gluon.jit
@@ -299,6 +308,330 @@ def sparse_mla_fwd_gluon_kernel(
     ], [_PRODUCER_WARPS], [PRODUCER_REGS])
 
     _invalidate_barriers(q_bar, ready, empty, STAGES)
+
+
+GLUON_FWD_PAIR_CONFIGS = [
+    triton.Config({"GATHER_ROWS": rows, "PRODUCER_REGS": regs, "CONSUMER_REGS": 224},
+                  num_warps=WG_WARPS, maxnreg=MAXNREG)
+    for rows, regs in [(16, 56), (8, 56)]
+]
+"""Configurations of :func:`sparse_mla_fwd_pair_kernel`: rows per ``cp.async`` batch and the producer's
+registers. The kernel's own ``num_warps`` is the first consumer warpgroup (the default partition); the second
+and the producer are worker partitions, 12 warps in all under :data:`MAXNREG`: ``4 * 224 + 4 * 224 + 4 * 56 =
+12 * 168``."""
+
+
+@gluon.jit
+def _pair_valid(IDX, block, n_idx, s_l: gl.constexpr):
+    """Which of key block ``block``'s 64 slots hold an index (not ``-1``, not past ``n_idx``), in the columns of the
+    score layout ``s_l``. Loaded one slot per thread and then converted: loaded straight into ``s_l``'s columns,
+    each thread would keep its 16 slots' 64-bit addresses live across the loop, and the consumers spill."""
+    offs = block * 64 + gl.arange(0, 64, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+    idx = gl.load(IDX + offs, mask=offs < n_idx, other=-1)
+    return gl.convert_layout(idx >= 0, gl.SliceLayout(0, s_l))
+
+
+@gluon.jit
+def _pair_softmax(scores, valid, m_prev, m_ref, l_i, acc, scale_log2, rows_o: gl.constexpr):
+    """One warpgroup's online softmax over its key block: the block's scaled logits (``-inf`` at ``-1`` slots),
+    the new running max ``max(m_ref, rowmax)`` (``m_ref`` the max this warpgroup rescales from: its own for the
+    first warpgroup, the first's new max for the second), ``P = exp2(logits - max)``, ``l`` and ``acc``
+    rescaled from ``m_prev`` to the new max. Returns ``(p, m_new, l, acc)``; a row without a valid key so far
+    keeps ``-inf`` as its max and zeros."""
+    s = gl.where(valid[None, :], scores * scale_log2, float("-inf"))
+    m_new = gl.maximum(m_ref, gl.max(s, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - m_safe[:, None])
+    alpha = gl.exp2(m_prev - m_safe)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+    return p, m_new, l_i, acc
+
+
+@gluon.jit
+def _pair_scores(q_smem, kv_smem, ready, first: gl.constexpr, second: gl.constexpr, phase, s_init):
+    """``S = Q K^T`` of one key block held as two ``[BLOCK_K, D / 2]`` halves (``kv_smem`` slots ``first`` and
+    ``second``, each awaited on its ``ready`` barrier in that order, so the product over the first half runs while
+    the second lands): ``[64, BLOCK_K]`` float32."""
+    mbarrier.wait(ready.index(first), phase)
+    fence_async_shared()
+    tok = warpgroup_mma(q_smem.index(first % 2), kv_smem.index(first).permute((1, 0)), s_init, use_acc=False,
+                        is_async=True)
+    mbarrier.wait(ready.index(second), phase)
+    fence_async_shared()
+    tok = warpgroup_mma(q_smem.index(second % 2), kv_smem.index(second).permute((1, 0)), tok, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
+
+
+@gluon.jit
+def _pair_store(OUT, LSE, out_row, stride_oh, lse_row, acc, m_i, l_i, l_mine, l_other, l_bar, half: gl.constexpr,
+                HALF: gl.constexpr, s_l: gl.constexpr, o_l: gl.constexpr):
+    """Both warpgroups' epilogue: exchange the partial row sums (``l_mine`` written, ``l_other`` read once
+    ``l_bar`` of the other warpgroup flips), then this warpgroup's half of ``O`` normalized and, from the first,
+    the log-sum-exp (natural log; ``-inf`` and a zero row without a valid key)."""
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    l_mine.store(l_i)
+    _cta_barrier()
+    mbarrier.arrive(l_bar.index(half))
+    mbarrier.wait(l_bar.index(1 - half), 0)
+    l_sum = l_i + l_other.load(rows_s)
+    has_any = l_sum > 0
+    l_safe = gl.where(has_any, l_sum, 1.0)
+    out = acc / gl.convert_layout(l_safe, rows_o)[:, None]
+    offs_h = gl.arange(0, _BLOCK_H, layout=rows_o)
+    offs_v = half * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
+    gl.store(OUT + out_row + offs_h[:, None] * stride_oh + offs_v[None, :], out.to(OUT.dtype.element_ty))
+    if half == 0:
+        lse = gl.where(has_any, (m_i + gl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+        gl.store(LSE + lse_row + gl.arange(0, _BLOCK_H, layout=rows_s), lse)
+
+
+@gluon.jit
+def _pair_first(IDX, OUT, LSE, q_smem, kv_smem, s_smem, m_smem, l_smem, q_bar, ready, empty, m_bar, s_bar, l_bar,
+                out_row, stride_oh, lse_row, n_idx, n_pairs, scale_log2, D: gl.constexpr):
+    """The first consumer warpgroup (the default partition): the even key block of each pair, ``O[:, :D/2]``.
+
+    Per pair ``i``: ``S_0 = Q K_{2i}^T``, its softmax from its own running max, the new max to ``m_smem[0]``
+    (signal ``m_bar[0]``), ``O += P_0 V_{2i}[:, :D/2]`` with ``P_0`` in registers; then the pair's max from the
+    second warpgroup (``m_bar[1]``), ``P_0`` rescaled to it into ``s_smem[0]`` (signal ``s_bar[0]``), ``O`` rescaled
+    and ``O += P_1 V_{2i+1}[:, :D/2]`` with the second's ``P_1`` from ``s_smem[1]`` (``s_bar[1]``). The next
+    pair's ``Q K^T`` is issued before the last product is awaited."""
+    HALF: gl.constexpr = D // 2
+    s_l: gl.constexpr = _wg_layout(64)
+    o_l: gl.constexpr = _wg_layout(HALF)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    m_i = gl.full([_BLOCK_H], float("-inf"), gl.float32, rows_s)
+    l_i = gl.zeros([_BLOCK_H], gl.float32, rows_s)
+    acc = gl.zeros([_BLOCK_H, HALF], gl.float32, o_l)
+    s_init = gl.zeros([_BLOCK_H, 64], gl.float32, s_l)
+
+    mbarrier.wait(q_bar, 0)
+    scores = _pair_scores(q_smem, kv_smem, ready, 0, 1, 0, s_init)
+    for i in range(n_pairs):
+        phase = i & 1
+        _cta_barrier()
+        mbarrier.arrive(empty.index(1))   # K_{2i}'s upper half: this warpgroup's product over it has retired
+        valid = _pair_valid(IDX, 2 * i, n_idx, s_l)
+        p, m_own, l_i, acc = _pair_softmax(scores, valid, m_i, m_i, l_i, acc, scale_log2, rows_o)
+        m_smem.index(0).store(m_own)
+        _cta_barrier()
+        mbarrier.arrive(m_bar.index(0))
+        acc_tok = warpgroup_mma(gl.convert_layout(p.to(s_smem.dtype), p_op), kv_smem.index(0), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+        _cta_barrier()
+        mbarrier.arrive(empty.index(0))   # K_{2i}'s lower half: the QK and PV products over it have retired
+        mbarrier.wait(m_bar.index(1), phase)
+        m_i = m_smem.index(1).load(rows_s)
+        # the pair's max is >= this block's; a row with no valid key yet has P_0 = 0 and nothing to rescale
+        fac = gl.where(m_own == float("-inf"), 0.0, gl.exp2(m_own - m_i))
+        s_smem.index(0).store((p * fac[:, None]).to(s_smem.dtype))
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(s_bar.index(0))
+        l_i = l_i * fac
+        acc = acc * gl.convert_layout(fac, rows_o)[:, None]
+        mbarrier.wait(s_bar.index(1), phase)
+        mbarrier.wait(ready.index(2), phase)   # passed already (the second warpgroup's Q K^T awaited it)
+        fence_async_shared()
+        acc_tok = warpgroup_mma(s_smem.index(1), kv_smem.index(2), acc, is_async=True)
+        if i + 1 < n_pairs:
+            # the next pair's product over K_{2i+2}'s lower half runs while P_1 V retires
+            mbarrier.wait(ready.index(0), phase ^ 1)
+            fence_async_shared()
+            s_tok = warpgroup_mma(q_smem.index(0), kv_smem.index(0).permute((1, 0)), s_init, use_acc=False,
+                                  is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc_tok,))
+            _cta_barrier()
+            mbarrier.arrive(empty.index(2))   # K_{2i+1}'s lower half: P_1 V over it has retired
+            mbarrier.wait(ready.index(1), phase ^ 1)
+            fence_async_shared()
+            s_tok = warpgroup_mma(q_smem.index(1), kv_smem.index(1).permute((1, 0)), s_tok, is_async=True)
+            scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+            _cta_barrier()
+            mbarrier.arrive(empty.index(2))
+
+    _pair_store(OUT, LSE, out_row, stride_oh, lse_row, acc, m_i, l_i, l_smem.index(0), l_smem.index(1), l_bar, 0,
+                HALF, s_l, o_l)
+
+
+@gluon.jit
+def _pair_second(IDX, OUT, LSE, q_smem, kv_smem, s_smem, m_smem, l_smem, q_bar, ready, empty, m_bar, s_bar, l_bar,
+                 out_row, stride_oh, lse_row, n_idx, n_pairs, scale_log2, D: gl.constexpr):
+    """The second consumer warpgroup (a worker partition): the odd key block of each pair, ``O[:, D/2:]``.
+
+    Per pair ``i``: ``S_1 = Q K_{2i+1}^T`` (upper half first: its buffer frees earliest), the softmax from the
+    first warpgroup's new max (``m_bar[0]``), which makes its new max the pair's, written to ``m_smem[1]``
+    (``m_bar[1]``); ``O += P_1 V_{2i+1}[:, D/2:]`` from registers, ``P_1`` to ``s_smem[1]`` (``s_bar[1]``), and
+    ``O += P_0 V_{2i}[:, D/2:]`` once the first's rescaled ``P_0`` is in ``s_smem[0]`` (``s_bar[0]``)."""
+    HALF: gl.constexpr = D // 2
+    s_l: gl.constexpr = _wg_layout(64)
+    o_l: gl.constexpr = _wg_layout(HALF)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    m_i = gl.full([_BLOCK_H], float("-inf"), gl.float32, rows_s)
+    l_i = gl.zeros([_BLOCK_H], gl.float32, rows_s)
+    acc = gl.zeros([_BLOCK_H, HALF], gl.float32, o_l)
+    s_init = gl.zeros([_BLOCK_H, 64], gl.float32, s_l)
+
+    mbarrier.wait(q_bar, 0)
+    for i in range(n_pairs):
+        phase = i & 1
+        scores = _pair_scores(q_smem, kv_smem, ready, 3, 2, phase, s_init)
+        _cta_barrier()
+        mbarrier.arrive(empty.index(2))   # K_{2i+1}'s lower half: this warpgroup's product over it has retired
+        valid = _pair_valid(IDX, 2 * i + 1, n_idx, s_l)
+        mbarrier.wait(m_bar.index(0), phase)
+        m_ref = m_smem.index(0).load(rows_s)
+        p, m_i, l_i, acc = _pair_softmax(scores, valid, m_i, m_ref, l_i, acc, scale_log2, gl.SliceLayout(1, o_l))
+        m_smem.index(1).store(m_i)
+        p16 = p.to(s_smem.dtype)
+        s_smem.index(1).store(p16)
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(m_bar.index(1))
+        mbarrier.arrive(s_bar.index(1))
+        acc_tok = warpgroup_mma(gl.convert_layout(p16, p_op), kv_smem.index(3), acc, is_async=True)
+        mbarrier.wait(s_bar.index(0), phase)
+        mbarrier.wait(ready.index(1), phase)   # passed already (the first warpgroup's Q K^T awaited it)
+        fence_async_shared()
+        acc_tok = warpgroup_mma(s_smem.index(0), kv_smem.index(1), acc_tok, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+        _cta_barrier()
+        mbarrier.arrive(empty.index(3))   # K_{2i+1}'s upper half and K_{2i}'s: every product over them retired
+        mbarrier.arrive(empty.index(1))
+
+    _pair_store(OUT, LSE, out_row, stride_oh, lse_row, acc, m_i, l_i, l_smem.index(1), l_smem.index(0), l_bar, 1,
+                HALF, s_l, o_l)
+
+
+@gluon.jit
+def _pair_producer(Q, KV, IDX, q_smem, kv_smem, q_bar, ready, empty, q_row, stride_qh, stride_kvs, n_idx, n_pairs,
+                   D: gl.constexpr, GATHER_ROWS: gl.constexpr):
+    """The producer partition of :func:`sparse_mla_fwd_pair_kernel`: the query tile as two ``[64, D/2]`` halves,
+    then per pair the four half blocks in the order the consumers free them: ``K_{2i}`` lower (slot 0), ``K_{2i+1}``
+    upper (slot 3), ``K_{2i}`` upper (slot 1), ``K_{2i+1}`` lower (slot 2)."""
+    HALF: gl.constexpr = D // 2
+    warps: gl.constexpr = gl.num_warps()
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [warps, 1], [1, 0])
+    offs_r = gl.arange(0, GATHER_ROWS, layout=gl.SliceLayout(1, layout))
+    for half in gl.static_range(2):
+        for r0 in gl.static_range(0, _BLOCK_H, GATHER_ROWS):
+            heads = (r0 + offs_r).to(gl.int64)
+            _gather_rows(q_smem.index(half).slice(r0, GATHER_ROWS), Q + q_row + half * HALF, stride_qh, heads,
+                         heads >= 0, HALF, GATHER_ROWS, layout)
+    async_copy.mbarrier_arrive(q_bar, increment_count=False)
+    for i in range(n_pairs):
+        _gather_half_block(KV, IDX, kv_smem, ready, empty, i, 0, stride_kvs, n_idx, offs_r, HALF, GATHER_ROWS, layout)
+        _gather_half_block(KV, IDX, kv_smem, ready, empty, i, 3, stride_kvs, n_idx, offs_r, HALF, GATHER_ROWS, layout)
+        _gather_half_block(KV, IDX, kv_smem, ready, empty, i, 1, stride_kvs, n_idx, offs_r, HALF, GATHER_ROWS, layout)
+        _gather_half_block(KV, IDX, kv_smem, ready, empty, i, 2, stride_kvs, n_idx, offs_r, HALF, GATHER_ROWS, layout)
+
+
+@gluon.jit
+def _gather_half_block(KV, IDX, kv_smem, ready, empty, i, slot: gl.constexpr, stride_kvs, n_idx, offs_r,
+                       HALF: gl.constexpr, GATHER_ROWS: gl.constexpr, layout: gl.constexpr):
+    """Pair ``i``'s half block in ``kv_smem`` slot ``slot`` (``K_{2i + slot // 2}``, columns ``slot % 2`` of the
+    two halves of ``HALF``) once the consumers have released it, signalled on ``ready``."""
+    mbarrier.wait(empty.index(slot), (i & 1) ^ 1)   # a new barrier passes parity 1 at once
+    buf = kv_smem.index(slot)
+    for r0 in gl.static_range(0, 64, GATHER_ROWS):
+        offs_k = (2 * i + slot // 2) * 64 + r0 + offs_r
+        idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1).to(gl.int64)
+        _gather_rows(buf.slice(r0, GATHER_ROWS), KV + (slot % 2) * HALF, stride_kvs, idx, idx >= 0, HALF,
+                     GATHER_ROWS, layout)
+    async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+
+
+@triton.autotune(configs=GLUON_FWD_PAIR_CONFIGS, key=["H", "D"])
+@gluon.jit
+def sparse_mla_fwd_pair_kernel(
+    Q, KV, IDX, OUT, LSE,
+    stride_qb, stride_qt, stride_qh,
+    stride_kvb, stride_kvs,
+    stride_ib, stride_it,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lt,
+    n_idx, scale_log2,
+    H: gl.constexpr, D: gl.constexpr, GATHER_ROWS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):
+    """The sparse MLA forward with key blocks in pairs, one 64-key block per consumer warpgroup (FlashMLA's
+    sparse prefill schedule for sm_90, DeepSeek, ``csrc/sm90/prefill/sparse/phase1.cuh``): same arguments and
+    contract as :func:`sparse_mla_fwd_gluon_kernel`.
+
+    The ring kernel splits each block's ``Q K^T`` between its two warpgroups (``N`` 32 each, both reading all of
+    ``q`` from shared memory) and runs both softmaxes in lock step, the tensor cores idle meanwhile. Here each
+    warpgroup takes a whole block of each pair (``N`` 64: ``q`` read once per block), its softmax runs while the
+    other warpgroup's products do, and its own ``P`` feeds ``P V`` from registers; only the other block's ``P``
+    passes through shared memory. The two keep one running max per row: the first warpgroup's new max goes to
+    the second, whose max is the pair's and comes back, so both rescale to it. Each owns half of ``d_v`` (a
+    ``[64, D/2]`` float32 accumulator). The latent blocks are held in halves of ``D/2`` columns, each released as
+    soon as the products that read it retire: ``K_{2i}``'s lower half after the first warpgroup's ``P_0 V``, its
+    upper half after the second's ``P_0 V``; ``K_{2i+1}`` the other way round.
+
+    Shared memory: ``q`` 64 KiB, four half blocks 128 KiB, two ``P`` tiles 16 KiB (at ``D`` 512)."""
+    gl.static_assert(H % _BLOCK_H == 0)
+    gl.static_assert(D % 64 == 0)
+    gl.static_assert(D <= 512)   # D // 2 columns per warpgroup: wgmma's N is at most 256
+    gl.static_assert(64 % GATHER_ROWS == 0)
+    gl.static_assert(gl.num_warps() == _WG_WARPS)
+    b, q_row, _, lse_row, IDX, KV = _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
+                                                  stride_it, stride_lb, stride_lt, H, D)
+    out_row = b * stride_ob + gl.program_id(0).to(gl.int64) * stride_ot + gl.program_id(1) * _BLOCK_H * stride_oh
+    n_pairs = gl.cdiv(n_idx, 128)
+
+    HALF: gl.constexpr = D // 2
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_smem = gl.allocate_shared_memory(dtype, [2, _BLOCK_H, HALF], _nvmma([_BLOCK_H, HALF], dtype))
+    kv_smem = gl.allocate_shared_memory(dtype, [4, 64, HALF], _nvmma([64, HALF], dtype))
+    s_smem = gl.allocate_shared_memory(dtype, [2, _BLOCK_H, 64], _nvmma([_BLOCK_H, 64], dtype))
+    vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    m_smem = gl.allocate_shared_memory(gl.float32, [2, _BLOCK_H], vec)
+    l_smem = gl.allocate_shared_memory(gl.float32, [2, _BLOCK_H], vec)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    m_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    s_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    l_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=32 * _PRODUCER_WARPS)
+    for s in gl.static_range(4):
+        mbarrier.init(ready.index(s), count=32 * _PRODUCER_WARPS)
+        # slots 0 and 3 are read by their own warpgroup only, 1 and 2 by both
+        mbarrier.init(empty.index(s), count=1 if s == 0 or s == 3 else 2)
+    for w in gl.static_range(2):
+        mbarrier.init(m_bar.index(w), count=1)
+        mbarrier.init(s_bar.index(w), count=1)
+        mbarrier.init(l_bar.index(w), count=1)
+
+    gl.warp_specialize([
+        (_pair_first, (IDX, OUT, LSE, q_smem, kv_smem, s_smem, m_smem, l_smem, q_bar, ready, empty, m_bar, s_bar, l_bar,
+                       out_row, stride_oh, lse_row, n_idx, n_pairs, scale_log2, D)),
+        (_pair_second, (IDX, OUT, LSE, q_smem, kv_smem, s_smem, m_smem, l_smem, q_bar, ready, empty, m_bar, s_bar,
+                        l_bar, out_row, stride_oh, lse_row, n_idx, n_pairs, scale_log2, D)),
+        (_pair_producer, (Q, KV, IDX, q_smem, kv_smem, q_bar, ready, empty, q_row, stride_qh, stride_kvs, n_idx,
+                          n_pairs, D, GATHER_ROWS)),
+    ], [_WG_WARPS, _PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+
+    mbarrier.invalidate(q_bar)
+    for s in gl.static_range(4):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
+    for w in gl.static_range(2):
+        mbarrier.invalidate(m_bar.index(w))
+        mbarrier.invalidate(s_bar.index(w))
+        mbarrier.invalidate(l_bar.index(w))
+
+
+_FWD_KERNELS = {"ring": sparse_mla_fwd_gluon_kernel, "pair": sparse_mla_fwd_pair_kernel}
+GLUON_FWD_SCHEDULES = {"ring": GLUON_FWD_CONFIGS, "pair": GLUON_FWD_PAIR_CONFIGS}
+"""The Gluon forwards by schedule, each with its autotuned configurations: ``"ring"`` (both warpgroups on each key
+block, a ring of ``STAGES`` buffers) and ``"pair"`` (one warpgroup per block of a pair, FlashMLA's schedule)."""
 
 
 GLUON_DKV_CONFIGS = [
@@ -583,12 +916,16 @@ def gluon_sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
 
 
 def launch_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-               softmax_scale: float, config: triton.Config | None = None) -> None:
-    """Launch :func:`sparse_mla_fwd_gluon_kernel` into ``out`` and ``lse``: autotuned, or with ``config`` (one of
-    :data:`GLUON_FWD_CONFIGS`, or any other) outside the autotuner, as the benchmarks and the GPU smoke test time
-    and check each. Inputs as :func:`gluon_sparse_mla_fwd` takes them, contiguous and unchecked."""
+               softmax_scale: float, config: triton.Config | None = None, schedule: str = "ring") -> None:
+    """Launch the Gluon forward of ``schedule`` (:data:`GLUON_FWD_SCHEDULES`: ``"ring"``
+    :func:`sparse_mla_fwd_gluon_kernel`, ``"pair"`` :func:`sparse_mla_fwd_pair_kernel`) into ``out`` and ``lse``:
+    autotuned, or with ``config`` (one of that schedule's configurations, or any other) outside the autotuner, as
+    the benchmarks and the GPU smoke test time and check each. Inputs as :func:`gluon_sparse_mla_fwd` takes them,
+    contiguous and unchecked. Raises ``ValueError`` for an unknown ``schedule``."""
+    if schedule not in _FWD_KERNELS:
+        raise ValueError(f"schedule must be one of {sorted(_FWD_KERNELS)}, got {schedule!r}")
     batch, n_q, heads, dqk = q.shape
-    kernel = sparse_mla_fwd_gluon_kernel if config is None else sparse_mla_fwd_gluon_kernel.fn
+    kernel = _FWD_KERNELS[schedule] if config is None else _FWD_KERNELS[schedule].fn
     tuning = {} if config is None else dict(config.kwargs, num_warps=config.num_warps, maxnreg=config.maxnreg)
     kernel[(n_q, heads // BLOCK_H, batch)](
         q, kv, indices, out, lse,

@@ -40,6 +40,52 @@ def _parse(text: str) -> tuple[int, int, int, int]:
     return bh, bk, warps, stages
 
 
+def gluon_forward_rows(q, kv, idx, scale, out_ref, lse_ref, fwd_flops, reps) -> list[dict]:
+    """Each schedule and configuration of the warp-specialized Gluon forward (:mod:`kernels.dsa.sparse_attention_gluon`;
+    64 heads per program: the ``full`` shape), timed and held against the autotuned Triton forward's ``out`` and
+    ``lse``; none where the Gluon kernels cannot run these inputs."""
+    rows = []
+    if sag.gluon_supported(q, kv, q.shape[-1]) is not None:
+        return rows
+    for schedule, configs in sag.GLUON_FWD_SCHEDULES.items():
+        for cfg in configs:
+            row = {"config": f"gluon {schedule} " + " ".join(f"{k}={v}" for k, v in cfg.kwargs.items())}
+            try:
+                out, lse = torch.empty_like(out_ref), torch.empty_like(lse_ref)
+                row["fwd_s"], _ = timed(lambda: sag.launch_fwd(q, kv, idx, out, lse, scale, cfg, schedule), reps)
+                row["fwd_tflops"] = fwd_flops / row["fwd_s"] / 1e12
+                row["fwd_err"] = (out.float() - out_ref.float()).abs().max().item()
+                # rows without a valid index have lse -inf in both: equal, not nan
+                row["lse_err"] = torch.where(lse == lse_ref, 0.0, lse - lse_ref).abs().max().item()
+            except Exception as exc:   # a schedule that fails leaves the rows of the others
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def _gluon_forwards(args, q, kv, idx, scale, out_ref, lse_ref, fwd_flops, ceil, valid_keys) -> None:
+    """``--forward-only``: the autotuned Triton forward and every Gluon forward, one table."""
+    t_fwd_auto, _ = timed(lambda: sat.triton_sparse_mla_fwd(q, kv, idx, scale, q.shape[-1]), args.reps)
+    rows = gluon_forward_rows(q, kv, idx, scale, out_ref, lse_ref, fwd_flops, args.reps)
+    print(f"\n{args.shape} shape, {args.seq_len // 1024}k tokens, {q.shape[2]} heads, index layout {args.index_layout} "
+          f"({valid_keys:.1f} valid keys per query); matmul anchor {ceil['matmul_tflops']:.0f} TF/s, copy "
+          f"{ceil['copy_tbps']:.2f} TB/s")
+    print("\n| forward | ms | TF/s | max abs diff of out from the Triton forward | of lse |")
+    print("|---|---|---|---|---|")
+    print(f"| Triton, autotuned | {1e3 * t_fwd_auto:.1f} | {fwd_flops / t_fwd_auto / 1e12:.0f} | | |")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['config']} | {r['error']} ||||")
+        else:
+            print(f"| {r['config']} | {1e3 * r['fwd_s']:.1f} | {r['fwd_tflops']:.0f} | {r['fwd_err']:.1e} | "
+                  f"{r['lse_err']:.1e} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"anchor": ceil, "shape": args.shape, "seq_len": args.seq_len, "index_layout": args.index_layout,
+                       "valid_keys_per_query": valid_keys, "fwd_autotuned_s": t_fwd_auto, "rows": rows}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="full", choices=list(SHAPES))
@@ -48,6 +94,9 @@ def main() -> None:
                         help="which k-pools each query selects (dsa_bench.POOL_LAYOUTS): the same arithmetic, the "
                              "gathered rows from L2 (window, shared) or HBM (spread)")
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="BLOCK_H,BLOCK_K,warps,stages")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="only the Gluon forward kernels (every schedule and configuration) against the "
+                             "autotuned Triton forward: no Triton tilings, no backward")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -70,6 +119,9 @@ def main() -> None:
     bwd_flops = 2 * t * h * WIDTH * 5 * dqk    # as dsa_bench counts the whole backward
 
     out_ref, lse_ref = sat.triton_sparse_mla_fwd(q, kv, idx, scale, dqk)
+    if args.forward_only:
+        _gluon_forwards(args, q, kv, idx, scale, out_ref, lse_ref, fwd_flops, ceil, valid_keys)
+        return
     n_runs = -(-idx.shape[2] // KPOOL)
     run_ok, scatter, keys, pairs, counts, ends = sat.run_pairs(idx, KPOOL, t)
     block = dict(DQK=dqk, DV=dqk, BLOCK_D=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dqk))
@@ -132,22 +184,7 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
 
-    # the warp-specialized Gluon forward, each of its configurations (64 heads per program: the full shape)
-    if sag.gluon_supported(q, kv, dqk) is None:
-        for cfg in sag.GLUON_FWD_CONFIGS:
-            row = {"config": "gluon " + " ".join(f"{k}={v}" for k, v in cfg.kwargs.items())}
-            try:
-                out, lse = torch.empty_like(out_ref), torch.empty_like(lse_ref)
-
-                row["fwd_s"], _ = timed(lambda: sag.launch_fwd(q, kv, idx, out, lse, scale, cfg), args.reps)
-                row["fwd_tflops"] = fwd_flops / row["fwd_s"] / 1e12
-                row["fwd_err"] = (out.float() - out_ref.float()).abs().max().item()
-                # rows without a valid index have lse -inf in both: equal, not nan
-                row["lse_err"] = torch.where(lse == lse_ref, 0.0, lse - lse_ref).abs().max().item()
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-            rows.append(row)
-            print(row, flush=True)
+    rows += gluon_forward_rows(q, kv, idx, scale, out_ref, lse_ref, fwd_flops, args.reps)
 
     # the run pass at its fixed launch, and the autotuned whole, for the backward's split
     def run_pass():
