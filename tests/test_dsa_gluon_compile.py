@@ -66,6 +66,35 @@ def test_gluon_sparse_forward_gathers_async_and_overlaps_the_products(config):
     assert not re.search(r"C75[01]\d", report), report
 
 
+@pytest.mark.parametrize("config", range(2))
+def test_gluon_sparse_forward_in_pairs_gives_each_warpgroup_its_own_block(config):
+    """The paired-block forward (``schedule="pair"``) at the ``full`` shape, 64 heads x 512: it fits one CTA per
+    SM (``q``, four half blocks and two ``P`` tiles), each consumer warpgroup runs ``Q K^T`` over a whole 64-key
+    block (``m64n64k16``, K = 512 in steps of 16, at three issue sites: the first warpgroup's first block and
+    next blocks, the second's) and ``P V`` over its half of ``d_v`` (``m64n256k16``, two per warpgroup and pair,
+    the own block's ``P`` from registers), the producer gathers with 16-byte ``cp.async`` (one signal per half
+    block, one for the query tile), and ptxas serializes no ``wgmma``."""
+    from kernels.dsa.sm90 import SM_SHARED, compile_gluon_sparse_fwd_pair
+    from kernels.dsa.sparse_attention_gluon import GLUON_FWD_PAIR_CONFIGS
+
+    compiled = compile_gluon_sparse_fwd_pair(64, 512, GLUON_FWD_PAIR_CONFIGS[config])
+    ptx = compiled.asm["ptx"]
+    expected_smem = (64 * 512 + 4 * 64 * 256 + 2 * 64 * 64) * 2
+    assert expected_smem <= compiled.metadata.shared <= SM_SHARED
+    copies = re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]+\], \[[^]]+\], (0x[0-9a-f]+|\d+)", ptx)
+    assert copies and all(int(size, 0) == 16 for size in copies), set(copies)
+    assert len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)) == 1 + 4
+    qk = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.bf16\.bf16", ptx)
+    pv = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16 [^;]*;", ptx)
+    assert len(qk) == 3 * 512 // 16
+    assert len(pv) == 2 * 2 * 64 // 16
+    # the own block's P from registers: a register-A wgmma names its A fragment as four 32-bit registers
+    from_registers = [w for w in pv if re.search(r"\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}, %rd\d+,", w)]
+    assert len(from_registers) == len(pv) // 2, [w[-90:] for w in pv]
+    report = ptxas_report(compiled)
+    assert not re.search(r"C75[01]\d", report), report
+
+
 @pytest.mark.parametrize("atomics", [True, False])
 def test_gluon_sparse_dkv_holds_q_and_do_once(atomics):
     """The sparse MLA latent-gradient kernel at 64 heads x 512: ``q`` and ``dO`` one copy each in shared memory
