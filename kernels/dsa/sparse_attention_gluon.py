@@ -632,6 +632,8 @@ _FWD_KERNELS = {"ring": sparse_mla_fwd_gluon_kernel, "pair": sparse_mla_fwd_pair
 GLUON_FWD_SCHEDULES = {"ring": GLUON_FWD_CONFIGS, "pair": GLUON_FWD_PAIR_CONFIGS}
 """The Gluon forwards by schedule, each with its autotuned configurations: ``"ring"`` (both warpgroups on each key
 block, a ring of ``STAGES`` buffers) and ``"pair"`` (one warpgroup per block of a pair, FlashMLA's schedule)."""
+FWD_SCHEDULE = "ring"
+"""The schedule :func:`gluon_sparse_mla_fwd` runs (the training path's Gluon forward)."""
 
 
 GLUON_DKV_CONFIGS = [
@@ -892,7 +894,7 @@ def _require_supported(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
 
 
 def gluon_sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float,
-                         d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         d_v: int, schedule: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``out [B, T, H, d_v]`` (q.dtype) and ``lse [B, T, H]`` float32 of
     :func:`kernels.dsa.sparse_attention.sparse_mla_attention`, from :func:`sparse_mla_fwd_gluon_kernel`.
 
@@ -902,16 +904,18 @@ def gluon_sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         indices: ``[B, T, K]`` int32/int64 selected tokens, ``-1`` skipped.
         softmax_scale: logit scale (natural base).
         d_v: value width; must equal ``Dqk`` (a multiple of 64, at most 512).
+        schedule: ``"ring"`` or ``"pair"`` (:data:`GLUON_FWD_SCHEDULES`); ``None`` takes :data:`FWD_SCHEDULE`.
 
     Raises:
         DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
+        ValueError: for an unknown ``schedule``.
     """
     _require_supported(q, kv, indices, d_v, "forward")
     batch, n_q, heads, dqk = q.shape
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
     out = torch.empty(batch, n_q, heads, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, n_q, heads, dtype=torch.float32, device=q.device)
-    launch_fwd(q, kv, indices, out, lse, softmax_scale)
+    launch_fwd(q, kv, indices, out, lse, softmax_scale, schedule=schedule or FWD_SCHEDULE)
     return out, lse
 
 
