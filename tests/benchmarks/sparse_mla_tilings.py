@@ -64,14 +64,34 @@ def gluon_forward_rows(q, kv, idx, scale, out_ref, lse_ref, fwd_flops, reps) -> 
     return rows
 
 
-def _gluon_forwards(args, q, kv, idx, scale, out_ref, lse_ref, fwd_flops, ceil, valid_keys) -> None:
-    """``--forward-only``: the autotuned Triton forward and every Gluon forward, one table."""
+def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, ceil, valid_keys) -> None:
+    """``--gluon-only``: the autotuned Triton forward and every Gluon forward, then the Gluon query gradient and
+    latent gradient (with its atomics, and predicated off), one table."""
     t_fwd_auto, _ = timed(lambda: sat.triton_sparse_mla_fwd(q, kv, idx, scale, q.shape[-1]), args.reps)
     rows = gluon_forward_rows(q, kv, idx, scale, out_ref, lse_ref, fwd_flops, args.reps)
+    delta = (grad.float() * out_ref.float()).sum(-1)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
+    per_token = 2 * q.shape[1] * q.shape[2] * WIDTH * q.shape[-1]
+    for name, flops, fn in [
+        ("gluon dq", 3 * per_token, lambda: sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse_ref, delta, scale)),
+        ("gluon dkv", 4 * per_token, lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv)),
+        ("gluon dkv, atomics predicated off", 4 * per_token,
+         lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, atomics=False)),
+    ]:
+        row = {"config": name}
+        try:
+            row["fwd_s"], _ = timed(fn, args.reps)   # the time column of the table below
+            row["fwd_tflops"] = flops / row["fwd_s"] / 1e12
+            row["fwd_err"] = row["lse_err"] = float("nan")   # checked against float64 by tests/gpu/gluon_smoke.py
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        rows.append(row)
+        print(row, flush=True)
     print(f"\n{args.shape} shape, {args.seq_len // 1024}k tokens, {q.shape[2]} heads, index layout {args.index_layout} "
           f"({valid_keys:.1f} valid keys per query); matmul anchor {ceil['matmul_tflops']:.0f} TF/s, copy "
           f"{ceil['copy_tbps']:.2f} TB/s")
-    print("\n| forward | ms | TF/s | max abs diff of out from the Triton forward | of lse |")
+    print("\n| kernel | ms | TF/s (the backward's: of its products, recomputed ones counted) | max abs diff of out "
+          "from the Triton forward | of lse |")
     print("|---|---|---|---|---|")
     print(f"| Triton, autotuned | {1e3 * t_fwd_auto:.1f} | {fwd_flops / t_fwd_auto / 1e12:.0f} | | |")
     for r in rows:
@@ -94,9 +114,9 @@ def main() -> None:
                         help="which k-pools each query selects (dsa_bench.POOL_LAYOUTS): the same arithmetic, the "
                              "gathered rows from L2 (window, shared) or HBM (spread)")
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="BLOCK_H,BLOCK_K,warps,stages")
-    parser.add_argument("--forward-only", action="store_true",
-                        help="only the Gluon forward kernels (every schedule and configuration) against the "
-                             "autotuned Triton forward: no Triton tilings, no backward")
+    parser.add_argument("--gluon-only", action="store_true",
+                        help="only the Gluon kernels: every forward schedule and configuration against the "
+                             "autotuned Triton forward, then the query and latent gradients; no Triton tilings")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -119,8 +139,8 @@ def main() -> None:
     bwd_flops = 2 * t * h * WIDTH * 5 * dqk    # as dsa_bench counts the whole backward
 
     out_ref, lse_ref = sat.triton_sparse_mla_fwd(q, kv, idx, scale, dqk)
-    if args.forward_only:
-        _gluon_forwards(args, q, kv, idx, scale, out_ref, lse_ref, fwd_flops, ceil, valid_keys)
+    if args.gluon_only:
+        _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, ceil, valid_keys)
         return
     n_runs = -(-idx.shape[2] // KPOOL)
     run_ok, scatter, keys, pairs, counts, ends = sat.run_pairs(idx, KPOOL, t)
