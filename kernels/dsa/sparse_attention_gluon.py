@@ -185,19 +185,11 @@ def _producer(Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_r
     """The producer partition: the query tile ``[64, D]`` into ``q_smem`` (and with ``WITH_DO`` the output
     gradient's tile, rows ``do_row + h * D``, into ``do_smem``; signals ``q_bar``), then key block ``j``'s latent
     rows into ring slot ``j % STAGES`` once the consumers have released it (``empty``), each slot signalled on
-    ``ready`` when every producer thread's copies have landed.
-
-    A block's indices are loaded while the producer waits for the slot they go to (issued right after the previous
-    block's copies): loaded after the wait, each batch of rows waited a round trip to L2 for its indices before its
-    copies could be issued, and the gathers ran at ~23 GB/s per SM, about a sixth of what an SM can read from L2."""
+    ``ready`` when every producer thread's copies have landed."""
     warps: gl.constexpr = gl.num_warps()
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [warps, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, layout)
     offs_r = gl.arange(0, GATHER_ROWS, layout=rows_l)
-    # key rows two per warp and repetition: each thread keeps 8 of a 64-key block's indices, not 16
-    kv_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [warps, 1], [1, 0])
-    offs_b = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, kv_layout))
-    idx = gl.load(IDX + offs_b, mask=offs_b < n_idx, other=-1)
     for r0 in gl.static_range(0, _BLOCK_H, GATHER_ROWS):
         heads = (r0 + offs_r).to(gl.int64)
         _gather_rows(q_smem.slice(r0, GATHER_ROWS), Q + q_row, stride_qh, heads, heads >= 0, D, GATHER_ROWS, layout)
@@ -207,11 +199,12 @@ def _producer(Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_r
     for j in range(n_blocks):
         slot = j % STAGES
         mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)   # a new barrier passes parity 1 at once
-        rows = idx.to(gl.int64)
-        _gather_rows(kv_smem.index(slot), KV, stride_kvs, rows, rows >= 0, D, BLOCK_K, kv_layout)
+        buf = kv_smem.index(slot)
+        for r0 in gl.static_range(0, BLOCK_K, GATHER_ROWS):
+            offs_k = j * BLOCK_K + r0 + offs_r
+            idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1).to(gl.int64)
+            _gather_rows(buf.slice(r0, GATHER_ROWS), KV, stride_kvs, idx, idx >= 0, D, GATHER_ROWS, layout)
         async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
-        offs_n = (j + 1) * BLOCK_K + offs_b
-        idx = gl.load(IDX + offs_n, mask=offs_n < n_idx, other=-1)
 
 
 @gluon.jit
@@ -502,18 +495,15 @@ def _pair_second(IDX, OUT, LSE, q_smem, kv_smem, s_smem, m_smem, l_smem, q_bar, 
         _cta_barrier()
         mbarrier.arrive(m_bar.index(1))
         mbarrier.arrive(s_bar.index(1))
-        p_reg = gl.convert_layout(p16, p_op)
-        acc_tok = warpgroup_mma(p_reg, kv_smem.index(3), acc, is_async=True)
+        acc_tok = warpgroup_mma(gl.convert_layout(p16, p_op), kv_smem.index(3), acc, is_async=True)
         mbarrier.wait(s_bar.index(0), phase)
         mbarrier.wait(ready.index(1), phase)   # passed already (the first warpgroup's Q K^T awaited it)
         fence_async_shared()
         acc_tok = warpgroup_mma(s_smem.index(0), kv_smem.index(1), acc_tok, is_async=True)
-        warpgroup_mma_wait(num_outstanding=1, deps=(p_reg,))   # the older group, P_1 V, has retired
-        _cta_barrier()
-        mbarrier.arrive(empty.index(3))   # K_{2i+1}'s upper half: P_1 V over it has retired
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
         _cta_barrier()
-        mbarrier.arrive(empty.index(1))   # K_{2i}'s upper half: P_0 V over it has retired
+        mbarrier.arrive(empty.index(3))   # K_{2i+1}'s upper half and K_{2i}'s: every product over them retired
+        mbarrier.arrive(empty.index(1))
 
     _pair_store(OUT, LSE, out_row, stride_oh, lse_row, acc, m_i, l_i, l_smem.index(1), l_smem.index(0), l_bar, 1,
                 HALF, s_l, o_l)
@@ -529,11 +519,6 @@ def _pair_producer(Q, KV, IDX, q_smem, kv_smem, q_bar, ready, empty, q_row, stri
     warps: gl.constexpr = gl.num_warps()
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [warps, 1], [1, 0])
     offs_r = gl.arange(0, GATHER_ROWS, layout=gl.SliceLayout(1, layout))
-    # key rows two per warp and repetition: each thread keeps 8 of a block's indices per block, not 16
-    kv_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [warps, 1], [1, 0])
-    offs_b = gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
-    idx_0 = gl.load(IDX + offs_b, mask=offs_b < n_idx, other=-1)
-    idx_1 = gl.load(IDX + 64 + offs_b, mask=64 + offs_b < n_idx, other=-1)
     for half in gl.static_range(2):
         for r0 in gl.static_range(0, _BLOCK_H, GATHER_ROWS):
             heads = (r0 + offs_r).to(gl.int64)
@@ -541,26 +526,24 @@ def _pair_producer(Q, KV, IDX, q_smem, kv_smem, q_bar, ready, empty, q_row, stri
                          heads >= 0, HALF, GATHER_ROWS, layout)
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
     for i in range(n_pairs):
-        rows_0 = idx_0.to(gl.int64)
-        rows_1 = idx_1.to(gl.int64)
-        _gather_half_block(KV, kv_smem, ready, empty, i, 0, stride_kvs, rows_0, HALF, kv_layout)
-        _gather_half_block(KV, kv_smem, ready, empty, i, 3, stride_kvs, rows_1, HALF, kv_layout)
-        # the next pair's indices, in flight while the producer waits for the last two slots
-        offs_n = (2 * i + 2) * 64 + offs_b
-        idx_0 = gl.load(IDX + offs_n, mask=offs_n < n_idx, other=-1)
-        idx_1 = gl.load(IDX + 64 + offs_n, mask=64 + offs_n < n_idx, other=-1)
-        _gather_half_block(KV, kv_smem, ready, empty, i, 1, stride_kvs, rows_0, HALF, kv_layout)
-        _gather_half_block(KV, kv_smem, ready, empty, i, 2, stride_kvs, rows_1, HALF, kv_layout)
+        _gather_half_block(KV, IDX, kv_smem, ready, empty, i, 0, stride_kvs, n_idx, offs_r, HALF, GATHER_ROWS, layout)
+        _gather_half_block(KV, IDX, kv_smem, ready, empty, i, 3, stride_kvs, n_idx, offs_r, HALF, GATHER_ROWS, layout)
+        _gather_half_block(KV, IDX, kv_smem, ready, empty, i, 1, stride_kvs, n_idx, offs_r, HALF, GATHER_ROWS, layout)
+        _gather_half_block(KV, IDX, kv_smem, ready, empty, i, 2, stride_kvs, n_idx, offs_r, HALF, GATHER_ROWS, layout)
 
 
 @gluon.jit
-def _gather_half_block(KV, kv_smem, ready, empty, i, slot: gl.constexpr, stride_kvs, rows, HALF: gl.constexpr,
-                       layout: gl.constexpr):
-    """Pair ``i``'s half block in ``kv_smem`` slot ``slot`` (``K_{2i + slot // 2}``, whose 64 indices are ``rows``,
-    columns ``slot % 2`` of the two halves of ``HALF``) once the consumers have released it, signalled on
-    ``ready``."""
+def _gather_half_block(KV, IDX, kv_smem, ready, empty, i, slot: gl.constexpr, stride_kvs, n_idx, offs_r,
+                       HALF: gl.constexpr, GATHER_ROWS: gl.constexpr, layout: gl.constexpr):
+    """Pair ``i``'s half block in ``kv_smem`` slot ``slot`` (``K_{2i + slot // 2}``, columns ``slot % 2`` of the
+    two halves of ``HALF``) once the consumers have released it, signalled on ``ready``."""
     mbarrier.wait(empty.index(slot), (i & 1) ^ 1)   # a new barrier passes parity 1 at once
-    _gather_rows(kv_smem.index(slot), KV + (slot % 2) * HALF, stride_kvs, rows, rows >= 0, HALF, 64, layout)
+    buf = kv_smem.index(slot)
+    for r0 in gl.static_range(0, 64, GATHER_ROWS):
+        offs_k = (2 * i + slot // 2) * 64 + r0 + offs_r
+        idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1).to(gl.int64)
+        _gather_rows(buf.slice(r0, GATHER_ROWS), KV + (slot % 2) * HALF, stride_kvs, idx, idx >= 0, HALF,
+                     GATHER_ROWS, layout)
     async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
 
 
