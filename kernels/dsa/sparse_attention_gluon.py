@@ -181,15 +181,25 @@ def _invalidate_barriers(q_bar, ready, empty, STAGES: gl.constexpr):
 @gluon.jit
 def _producer(Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_row, do_row, stride_qh, stride_kvs,
               n_idx, n_blocks, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-              GATHER_ROWS: gl.constexpr, WITH_DO: gl.constexpr):
+              GATHER_ROWS: gl.constexpr, WITH_DO: gl.constexpr, INDICES_AHEAD: gl.constexpr):
     """The producer partition: the query tile ``[64, D]`` into ``q_smem`` (and with ``WITH_DO`` the output
     gradient's tile, rows ``do_row + h * D``, into ``do_smem``; signals ``q_bar``), then key block ``j``'s latent
     rows into ring slot ``j % STAGES`` once the consumers have released it (``empty``), each slot signalled on
-    ``ready`` when every producer thread's copies have landed."""
+    ``ready`` when every producer thread's copies have landed.
+
+    By default each batch of ``GATHER_ROWS`` key rows loads its indices after the wait for the slot, so its copies
+    wait a round trip to L2 for them; the gathers run at ~23 GB/s per SM (``docs/dsa_kernels.md``). With
+    ``INDICES_AHEAD`` (opt-in until a GPU has run it) a block's indices are loaded right after the previous block's
+    copies are issued, their round trip under the wait for the slot, and the block goes in one batch of copies
+    (two key rows per warp and repetition: 8 indices per thread)."""
     warps: gl.constexpr = gl.num_warps()
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [warps, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, layout)
     offs_r = gl.arange(0, GATHER_ROWS, layout=rows_l)
+    kv_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [warps, 1], [1, 0])
+    offs_b = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, kv_layout))
+    if INDICES_AHEAD:
+        idx = gl.load(IDX + offs_b, mask=offs_b < n_idx, other=-1)
     for r0 in gl.static_range(0, _BLOCK_H, GATHER_ROWS):
         heads = (r0 + offs_r).to(gl.int64)
         _gather_rows(q_smem.slice(r0, GATHER_ROWS), Q + q_row, stride_qh, heads, heads >= 0, D, GATHER_ROWS, layout)
@@ -200,11 +210,18 @@ def _producer(Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_r
         slot = j % STAGES
         mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)   # a new barrier passes parity 1 at once
         buf = kv_smem.index(slot)
-        for r0 in gl.static_range(0, BLOCK_K, GATHER_ROWS):
-            offs_k = j * BLOCK_K + r0 + offs_r
-            idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1).to(gl.int64)
-            _gather_rows(buf.slice(r0, GATHER_ROWS), KV, stride_kvs, idx, idx >= 0, D, GATHER_ROWS, layout)
+        if INDICES_AHEAD:
+            rows = idx.to(gl.int64)
+            _gather_rows(buf, KV, stride_kvs, rows, rows >= 0, D, BLOCK_K, kv_layout)
+        else:
+            for r0 in gl.static_range(0, BLOCK_K, GATHER_ROWS):
+                offs_k = j * BLOCK_K + r0 + offs_r
+                rows_g = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1).to(gl.int64)
+                _gather_rows(buf.slice(r0, GATHER_ROWS), KV, stride_kvs, rows_g, rows_g >= 0, D, GATHER_ROWS, layout)
         async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
+        if INDICES_AHEAD:
+            offs_n = (j + 1) * BLOCK_K + offs_b
+            idx = gl.load(IDX + offs_n, mask=offs_n < n_idx, other=-1)
 
 
 @gluon.jit
@@ -278,7 +295,7 @@ def sparse_mla_fwd_gluon_kernel(
     stride_lb, stride_lt,
     n_idx, scale_log2,
     H: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATHER_ROWS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, INDICES_AHEAD: gl.constexpr = False,
 ):
     """One query ``t`` (program 0), heads ``[64 * pid_h, 64 * pid_h + 64)`` (program 1), batch ``b`` (program
     2): ``Q [B, T, H, D]`` (``stride(3) == 1``), ``KV [B, S, D]`` (``stride(2) == 1``), ``IDX [B, T, K]`` int32
@@ -304,7 +321,7 @@ def sparse_mla_fwd_gluon_kernel(
         (_consumer, (IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row, n_idx,
                      n_blocks, scale_log2, D, BLOCK_K, STAGES)),
         (_producer, (Q, Q, KV, IDX, q_smem, q_smem, kv_smem, q_bar, ready, empty, q_row, q_row, stride_qh, stride_kvs,
-                     n_idx, n_blocks, D, BLOCK_K, STAGES, GATHER_ROWS, False)),
+                     n_idx, n_blocks, D, BLOCK_K, STAGES, GATHER_ROWS, False, INDICES_AHEAD)),
     ], [_PRODUCER_WARPS], [PRODUCER_REGS])
 
     _invalidate_barriers(q_bar, ready, empty, STAGES)
@@ -495,15 +512,18 @@ def _pair_second(IDX, OUT, LSE, q_smem, kv_smem, s_smem, m_smem, l_smem, q_bar, 
         _cta_barrier()
         mbarrier.arrive(m_bar.index(1))
         mbarrier.arrive(s_bar.index(1))
-        acc_tok = warpgroup_mma(gl.convert_layout(p16, p_op), kv_smem.index(3), acc, is_async=True)
+        p_reg = gl.convert_layout(p16, p_op)
+        acc_tok = warpgroup_mma(p_reg, kv_smem.index(3), acc, is_async=True)
         mbarrier.wait(s_bar.index(0), phase)
         mbarrier.wait(ready.index(1), phase)   # passed already (the first warpgroup's Q K^T awaited it)
         fence_async_shared()
         acc_tok = warpgroup_mma(s_smem.index(0), kv_smem.index(1), acc_tok, is_async=True)
+        warpgroup_mma_wait(num_outstanding=1, deps=(p_reg,))   # the older group, P_1 V, has retired
+        _cta_barrier()
+        mbarrier.arrive(empty.index(3))   # K_{2i+1}'s upper half: P_1 V over it has retired
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
         _cta_barrier()
-        mbarrier.arrive(empty.index(3))   # K_{2i+1}'s upper half and K_{2i}'s: every product over them retired
-        mbarrier.arrive(empty.index(1))
+        mbarrier.arrive(empty.index(1))   # K_{2i}'s upper half: P_0 V over it has retired
 
     _pair_store(OUT, LSE, out_row, stride_oh, lse_row, acc, m_i, l_i, l_smem.index(1), l_smem.index(0), l_bar, 1,
                 HALF, s_l, o_l)
@@ -519,6 +539,11 @@ def _pair_producer(Q, KV, IDX, q_smem, kv_smem, q_bar, ready, empty, q_row, stri
     warps: gl.constexpr = gl.num_warps()
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [warps, 1], [1, 0])
     offs_r = gl.arange(0, GATHER_ROWS, layout=gl.SliceLayout(1, layout))
+    # key rows two per warp and repetition: each thread keeps 8 of a block's indices per block, not 16
+    kv_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [warps, 1], [1, 0])
+    offs_b = gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
+    idx_0 = gl.load(IDX + offs_b, mask=offs_b < n_idx, other=-1)
+    idx_1 = gl.load(IDX + 64 + offs_b, mask=64 + offs_b < n_idx, other=-1)
     for half in gl.static_range(2):
         for r0 in gl.static_range(0, _BLOCK_H, GATHER_ROWS):
             heads = (r0 + offs_r).to(gl.int64)
@@ -526,24 +551,26 @@ def _pair_producer(Q, KV, IDX, q_smem, kv_smem, q_bar, ready, empty, q_row, stri
                          heads >= 0, HALF, GATHER_ROWS, layout)
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
     for i in range(n_pairs):
-        _gather_half_block(KV, IDX, kv_smem, ready, empty, i, 0, stride_kvs, n_idx, offs_r, HALF, GATHER_ROWS, layout)
-        _gather_half_block(KV, IDX, kv_smem, ready, empty, i, 3, stride_kvs, n_idx, offs_r, HALF, GATHER_ROWS, layout)
-        _gather_half_block(KV, IDX, kv_smem, ready, empty, i, 1, stride_kvs, n_idx, offs_r, HALF, GATHER_ROWS, layout)
-        _gather_half_block(KV, IDX, kv_smem, ready, empty, i, 2, stride_kvs, n_idx, offs_r, HALF, GATHER_ROWS, layout)
+        rows_0 = idx_0.to(gl.int64)
+        rows_1 = idx_1.to(gl.int64)
+        _gather_half_block(KV, kv_smem, ready, empty, i, 0, stride_kvs, rows_0, HALF, kv_layout)
+        _gather_half_block(KV, kv_smem, ready, empty, i, 3, stride_kvs, rows_1, HALF, kv_layout)
+        # the next pair's indices, in flight while the producer waits for the last two slots
+        offs_n = (2 * i + 2) * 64 + offs_b
+        idx_0 = gl.load(IDX + offs_n, mask=offs_n < n_idx, other=-1)
+        idx_1 = gl.load(IDX + 64 + offs_n, mask=64 + offs_n < n_idx, other=-1)
+        _gather_half_block(KV, kv_smem, ready, empty, i, 1, stride_kvs, rows_0, HALF, kv_layout)
+        _gather_half_block(KV, kv_smem, ready, empty, i, 2, stride_kvs, rows_1, HALF, kv_layout)
 
 
 @gluon.jit
-def _gather_half_block(KV, IDX, kv_smem, ready, empty, i, slot: gl.constexpr, stride_kvs, n_idx, offs_r,
-                       HALF: gl.constexpr, GATHER_ROWS: gl.constexpr, layout: gl.constexpr):
-    """Pair ``i``'s half block in ``kv_smem`` slot ``slot`` (``K_{2i + slot // 2}``, columns ``slot % 2`` of the
-    two halves of ``HALF``) once the consumers have released it, signalled on ``ready``."""
+def _gather_half_block(KV, kv_smem, ready, empty, i, slot: gl.constexpr, stride_kvs, rows, HALF: gl.constexpr,
+                       layout: gl.constexpr):
+    """Pair ``i``'s half block in ``kv_smem`` slot ``slot`` (``K_{2i + slot // 2}``, whose 64 indices are ``rows``,
+    columns ``slot % 2`` of the two halves of ``HALF``) once the consumers have released it, signalled on
+    ``ready``."""
     mbarrier.wait(empty.index(slot), (i & 1) ^ 1)   # a new barrier passes parity 1 at once
-    buf = kv_smem.index(slot)
-    for r0 in gl.static_range(0, 64, GATHER_ROWS):
-        offs_k = (2 * i + slot // 2) * 64 + r0 + offs_r
-        idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1).to(gl.int64)
-        _gather_rows(buf.slice(r0, GATHER_ROWS), KV + (slot % 2) * HALF, stride_kvs, idx, idx >= 0, HALF,
-                     GATHER_ROWS, layout)
+    _gather_rows(kv_smem.index(slot), KV + (slot % 2) * HALF, stride_kvs, rows, rows >= 0, HALF, 64, layout)
     async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
 
 
@@ -629,6 +656,11 @@ def sparse_mla_fwd_pair_kernel(
 
 
 _FWD_KERNELS = {"ring": sparse_mla_fwd_gluon_kernel, "pair": sparse_mla_fwd_pair_kernel}
+GLUON_FWD_AHEAD_CONFIGS = [triton.Config(dict(cfg.kwargs, INDICES_AHEAD=True), num_warps=cfg.num_warps,
+                                         maxnreg=cfg.maxnreg) for cfg in GLUON_FWD_CONFIGS]
+"""The ring forward's configurations with the producer's ``INDICES_AHEAD`` (:func:`_producer`): timed and checked
+beside :data:`GLUON_FWD_CONFIGS` by the benchmarks and the GPU smoke test, not autotuned, until a GPU has run
+them."""
 GLUON_FWD_SCHEDULES = {"ring": GLUON_FWD_CONFIGS, "pair": GLUON_FWD_PAIR_CONFIGS}
 """The Gluon forwards by schedule, each with its autotuned configurations: ``"ring"`` (both warpgroups on each key
 block, a ring of ``STAGES`` buffers) and ``"pair"`` (one warpgroup per block of a pair, FlashMLA's schedule)."""
@@ -729,7 +761,7 @@ def sparse_mla_dkv_gluon_kernel(
     stride_dkb, stride_dks,
     n_idx, scale, scale_log2,
     H: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, GATHER_ROWS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    ATOMICS: gl.constexpr = True,
+    ATOMICS: gl.constexpr = True, INDICES_AHEAD: gl.constexpr = False,
 ):
     """The latent's gradient of one query ``t`` (program 0) and heads ``[64 * pid_h, 64 * pid_h + 64)`` (program
     1), batch ``b`` (program 2), added to ``DKV [B, S, D]`` float32 with atomics: ``sum_h scale * dS[h, k] q[h]
@@ -763,7 +795,7 @@ def sparse_mla_dkv_gluon_kernel(
         (_dkv_consumer, (IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready, empty,
                          lse_row, stride_dks, n_idx, n_blocks, scale, scale_log2, D, BLOCK_K, ATOMICS)),
         (_producer, (Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_row, do_row, stride_qh,
-                     stride_kvs, n_idx, n_blocks, D, BLOCK_K, 1, GATHER_ROWS, True)),
+                     stride_kvs, n_idx, n_blocks, D, BLOCK_K, 1, GATHER_ROWS, True, INDICES_AHEAD)),
     ], [_PRODUCER_WARPS], [PRODUCER_REGS])
 
     _invalidate_barriers(q_bar, ready, empty, 1)
@@ -832,7 +864,7 @@ def sparse_mla_dq_gluon_kernel(
     stride_lb, stride_lt,
     n_idx, scale, scale_log2,
     H: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATHER_ROWS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, INDICES_AHEAD: gl.constexpr = False,
 ):
     """The query gradient of one query ``t`` (program 0) and heads ``[64 * pid_h, 64 * pid_h + 64)`` (program 1),
     batch ``b`` (program 2): ``DQ[h] = sum_k scale * dS[h, k] kv[k]`` over the selected keys, ``dS = P (dP -
@@ -862,7 +894,7 @@ def sparse_mla_dq_gluon_kernel(
         (_dq_consumer, (IDX, DQ, LSE, DELTA, q_smem, do_smem, kv_smem, ds_smem, q_bar, ready, empty, do_row, D,
                         lse_row, n_idx, n_blocks, scale, scale_log2, D, BLOCK_K, STAGES)),
         (_producer, (Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_row, do_row, stride_qh,
-                     stride_kvs, n_idx, n_blocks, D, BLOCK_K, STAGES, GATHER_ROWS, True)),
+                     stride_kvs, n_idx, n_blocks, D, BLOCK_K, STAGES, GATHER_ROWS, True, INDICES_AHEAD)),
     ], [_PRODUCER_WARPS], [PRODUCER_REGS])
 
     _invalidate_barriers(q_bar, ready, empty, STAGES)
@@ -951,7 +983,7 @@ def _backward_inputs(q, kv, indices, grad_out, lse, delta, what: str) -> tuple[t
 
 def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
                         lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float,
-                        dq: torch.Tensor | None = None) -> torch.Tensor:
+                        dq: torch.Tensor | None = None, indices_ahead: bool = False) -> torch.Tensor:
     """``dq [B, T, H, Dqk]`` (q.dtype) of :func:`kernels.dsa.sparse_attention.sparse_mla_attention`, from
     :func:`sparse_mla_dq_gluon_kernel`: every selected key of every query, 64 heads per program.
 
@@ -961,6 +993,7 @@ def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
         grad_out: ``[B, T, H, d_v]`` (``d_v == Dqk``).
         lse, delta: ``[B, T, H]`` float32: the forward's log-sum-exp and ``rowsum(dO * O)``.
         dq: a contiguous ``[B, T, H, Dqk]`` tensor of ``q``'s dtype to write into (``None``: a new one).
+        indices_ahead: the producer's ``INDICES_AHEAD`` (:func:`_producer`; benchmarks, until a GPU has run it).
 
     Raises:
         DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
@@ -975,14 +1008,14 @@ def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
         indices.stride(0), indices.stride(1),
         lse.stride(0), lse.stride(1),
         indices.shape[2], softmax_scale, softmax_scale * 1.4426950408889634,
-        H=heads, D=dqk,
+        H=heads, D=dqk, INDICES_AHEAD=indices_ahead,
     )
     return dq
 
 
 def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
                          lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float, dkv: torch.Tensor,
-                         atomics: bool = True) -> None:
+                         atomics: bool = True, indices_ahead: bool = False) -> None:
     """Add the latent's gradient of :func:`kernels.dsa.sparse_attention.sparse_mla_attention` to ``dkv``, from
     :func:`sparse_mla_dkv_gluon_kernel`: every selected key of every query, 64 heads per program.
 
@@ -994,6 +1027,7 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         dkv: ``[B, S, Dqk]`` float32, accumulated into (atomics).
         atomics: ``False`` for benchmarks only: the atomics are issued predicated off and ``dkv`` is left as it
             is, the kernel's time without their memory traffic.
+        indices_ahead: the producer's ``INDICES_AHEAD`` (:func:`_producer`; benchmarks, until a GPU has run it).
 
     Raises:
         DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
@@ -1008,5 +1042,5 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         lse.stride(0), lse.stride(1),
         dkv.stride(0), dkv.stride(1),
         indices.shape[2], softmax_scale, softmax_scale * 1.4426950408889634,
-        H=heads, D=dqk, ATOMICS=atomics,
+        H=heads, D=dqk, ATOMICS=atomics, INDICES_AHEAD=indices_ahead,
     )

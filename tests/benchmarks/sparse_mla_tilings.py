@@ -47,7 +47,8 @@ def gluon_forward_rows(q, kv, idx, scale, out_ref, lse_ref, fwd_flops, reps) -> 
     rows = []
     if sag.gluon_supported(q, kv, q.shape[-1]) is not None:
         return rows
-    for schedule, configs in sag.GLUON_FWD_SCHEDULES.items():
+    trials = [("ring", sag.GLUON_FWD_CONFIGS + sag.GLUON_FWD_AHEAD_CONFIGS), ("pair", sag.GLUON_FWD_PAIR_CONFIGS)]
+    for schedule, configs in trials:
         for cfg in configs:
             row = {"config": f"gluon {schedule} " + " ".join(f"{k}={v}" for k, v in cfg.kwargs.items())}
             try:
@@ -72,12 +73,19 @@ def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, c
     delta = (grad.float() * out_ref.float()).sum(-1)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
     per_token = 2 * q.shape[1] * q.shape[2] * WIDTH * q.shape[-1]
-    for name, flops, fn in [
-        ("gluon dq", 3 * per_token, lambda: sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse_ref, delta, scale)),
-        ("gluon dkv", 4 * per_token, lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv)),
-        ("gluon dkv, atomics predicated off", 4 * per_token,
-         lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, atomics=False)),
-    ]:
+    kernels = []
+    for ahead in (False, True):   # the producer's INDICES_AHEAD off (the default) and on
+        tag = ", indices ahead" if ahead else ""
+        kernels += [
+            (f"gluon dq{tag}", 3 * per_token,
+             lambda a=ahead: sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse_ref, delta, scale, indices_ahead=a)),
+            (f"gluon dkv{tag}", 4 * per_token,
+             lambda a=ahead: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, indices_ahead=a)),
+            (f"gluon dkv, atomics predicated off{tag}", 4 * per_token,
+             lambda a=ahead: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, atomics=False,
+                                                      indices_ahead=a)),
+        ]
+    for name, flops, fn in kernels:
         row = {"config": name}
         try:
             row["fwd_s"], _ = timed(fn, args.reps)   # the time column of the table below
