@@ -49,7 +49,14 @@ fi
 # (sft_profile.py --seed-compile-cache); TORCHINDUCTOR_CACHE_DIR keeps what a part compiles for the next part.
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor_cache}
 save_cache() { (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/triton_autotune.tgz" -T -) 2>/dev/null; }
-trap save_cache EXIT
+# A call brings back at most 8 files from $OUT: past that, the logs and JSON results go into one logs_<time>.tgz
+# (a second session.sh in the same call packs its own) so that a trace or a compile cache is not what stays behind.
+pack_logs() {
+  [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ] || return 0
+  local pack="logs_$(date +%H%M%S).tgz"
+  (cd "$OUT" && tar -czf "$pack" --remove-files $(ls *.log *.json *.txt 2>/dev/null)) && echo "logs and JSON in $OUT/$pack"
+}
+trap 'save_cache; pack_logs' EXIT
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 PARTS=${PARTS:-"actbytes model sft dsa"}
 part() {  # part NAME SECONDS CMD...
