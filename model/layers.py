@@ -427,10 +427,14 @@ class KDAMixer(MegatronModule):
             o = self._kda_context_parallel(qkv, g, beta, cp)
         elif cu_seqlens is not None:
             bounds = cu_seqlens.tolist()
-            outs = []
-            for lo, hi in zip(bounds[:-1], bounds[1:]):
-                qkv = [self._conv(p[:, lo:hi], w, None) for p, w in zip(pres, weights)]
-                outs.append(self._kda(qkv, g[:, lo:hi], beta[:, lo:hi], None)[0])
+            if bounds[0] != 0 or bounds[-1] != s:
+                raise ValueError(f"cu_seqlens must run from 0 to the sequence length {s}, got {bounds}")
+            # split, not sliced: the backward of a split is one concatenation of the documents' gradients, where
+            # each slice's backward writes a zero-filled full-length gradient that autograd then adds up
+            lengths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+            docs = zip(*(t.split(lengths, dim=1) for t in (*pres, g, beta)))
+            outs = [self._kda([self._conv(p, w, None) for p, w in zip(doc[:3], weights)], doc[3], doc[4], None)[0]
+                    for doc in docs]
             o = torch.cat(outs, dim=1)
         else:
             o, _ = self._kda([self._conv(p, w, None) for p, w in zip(pres, weights)], g, beta, None)
