@@ -155,6 +155,20 @@ def _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_i
 
 
 @gluon.jit
+def _fwd_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib, stride_it, stride_ob, stride_ot,
+              stride_oh, stride_lb, stride_lt, H: gl.constexpr, D: gl.constexpr):
+    """A forward program's ``(q_row, lse_row, out_row, IDX, KV)``: :func:`_program_rows` and the offset of its
+    first head in ``OUT``; the shapes every Gluon forward needs, asserted."""
+    gl.static_assert(H % _BLOCK_H == 0)
+    gl.static_assert(D % 64 == 0)
+    gl.static_assert(D <= 512)   # D // 2 columns per warpgroup: wgmma's N is at most 256
+    b, q_row, _, lse_row, IDX, KV = _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
+                                                  stride_it, stride_lb, stride_lt, H, D)
+    out_row = b * stride_ob + gl.program_id(0).to(gl.int64) * stride_ot + gl.program_id(1) * _BLOCK_H * stride_oh
+    return q_row, lse_row, out_row, IDX, KV
+
+
+@gluon.jit
 def _ring_barriers(STAGES: gl.constexpr):
     """``(q_bar, ready, empty)``: the query tile's barrier and the key ring's ``[STAGES, 1]`` full/empty barriers,
     initialized. Every producer thread arrives once per fill (``cp.async.mbarrier.arrive.noinc``), the consumers
@@ -301,14 +315,10 @@ def sparse_mla_fwd_gluon_kernel(
     2): ``Q [B, T, H, D]`` (``stride(3) == 1``), ``KV [B, S, D]`` (``stride(2) == 1``), ``IDX [B, T, K]`` int32
     or int64, ``OUT [B, T, H, D]``, ``LSE [B, T, H]`` float32; the arguments of
     :func:`kernels.dsa.sparse_attention_triton.sparse_mla_fwd_kernel` with ``d_v == Dqk == D``."""
-    gl.static_assert(H % _BLOCK_H == 0)
-    gl.static_assert(D % 64 == 0)
-    gl.static_assert(D <= 512)   # D // 2 columns per warpgroup: wgmma's N is at most 256
     gl.static_assert(BLOCK_K % GATHER_ROWS == 0)
     gl.static_assert(STAGES >= 2)   # the consumers wait for block j + 1 before they release block j
-    b, q_row, _, lse_row, IDX, KV = _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
-                                                  stride_it, stride_lb, stride_lt, H, D)
-    out_row = b * stride_ob + gl.program_id(0).to(gl.int64) * stride_ot + gl.program_id(1) * _BLOCK_H * stride_oh
+    q_row, lse_row, out_row, IDX, KV = _fwd_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
+                                                 stride_it, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, H, D)
     n_blocks = gl.cdiv(n_idx, BLOCK_K)
 
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -605,14 +615,10 @@ def sparse_mla_fwd_pair_kernel(
     (``schedule="pair"``): on one H100 (``full`` shape, 64k) it ran 77.9 ms against the ring kernel's 46.5 ms. It
     holds one pair of blocks, and three of the four half blocks free only at the end of the pair, so the next
     pair's gather waits for this pair's products (``docs/dsa_kernels.md``)."""
-    gl.static_assert(H % _BLOCK_H == 0)
-    gl.static_assert(D % 64 == 0)
-    gl.static_assert(D <= 512)   # D // 2 columns per warpgroup: wgmma's N is at most 256
     gl.static_assert(64 % GATHER_ROWS == 0)
     gl.static_assert(gl.num_warps() == _WG_WARPS)
-    b, q_row, _, lse_row, IDX, KV = _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
-                                                  stride_it, stride_lb, stride_lt, H, D)
-    out_row = b * stride_ob + gl.program_id(0).to(gl.int64) * stride_ot + gl.program_id(1) * _BLOCK_H * stride_oh
+    q_row, lse_row, out_row, IDX, KV = _fwd_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
+                                                 stride_it, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, H, D)
     n_pairs = gl.cdiv(n_idx, 128)
 
     HALF: gl.constexpr = D // 2
