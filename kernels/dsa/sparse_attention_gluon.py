@@ -59,6 +59,11 @@ Shared memory per CTA of the forward: ``64 * D * 2`` (queries) ``+ STAGES * BLOC
 ``+ 64 * BLOCK_K * 2`` (``P``) bytes: 200 KiB at ``D`` 512 with ``(BLOCK_K, STAGES)`` ``(64, 2)`` or ``(32, 4)``; one CTA per SM.
 Registers: 12 warps, ``maxnreg`` :data:`MAXNREG` (``12 * 32 * 168 <= 65,536``), the producer
 ``PRODUCER_REGS``, the consumers what is left (``(12 * 168 - 4 * PRODUCER_REGS) / 8``).
+
+Two opt-in variants, timed beside the defaults by ``tests/benchmarks/sparse_mla_tilings.py --gluon-only`` and
+checked by ``tests/gpu/gluon_smoke.py``: :func:`sparse_mla_fwd_pair_kernel` (``schedule="pair"``, FlashMLA's
+one-block-per-warpgroup schedule; slower on an H100, 77.9 ms against 46.5) and the producer's ``INDICES_AHEAD``
+(:func:`_producer`; not yet run on a GPU).
 """
 
 from __future__ import annotations
