@@ -432,9 +432,10 @@ class KDAMixer(MegatronModule):
             # split, not sliced: the backward of a split is one concatenation of the documents' gradients, where
             # each slice's backward writes a zero-filled full-length gradient that autograd then adds up
             lengths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
-            docs = zip(*(t.split(lengths, dim=1) for t in (*pres, g, beta)))
-            outs = [self._kda([self._conv(p, w, None) for p, w in zip(doc[:3], weights)], doc[3], doc[4], None)[0]
-                    for doc in docs]
+            outs = []
+            for *doc_pres, doc_g, doc_beta in zip(*(t.split(lengths, dim=1) for t in (*pres, g, beta))):
+                qkv = [self._conv(p, w, None) for p, w in zip(doc_pres, weights)]
+                outs.append(self._kda(qkv, doc_g, doc_beta, None)[0])
             o = torch.cat(outs, dim=1)
         else:
             o, _ = self._kda([self._conv(p, w, None) for p, w in zip(pres, weights)], g, beta, None)

@@ -1,5 +1,6 @@
 """Training features keep the math: sequence-chunked MLP/MoE, full recompute, cu_seqlens packing."""
 
+import pytest
 import torch
 
 from model.config import DSA, preset
@@ -21,11 +22,15 @@ def _ids(n=SEQ + 1, seed=0):
 
 def _assert_same(a, b):
     assert abs(a[0] - b[0]) <= 1e-5 * abs(a[0])
-    assert a[1].keys() == b[1].keys()
-    for k in a[1]:
+    _assert_same_grads(a[1], b[1])
+
+
+def _assert_same_grads(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
         # Float32 sums in another order: compare relative to the gradient's own scale.
-        scale = a[1][k].abs().max().item() + 1e-6
-        assert (a[1][k] - b[1][k]).abs().max().item() <= 1e-4 * scale, k
+        scale = a[k].abs().max().item() + 1e-6
+        assert (a[k] - b[k]).abs().max().item() <= 1e-4 * scale, k
 
 
 def test_sequence_chunked_mlp_and_moe_equal_one_pass():
@@ -60,23 +65,17 @@ def test_cu_seqlens_packing_gradients_equal_separate_documents():
     cfg = preset("tiny", index_topk=32)
     a, b = _ids(200, seed=2), _ids(184, seed=3)
     packed_model, sep_model = build_model(cfg, seed=4).eval(), build_model(cfg, seed=4).eval()
-    vocab = packed_model.logits(packed_model.hidden_states(a[:, :8])).shape[-1]
-    r = torch.randn(384, 1, vocab, generator=torch.Generator().manual_seed(7))
-    packed = packed_model.logits(packed_model.hidden_states(torch.cat([a, b], 1), cu_seqlens=torch.tensor([0, 200, 384])))
-    (packed.float() * r).sum().backward()
+    r = torch.randn(384, 1, cfg.vocab_size, generator=torch.Generator().manual_seed(7))
+    hidden = packed_model.hidden_states(torch.cat([a, b], 1), cu_seqlens=torch.tensor([0, 200, 384]))
+    (packed_model.logits(hidden).float() * r).sum().backward()
     for doc, rows in ((a, r[:200]), (b, r[200:])):
         (sep_model.logits(sep_model.hidden_states(doc)).float() * rows).sum().backward()
     grads = {k: p.grad for k, p in sep_model.named_parameters() if p.grad is not None}
-    packed_grads = {k: p.grad for k, p in packed_model.named_parameters() if p.grad is not None}
-    assert packed_grads.keys() == grads.keys() and any("q_conv" in k for k in grads)
-    for k, g in grads.items():
-        scale = g.abs().max().item() + 1e-6
-        assert (packed_grads[k] - g).abs().max().item() <= 1e-4 * scale, k
+    assert any("q_conv" in k for k in grads)
+    _assert_same_grads(grads, {k: p.grad for k, p in packed_model.named_parameters() if p.grad is not None})
 
 
 def test_cu_seqlens_that_do_not_cover_the_sequence_are_refused():
-    import pytest
-
     model = build_model(preset("tiny", index_topk=32), seed=4).eval()
     with pytest.raises(ValueError, match="cu_seqlens must run from 0 to the sequence length 384"):
         model.hidden_states(_ids(384), cu_seqlens=torch.tensor([0, 200, 300]))

@@ -675,9 +675,10 @@ GLUON_FWD_AHEAD_CONFIGS = [triton.Config(dict(cfg.kwargs, INDICES_AHEAD=True), n
 """The ring forward's configurations with the producer's ``INDICES_AHEAD`` (:func:`_producer`): timed and checked
 beside :data:`GLUON_FWD_CONFIGS` by the benchmarks and the GPU smoke test, not autotuned, until a GPU has run
 them."""
-GLUON_FWD_SCHEDULES = {"ring": GLUON_FWD_CONFIGS, "pair": GLUON_FWD_PAIR_CONFIGS}
-"""The Gluon forwards by schedule, each with its autotuned configurations: ``"ring"`` (both warpgroups on each key
-block, a ring of ``STAGES`` buffers) and ``"pair"`` (one warpgroup per block of a pair, FlashMLA's schedule)."""
+GLUON_FWD_TRIALS = {"ring": GLUON_FWD_CONFIGS + GLUON_FWD_AHEAD_CONFIGS, "pair": GLUON_FWD_PAIR_CONFIGS}
+"""The Gluon forwards by schedule, each with every configuration the benchmarks time and check: ``"ring"`` (both
+warpgroups on each key block, a ring of ``STAGES`` buffers; its autotuned configurations, then the same with the
+producer's ``INDICES_AHEAD``) and ``"pair"`` (one warpgroup per block of a pair, FlashMLA's schedule)."""
 FWD_SCHEDULE = "ring"
 """The schedule :func:`gluon_sparse_mla_fwd` runs (the training path's Gluon forward)."""
 
@@ -950,7 +951,7 @@ def gluon_sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         indices: ``[B, T, K]`` int32/int64 selected tokens, ``-1`` skipped.
         softmax_scale: logit scale (natural base).
         d_v: value width; must equal ``Dqk`` (a multiple of 64, at most 512).
-        schedule: ``"ring"`` or ``"pair"`` (:data:`GLUON_FWD_SCHEDULES`); ``None`` takes :data:`FWD_SCHEDULE`.
+        schedule: ``"ring"`` or ``"pair"`` (:data:`GLUON_FWD_TRIALS`); ``None`` takes :data:`FWD_SCHEDULE`.
 
     Raises:
         DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
@@ -967,7 +968,7 @@ def gluon_sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
 
 def launch_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                softmax_scale: float, config: triton.Config | None = None, schedule: str = "ring") -> None:
-    """Launch the Gluon forward of ``schedule`` (:data:`GLUON_FWD_SCHEDULES`: ``"ring"``
+    """Launch the Gluon forward of ``schedule`` (:data:`GLUON_FWD_TRIALS`: ``"ring"``
     :func:`sparse_mla_fwd_gluon_kernel`, ``"pair"`` :func:`sparse_mla_fwd_pair_kernel`) into ``out`` and ``lse``:
     autotuned, or with ``config`` (one of that schedule's configurations, or any other) outside the autotuner, as
     the benchmarks and the GPU smoke test time and check each. Inputs as :func:`gluon_sparse_mla_fwd` takes them,

@@ -47,8 +47,7 @@ def gluon_forward_rows(q, kv, idx, scale, out_ref, lse_ref, fwd_flops, reps) -> 
     rows = []
     if sag.gluon_supported(q, kv, q.shape[-1]) is not None:
         return rows
-    trials = [("ring", sag.GLUON_FWD_CONFIGS + sag.GLUON_FWD_AHEAD_CONFIGS), ("pair", sag.GLUON_FWD_PAIR_CONFIGS)]
-    for schedule, configs in trials:
+    for schedule, configs in sag.GLUON_FWD_TRIALS.items():
         for cfg in configs:
             row = {"config": f"gluon {schedule} " + " ".join(f"{k}={v}" for k, v in cfg.kwargs.items())}
             try:

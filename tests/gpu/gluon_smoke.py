@@ -46,22 +46,22 @@ def case(heads: int, n_q: int = 256, n_k: int = 1024, width: int = 200, dim: int
 def main() -> None:
     # the default kernels first, then again with the producer's INDICES_AHEAD, then the pair schedule: a hang in
     # a newer variant leaves the lines before it in the log
-    ok = defaults_and_ahead(ahead_too=False)
-    ok &= defaults_and_ahead(ahead_too=True)
+    ok = ring_and_gradients(sag.GLUON_FWD_CONFIGS, indices_ahead=False)
+    ok &= ring_and_gradients(sag.GLUON_FWD_AHEAD_CONFIGS, indices_ahead=True)
     ok &= pair_schedule()
     print(f"GLUON SMOKE OK: {ok}", flush=True)
 
 
-def defaults_and_ahead(ahead_too: bool) -> bool:
-    """Each forward configuration, the latent gradient and the query gradient against float64, at 64 and 128
-    heads; with ``ahead_too`` also (again) with the producer's ``INDICES_AHEAD``."""
+def ring_and_gradients(fwd_configs, indices_ahead: bool) -> bool:
+    """Each of ``fwd_configs`` of the ring forward, then the latent gradient and the query gradient with the
+    producer's ``INDICES_AHEAD`` set to ``indices_ahead``, against float64, at 64 and 128 heads."""
     ok = True
     for heads in (64, 128):
         q, kv, idx = case(heads)
         dim = q.shape[-1]
         scale = 1 / math.sqrt(256)
         ref_out, ref_lse = torch_sparse_mla_fwd(q.double(), kv.double(), idx, scale, dim)
-        for cfg in sag.GLUON_FWD_CONFIGS + (sag.GLUON_FWD_AHEAD_CONFIGS if ahead_too else []):
+        for cfg in fwd_configs:
             out = torch.full_like(q, float("nan"))
             lse = torch.full(q.shape[:3], float("nan"), device="cuda")
             t0 = time.perf_counter()
@@ -76,29 +76,27 @@ def defaults_and_ahead(ahead_too: bool) -> bool:
             print(f"fwd {heads} heads {cfg.kwargs}: {res} {time.perf_counter() - t0:.1f}s {'ok' if good else 'FAIL'}",
                   flush=True)
         grad = torch.randn(q.shape, device="cuda").bfloat16()
-        out64, lse64 = torch_sparse_mla_fwd(q.double(), kv.double(), idx, scale, dim)
-        dq64, dkv64 = torch_sparse_mla_bwd(q.double(), kv.double(), idx, out64, lse64, grad.double(), scale, dim)
-        lse = lse64.float()
-        delta = (grad.float() * out64.float()).sum(-1)
-        for ahead in (False, True) if ahead_too else (False,):   # the producer's INDICES_AHEAD off and on
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
-            t0 = time.perf_counter()
-            sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse, delta, scale, dkv, indices_ahead=ahead)
-            torch.cuda.synchronize()
-            err = rel(dkv, dkv64)
-            good = err <= 1e-2
-            ok &= good
-            print(f"dkv {heads} heads, indices ahead {ahead}: rel {err:.2e} {time.perf_counter() - t0:.1f}s "
-                  f"{'ok' if good else 'FAIL'}", flush=True)
-            t0 = time.perf_counter()
-            dq = sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse, delta, scale, indices_ahead=ahead)
-            torch.cuda.synchronize()
-            err = rel(dq, dq64)
-            good = err <= 1e-2 and bool((dq[:, 3] == 0).all())
-            ok &= good
-            print(f"dq {heads} heads, indices ahead {ahead}: rel {err:.2e}, empty query zero "
-                  f"{bool((dq[:, 3] == 0).all())} {time.perf_counter() - t0:.1f}s {'ok' if good else 'FAIL'}",
-                  flush=True)
+        dq64, dkv64 = torch_sparse_mla_bwd(q.double(), kv.double(), idx, ref_out, ref_lse, grad.double(), scale, dim)
+        lse = ref_lse.float()
+        delta = (grad.float() * ref_out.float()).sum(-1)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
+        t0 = time.perf_counter()
+        sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse, delta, scale, dkv, indices_ahead=indices_ahead)
+        torch.cuda.synchronize()
+        err = rel(dkv, dkv64)
+        good = err <= 1e-2
+        ok &= good
+        print(f"dkv {heads} heads, indices ahead {indices_ahead}: rel {err:.2e} {time.perf_counter() - t0:.1f}s "
+              f"{'ok' if good else 'FAIL'}", flush=True)
+        t0 = time.perf_counter()
+        dq = sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse, delta, scale, indices_ahead=indices_ahead)
+        torch.cuda.synchronize()
+        err = rel(dq, dq64)
+        good = err <= 1e-2 and bool((dq[:, 3] == 0).all())
+        ok &= good
+        print(f"dq {heads} heads, indices ahead {indices_ahead}: rel {err:.2e}, empty query zero "
+              f"{bool((dq[:, 3] == 0).all())} {time.perf_counter() - t0:.1f}s {'ok' if good else 'FAIL'}",
+              flush=True)
     return ok
 
 
