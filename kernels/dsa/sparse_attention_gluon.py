@@ -60,10 +60,11 @@ Shared memory per CTA of the forward: ``64 * D * 2`` (queries) ``+ STAGES * BLOC
 Registers: 12 warps, ``maxnreg`` :data:`MAXNREG` (``12 * 32 * 168 <= 65,536``), the producer
 ``PRODUCER_REGS``, the consumers what is left (``(12 * 168 - 4 * PRODUCER_REGS) / 8``).
 
-Two opt-in variants, timed beside the defaults by ``tests/benchmarks/sparse_mla_tilings.py --gluon-only`` and
-checked by ``tests/gpu/gluon_smoke.py``: :func:`sparse_mla_fwd_pair_kernel` (``schedule="pair"``, FlashMLA's
-one-block-per-warpgroup schedule; slower on an H100, 77.9 ms against 46.5) and the producer's ``INDICES_AHEAD``
-(:func:`_producer`; not yet run on a GPU).
+Timed beside the defaults by ``tests/benchmarks/sparse_mla_tilings.py --gluon-only`` and checked by
+``tests/gpu/gluon_smoke.py``: :func:`sparse_mla_fwd_pair_kernel` (opt-in, ``schedule="pair"``, FlashMLA's
+one-block-per-warpgroup schedule; slower on an H100, 55.4 ms against the ring's 42.5) and the producer's
+``INDICES_AHEAD`` (:func:`_producer`; on in the ring forward's ``(64, 2)`` configuration, 46.6 -> 42.5 ms; off in
+both gradients, where it changed nothing: 72.3 -> 72.0 and 135.4 -> 135.6 ms).
 """
 
 from __future__ import annotations
@@ -102,15 +103,17 @@ _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_glo
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 GLUON_FWD_CONFIGS = [
-    triton.Config({"BLOCK_K": bk, "STAGES": st, "GATHER_ROWS": rows, "PRODUCER_REGS": regs},
+    triton.Config({"BLOCK_K": bk, "STAGES": st, "GATHER_ROWS": rows, "PRODUCER_REGS": regs, "INDICES_AHEAD": ahead},
                   num_warps=CONSUMER_WARPS, maxnreg=MAXNREG)
-    for bk, st, rows, regs in [(64, 2, 16, 56), (32, 4, 16, 56), (32, 3, 16, 56)]
+    for bk, st, rows, regs, ahead in [(64, 2, 16, 56, True), (32, 4, 16, 56, False), (32, 3, 16, 56, False)]
 ]
 """Autotuned configurations: key block and ring depth (same shared memory for ``(64, 2)`` and ``(32, 4)``:
-wider ``S`` products against a deeper ring), rows per ``cp.async`` batch and the producer's registers (a batch of
+wider ``S`` products against a deeper ring), rows per ``cp.async`` batch, the producer's registers (a batch of
 16 rows of 512 is 8 16-byte copies per producer thread, each with a 64-bit address; with 8-row batches and 40
-registers ptxas spilled 28 bytes). Offline sm_90 compiles (Triton 3.6, :func:`kernels.dsa.sm90.compile_gluon_sparse_fwd`
-at 64 heads x 512): no spills; ``setmaxnreg`` gives the consumers 224 registers, the producer 56."""
+registers ptxas spilled 28 bytes) and whether the producer loads a block's indices ahead (:func:`_producer`; on
+one H100, ``full`` shape, 64k: ``(64, 2)`` 46.6 -> 42.5 ms with them ahead, the 32-key rings unchanged within
+1%). Offline sm_90 compiles (Triton 3.6, :func:`kernels.dsa.sm90.compile_gluon_sparse_fwd` at 64 heads x 512):
+no spills; ``setmaxnreg`` gives the consumers 224 registers, the producer 56."""
 
 
 @gluon.constexpr_function
@@ -208,8 +211,9 @@ def _producer(Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_r
 
     By default each batch of ``GATHER_ROWS`` key rows loads its indices after the wait for the slot, so its copies
     wait a round trip to L2 for them; the gathers run at ~23 GB/s per SM (``docs/dsa_kernels.md``). With
-    ``INDICES_AHEAD`` (opt-in until a GPU has run it) a block's indices are loaded right after the previous block's
-    copies are issued, their round trip under the wait for the slot, and the block goes in one batch of copies
+    ``INDICES_AHEAD`` (the ring forward's ``(64, 2)`` configuration) a block's indices are loaded right after the
+    previous block's copies are issued, their round trip under the wait for the slot, and the block goes in one
+    batch of copies
     (two key rows per warp and repetition: 8 indices per thread)."""
     warps: gl.constexpr = gl.num_warps()
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [warps, 1], [1, 0])
@@ -670,15 +674,15 @@ def sparse_mla_fwd_pair_kernel(
 
 
 _FWD_KERNELS = {"ring": sparse_mla_fwd_gluon_kernel, "pair": sparse_mla_fwd_pair_kernel}
-GLUON_FWD_AHEAD_CONFIGS = [triton.Config(dict(cfg.kwargs, INDICES_AHEAD=True), num_warps=cfg.num_warps,
-                                         maxnreg=cfg.maxnreg) for cfg in GLUON_FWD_CONFIGS]
-"""The ring forward's configurations with the producer's ``INDICES_AHEAD`` (:func:`_producer`): timed and checked
-beside :data:`GLUON_FWD_CONFIGS` by the benchmarks and the GPU smoke test, not autotuned, until a GPU has run
-them."""
-GLUON_FWD_TRIALS = {"ring": GLUON_FWD_CONFIGS + GLUON_FWD_AHEAD_CONFIGS, "pair": GLUON_FWD_PAIR_CONFIGS}
+GLUON_FWD_AHEAD_FLIPPED = [triton.Config(dict(cfg.kwargs, INDICES_AHEAD=not cfg.kwargs["INDICES_AHEAD"]),
+                                         num_warps=cfg.num_warps, maxnreg=cfg.maxnreg) for cfg in GLUON_FWD_CONFIGS]
+"""The ring forward's configurations with the producer's ``INDICES_AHEAD`` (:func:`_producer`) the other way:
+timed and checked beside :data:`GLUON_FWD_CONFIGS` by the benchmarks and the GPU smoke test, not autotuned."""
+GLUON_FWD_TRIALS = {"ring": GLUON_FWD_CONFIGS + GLUON_FWD_AHEAD_FLIPPED, "pair": GLUON_FWD_PAIR_CONFIGS}
 """The Gluon forwards by schedule, each with every configuration the benchmarks time and check: ``"ring"`` (both
 warpgroups on each key block, a ring of ``STAGES`` buffers; its autotuned configurations, then the same with the
-producer's ``INDICES_AHEAD``) and ``"pair"`` (one warpgroup per block of a pair, FlashMLA's schedule)."""
+producer's ``INDICES_AHEAD`` the other way) and ``"pair"`` (one warpgroup per block of a pair, FlashMLA's
+schedule)."""
 FWD_SCHEDULE = "ring"
 """The schedule :func:`gluon_sparse_mla_fwd` runs (the training path's Gluon forward)."""
 
@@ -723,7 +727,7 @@ def _probs_and_ds(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2):
 @gluon.jit
 def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready, empty, lse_row,
                   stride_dks, n_idx, n_blocks, scale, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr,
-                  ATOMICS: gl.constexpr):
+                  ATOMICS: gl.constexpr, PRODUCTS: gl.constexpr):
     """The default partition of :func:`sparse_mla_dkv_gluon_kernel` (two warpgroups): per key block, ``P`` and
     ``dS`` of the 64 heads (``[64, BLOCK_K]``, recomputed from ``lse`` and ``delta``), then the block's latent
     gradient ``dS^T q + P^T dO`` (``[BLOCK_K, D]``, each warpgroup half of ``D``) added to ``DKV``'s rows."""
@@ -740,22 +744,27 @@ def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_s
     mbarrier.wait(q_bar, 0)
     for j in range(n_blocks):
         mbarrier.wait(ready.index(0), j & 1)
-        fence_async_shared()   # the producer's cp.async (generic proxy) before wgmma's reads (async proxy)
-        scores, dp = _scores_and_dp(q_smem, do_smem, kv_smem.index(0), s_init)
-        # Both warpgroups' products of the block have retired: the buffer takes block j + 1 while this block's
-        # gradient is formed (it needs q, dO, P and dS, not the latent)
-        _cta_barrier()
-        mbarrier.arrive(empty.index(0))
-        offs_k = j * BLOCK_K + offs_kb
-        idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
-        p, ds = _probs_and_ds(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2)
-        pt_smem.store(gl.permute(p.to(pt_smem.dtype), (1, 0)))
-        dst_smem.store(gl.permute(ds.to(dst_smem.dtype), (1, 0)))
-        fence_async_shared()
-        _cta_barrier()
-        acc = warpgroup_mma(dst_smem, q_smem, o_init, use_acc=False, is_async=True)
-        acc = warpgroup_mma(pt_smem, do_smem, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if PRODUCTS:
+            fence_async_shared()   # the producer's cp.async (generic proxy) before wgmma's reads (async proxy)
+            scores, dp = _scores_and_dp(q_smem, do_smem, kv_smem.index(0), s_init)
+            # Both warpgroups' products of the block have retired: the buffer takes block j + 1 while this
+            # block's gradient is formed (it needs q, dO, P and dS, not the latent)
+            _cta_barrier()
+            mbarrier.arrive(empty.index(0))
+            offs_k = j * BLOCK_K + offs_kb
+            idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
+            p, ds = _probs_and_ds(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2)
+            pt_smem.store(gl.permute(p.to(pt_smem.dtype), (1, 0)))
+            dst_smem.store(gl.permute(ds.to(dst_smem.dtype), (1, 0)))
+            fence_async_shared()
+            _cta_barrier()
+            acc = warpgroup_mma(dst_smem, q_smem, o_init, use_acc=False, is_async=True)
+            acc = warpgroup_mma(pt_smem, do_smem, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        else:   # the gathers and the atomics alone (benchmarks only): what the products could hide under
+            _cta_barrier()
+            mbarrier.arrive(empty.index(0))
+            acc = o_init + scale
         rows_k = j * BLOCK_K + offs_kr
         rows = gl.load(IDX + rows_k, mask=rows_k < n_idx, other=-1).to(gl.int64)
         if ATOMICS:
@@ -776,7 +785,7 @@ def sparse_mla_dkv_gluon_kernel(
     stride_dkb, stride_dks,
     n_idx, scale, scale_log2,
     H: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, GATHER_ROWS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    ATOMICS: gl.constexpr = True, INDICES_AHEAD: gl.constexpr = False,
+    ATOMICS: gl.constexpr = True, INDICES_AHEAD: gl.constexpr = False, PRODUCTS: gl.constexpr = True,
 ):
     """The latent's gradient of one query ``t`` (program 0) and heads ``[64 * pid_h, 64 * pid_h + 64)`` (program
     1), batch ``b`` (program 2), added to ``DKV [B, S, D]`` float32 with atomics: ``sum_h scale * dS[h, k] q[h]
@@ -787,7 +796,8 @@ def sparse_mla_dkv_gluon_kernel(
     in both major orders (as ``A`` of ``Q K^T`` / ``dO V^T``, as ``B`` of ``dS^T q`` / ``P^T dO``): 208 KiB with
     one 64-key latent buffer, where Triton's per-operand copies need 256-352 KiB at 64 heads. ``ATOMICS=False``
     (benchmarks only, ``DKV`` unchanged) issues the atomics predicated off: the kernel's time without their
-    memory traffic."""
+    memory traffic. ``PRODUCTS=False`` (benchmarks only, ``DKV`` gets a constant) skips the four products: the
+    gathers and the atomics alone."""
     gl.static_assert(H % _BLOCK_H == 0)
     gl.static_assert(D % 64 == 0)
     gl.static_assert(D <= 512)
@@ -808,7 +818,7 @@ def sparse_mla_dkv_gluon_kernel(
 
     gl.warp_specialize([
         (_dkv_consumer, (IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready, empty,
-                         lse_row, stride_dks, n_idx, n_blocks, scale, scale_log2, D, BLOCK_K, ATOMICS)),
+                         lse_row, stride_dks, n_idx, n_blocks, scale, scale_log2, D, BLOCK_K, ATOMICS, PRODUCTS)),
         (_producer, (Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_row, do_row, stride_qh,
                      stride_kvs, n_idx, n_blocks, D, BLOCK_K, 1, GATHER_ROWS, True, INDICES_AHEAD)),
     ], [_PRODUCER_WARPS], [PRODUCER_REGS])
@@ -1008,7 +1018,7 @@ def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
         grad_out: ``[B, T, H, d_v]`` (``d_v == Dqk``).
         lse, delta: ``[B, T, H]`` float32: the forward's log-sum-exp and ``rowsum(dO * O)``.
         dq: a contiguous ``[B, T, H, Dqk]`` tensor of ``q``'s dtype to write into (``None``: a new one).
-        indices_ahead: the producer's ``INDICES_AHEAD`` (:func:`_producer`; benchmarks, until a GPU has run it).
+        indices_ahead: the producer's ``INDICES_AHEAD`` (:func:`_producer`; benchmarks: no faster here on an H100).
 
     Raises:
         DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
@@ -1030,7 +1040,7 @@ def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
 
 def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
                          lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float, dkv: torch.Tensor,
-                         atomics: bool = True, indices_ahead: bool = False) -> None:
+                         atomics: bool = True, indices_ahead: bool = False, products: bool = True) -> None:
     """Add the latent's gradient of :func:`kernels.dsa.sparse_attention.sparse_mla_attention` to ``dkv``, from
     :func:`sparse_mla_dkv_gluon_kernel`: every selected key of every query, 64 heads per program.
 
@@ -1042,7 +1052,9 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         dkv: ``[B, S, Dqk]`` float32, accumulated into (atomics).
         atomics: ``False`` for benchmarks only: the atomics are issued predicated off and ``dkv`` is left as it
             is, the kernel's time without their memory traffic.
-        indices_ahead: the producer's ``INDICES_AHEAD`` (:func:`_producer`; benchmarks, until a GPU has run it).
+        products: ``False`` for benchmarks only: no products, a constant added to ``dkv``'s selected rows; the
+            time of the gathers and the atomics alone.
+        indices_ahead: the producer's ``INDICES_AHEAD`` (:func:`_producer`; benchmarks: no faster here on an H100).
 
     Raises:
         DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
@@ -1057,5 +1069,5 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         lse.stride(0), lse.stride(1),
         dkv.stride(0), dkv.stride(1),
         indices.shape[2], softmax_scale, softmax_scale * 1.4426950408889634,
-        H=heads, D=dqk, ATOMICS=atomics, INDICES_AHEAD=indices_ahead,
+        H=heads, D=dqk, ATOMICS=atomics, INDICES_AHEAD=indices_ahead, PRODUCTS=products,
     )

@@ -66,7 +66,7 @@ def gluon_forward_rows(q, kv, idx, scale, out_ref, lse_ref, fwd_flops, reps) -> 
 
 def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, ceil, valid_keys) -> None:
     """``--gluon-only``: the autotuned Triton forward and every Gluon forward, then the Gluon query gradient and
-    latent gradient (with its atomics, and predicated off), one table."""
+    latent gradient (with its atomics, predicated off, and alone without the products), one table."""
     t_fwd_auto, _ = timed(lambda: sat.triton_sparse_mla_fwd(q, kv, idx, scale, q.shape[-1]), args.reps)
     rows = gluon_forward_rows(q, kv, idx, scale, out_ref, lse_ref, fwd_flops, args.reps)
     delta = (grad.float() * out_ref.float()).sum(-1)
@@ -84,6 +84,8 @@ def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, c
              lambda a=ahead: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, atomics=False,
                                                       indices_ahead=a)),
         ]
+    kernels.append(("gluon dkv, gathers and atomics only (no products)", 4 * per_token,
+                    lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, products=False)))
     for name, flops, fn in kernels:
         row = {"config": name}
         try:
