@@ -58,13 +58,18 @@ KERNELS = textwrap.dedent(
 
 MERGE = textwrap.dedent(
     """
+    import itertools
     import torch
+    import kernels.hc.merge_triton as mt
     from kernels.hc.merge_triton import triton_hc_merge_bwd
     from model.fused import hc_merge
 
     g = torch.Generator().manual_seed(0)
-    # h 200: a partial last 64-column chunk; n 3: the fourth stream slot masked; 21 and 9 tokens: partial blocks
-    for n, h, tokens in ((4, 200, 21), (3, 64, 9), (4, 1024, 17)):
+    # every autotuned tile, one at a time (the interpreter has no benchmarker). h 200: a partial last column
+    # chunk; n 3: the fourth stream slot masked; 21, 9 and 17 tokens: partial token blocks
+    cases = ((4, 200, 21), (3, 64, 9), (4, 1024, 17))
+    for cfg, (n, h, tokens) in itertools.product(mt.MERGE_BWD_CONFIGS, cases):
+        mt.hc_merge_bwd_kernel.configs = [cfg]
         post = 2 * torch.rand(tokens, 1, n, generator=g)
         comb = torch.softmax(torch.randn(tokens, 1, n, n, generator=g), -1)
         out, streams = torch.randn(tokens, 1, h, generator=g), torch.randn(tokens, 1, n, h, generator=g)
@@ -75,7 +80,7 @@ MERGE = textwrap.dedent(
                               want):
             assert a.shape == b.shape and a.dtype == torch.float32, (name, a.shape, b.shape)
             err = (a.double() - b).abs().max().item()
-            assert err <= 2e-6 * max(1.0, b.abs().max().item()), (n, h, name, err)
+            assert err <= 2e-6 * max(1.0, b.abs().max().item()), (cfg, n, h, name, err)
     try:
         triton_hc_merge_bwd(torch.zeros(3, 4, 8), torch.zeros(3, 4), torch.zeros(3, 4, 4), torch.zeros(3, 7),
                             torch.zeros(3, 4, 8))
@@ -89,8 +94,11 @@ MERGE = textwrap.dedent(
 WIRING = textwrap.dedent(
     """
     import torch
+    import kernels.hc.merge_triton as mt
     import model.layers as layers
     from model.config import preset
+
+    mt.hc_merge_bwd_kernel.configs = mt.MERGE_BWD_CONFIGS[:1]   # one tile: the interpreter has no benchmarker
 
     # the block and its merge with the Triton kernels (forced on the CPU, run by the interpreter) against the torch
     # maps and merge backward, both through the float32 projection: the same values and gradients

@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("triton")
 
 from kernels.dsa.sm90 import compile_sm90, resources  # noqa: E402
+from kernels.hc.merge_triton import MERGE_BWD_CONFIGS  # noqa: E402
 
 
 def _signature(kernel, constexprs, types):
@@ -49,16 +50,17 @@ def test_projection_dx_kernel_compiles_without_spills(w_parts, extra, stream_til
     assert resources(compiled, pt.WARPS)["stack_bytes"] == 0
 
 
-def test_merge_backward_kernel_compiles_without_spills():
+@pytest.mark.parametrize("config", range(len(MERGE_BWD_CONFIGS)))
+def test_merge_backward_kernel_compiles_without_spills(config):
     import kernels.hc.merge_triton as mt
 
-    kernel = mt.hc_merge_bwd_kernel
-    constexprs = dict(NP=4, BLOCK_T=mt.BLOCK_T, BLOCK_C=mt.BLOCK_C)
+    kernel, cfg = mt.hc_merge_bwd_kernel, MERGE_BWD_CONFIGS[config]
+    constexprs = dict(NP=4, **cfg.kwargs)
     types = {"G": "*bf16", "OUT": "*bf16", "S": "*bf16", "POST": "*fp32", "COMB": "*fp32", "D_OUT": "*bf16",
              "D_S": "*bf16", "D_POST": "*fp32", "D_COMB": "*fp32"}
-    compiled = compile_sm90(kernel, _signature(kernel, constexprs, types), constexprs, mt.WARPS, 1,
-                            unaligned=("T", "n"))
-    assert resources(compiled, mt.WARPS)["stack_bytes"] == 0
+    compiled = compile_sm90(kernel, _signature(kernel.fn, constexprs, types), constexprs, cfg.num_warps,
+                            cfg.num_stages, unaligned=("T", "n"))
+    assert resources(compiled, cfg.num_warps)["stack_bytes"] == 0
 
 
 def test_run_scan_kernel_compiles_without_spills_at_the_full_selection_width():
