@@ -156,8 +156,8 @@ def indexer_kl_loss(
     # The indexer's inputs are split into blocks, not sliced: a split's backward is one concatenation of the
     # blocks' gradients, where each slice's writes a zero-filled full-length gradient that autograd then adds up
     # (16 of them per 64k-token layer: 3-4 ms per layer on an H100)
-    starts_t = range(0, n_q, block_size)
-    for t0, q_blk, w_blk in zip(starts_t, q_index.split(block_size, dim=1), weights.split(block_size, dim=1)):
+    blocks = zip(range(0, n_q, block_size), q_index.split(block_size, dim=1), weights.split(block_size, dim=1))
+    for t0, q_blk, w_blk in blocks:
         t1 = min(t0 + block_size, n_q)
         ok = pool_ok[:, t0:t1]
         if pool_mass is None:

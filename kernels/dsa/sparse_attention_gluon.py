@@ -32,8 +32,8 @@ count that is a multiple of 64 (one ``wgmma`` tile of rows per program), ``d_v =
 512, and CUDA capability 9.x; :func:`gluon_sparse_mla_fwd` raises :class:`kernels.dsa.errors.DSAInputError`
 otherwise. It is the forward wherever it runs (``fwd_kernel="auto"``, :func:`kernels.dsa.sparse_attention.choose_kernels`):
 checked by ``tests/gpu/gluon_smoke.py`` and ``tests/gpu/dsa_check.py`` and timed by
-``tests/benchmarks/sparse_mla_tilings.py`` on an H100 (381 TF/s at the ``full`` shape, 64k tokens, against the
-Triton forward's 252; anchor 797).
+``tests/benchmarks/sparse_mla_tilings.py`` on an H100 (418 TF/s at the ``full`` shape, 64k tokens, with the
+producer's indices ahead, against the Triton forward's 254; anchor 788).
 
 The latent gradient (:func:`sparse_mla_dkv_gluon_kernel`, ``dkv_kernel="auto"`` or ``"gluon"``) exists because
 Triton's per-query backward cannot take 64 heads in one program: it holds ``q`` and ``dO`` twice each, once per
@@ -41,8 +41,9 @@ major order its products read them in (256-352 KiB at 64 heads x 512), so the au
 16-head programs, each gathering every selected row and adding its own atomic row per key. Here the producer
 copies ``q`` and ``dO`` once, ``wgmma`` reads each in both orders, and one 64-key latent buffer is released as
 soon as ``Q K^T`` and ``dO V^T`` retire, so the next gather overlaps ``dS^T q + P^T dO`` and the atomics. With
-its atomics predicated off it takes 74.8 ms instead of 135.4 ms (one H100, ``full`` shape, 64k tokens). An H200,
-with 1.41x the copy rate, runs it (and the forward and query gradient) in the same time, so HBM is not what
+its atomics predicated off it takes 74.8 ms instead of 135.4 ms (one H100, ``full`` shape, 64k tokens), and with
+its products skipped (``PRODUCTS=False``) 127.1 ms: its gathers and atomic rows bound it, not its pipeline. An
+H200, with 1.41x the copy rate, runs it (and the forward and query gradient) in the same time, so HBM is not what
 bounds these kernels. Nor are the gathers: with every query's pools the same 128 (L2-resident) or spread over
 its whole history the forward and query gradient take within 7% of their time on a recent window, so their
 own pipeline (the softmax between one key block's two products) bounds them; only this kernel's atomics slow
@@ -213,8 +214,7 @@ def _producer(Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_r
     wait a round trip to L2 for them; the gathers run at ~23 GB/s per SM (``docs/dsa_kernels.md``). With
     ``INDICES_AHEAD`` (the ring forward's ``(64, 2)`` configuration) a block's indices are loaded right after the
     previous block's copies are issued, their round trip under the wait for the slot, and the block goes in one
-    batch of copies
-    (two key rows per warp and repetition: 8 indices per thread)."""
+    batch of copies (two key rows per warp and repetition: 8 indices per thread)."""
     warps: gl.constexpr = gl.num_warps()
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [warps, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, layout)

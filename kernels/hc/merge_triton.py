@@ -28,11 +28,11 @@ import triton.language as tl
 
 MERGE_BWD_CONFIGS = [triton.Config({"BLOCK_T": t, "BLOCK_C": c}, num_warps=w, num_stages=1)
                      for t, c, w in [(8, 64, 4), (8, 128, 4), (8, 128, 8), (16, 64, 4)]]
-"""Autotuned tiles (tokens, columns, warps). The kernel moves bytes: at 64k tokens x 4 streams x 1,024 the first
-took 1.0 ms per call on an H100 (1.8 GB, 54% of the copy rate), each thread loading 8 bytes per stream and
-chunk; the 128-column tiles at 4 warps load 16. sm_90 compiles (:mod:`kernels.dsa.sm90`, ``tests/test_kernels_sm90.py``):
-107, 149, 107 and 140 registers, 4, 3, 2 and 3 CTAs per SM, no spill; 16 x 256 and 32 x 128 tiles spill. On an
-H100 at that size: 1.007, 0.850, 0.945 and 0.931 ms (8 x 128 at 4 warps won)."""
+"""Autotuned tiles (tokens, columns, warps). The kernel moves bytes: at 64k tokens x 4 streams x 1,024 the
+first took 1.0 ms per call on an H100 (1.8 GB, 54% of the copy rate), each thread loading 8 bytes per stream
+and chunk; the 128-column tiles at 4 warps load 16. sm_90 compiles (:mod:`kernels.dsa.sm90`,
+``tests/test_kernels_sm90.py``): 107, 149, 107 and 140 registers, 4, 3, 2 and 3 CTAs per SM, no spill; 16 x 256
+and 32 x 128 tiles spill. On an H100 at that size: 1.007, 0.850, 0.945 and 0.931 ms (8 x 128 at 4 warps won)."""
 
 
 @triton.jit
