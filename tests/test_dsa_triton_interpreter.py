@@ -264,12 +264,13 @@ def test_triton_kernels_under_the_interpreter_equal_the_torch_paths():
 KL_SCRIPT = textwrap.dedent(
     """
     import torch
+    import kernels.dsa.loss_triton as lt
     from kernels.dsa.loss import _block_kl
     from kernels.dsa.loss_triton import triton_indexer_kl
 
     gen = torch.Generator().manual_seed(1)
-    # 20 indexer heads (masked rows of a 32-row block), dim 40 (two 32-column steps, the second partly
-    # masked) and 6 selected pools (not powers of two),
+    # 20 indexer heads (masked rows of a 32-row block), dim 40 (two 32-column or three 16-column steps, the last
+    # partly masked) and 6 selected pools (not powers of two),
     # batch 2, unselected pools, a row without any, a target of zeros on a row that has pools
     batch, n_q, heads, dim, n_pools, n_sel = 2, 7, 20, 40, 30, 6
     q = torch.randn(batch, n_q + 2, heads, dim, generator=gen)[:, 1:-1]       # strided along t
@@ -282,16 +283,21 @@ KL_SCRIPT = textwrap.dedent(
     target = target / target.sum(-1, keepdim=True).clamp_min(1e-10)
     target[1, 2] = 0.0
     grad = torch.randn(batch, n_q, generator=gen)
-    results = []
-    for fn in (_block_kl, triton_indexer_kl):
+
+    def kl_and_grads(fn):
         leaves = [x.clone().requires_grad_() for x in (q, w, keys)]
         kl = fn(leaves[0], leaves[1], leaves[2], row, ok, target, 0.37)
         kl.backward(grad)
-        results.append([kl.detach()] + [x.grad for x in leaves])
-    for name, a, b in zip(("kl", "dq", "dw", "dkeys"), *results):
-        assert torch.isfinite(b).all() and torch.isfinite(a).all(), name
-        assert torch.allclose(b, a, rtol=1e-5, atol=1e-5), (name, (a - b).abs().max())
-    assert results[1][1][0, 3].abs().max() == 0 and results[1][0][0, 3] == 0   # no selected pool
+        return [kl.detach()] + [x.grad for x in leaves]
+
+    want = kl_and_grads(_block_kl)
+    for cfg in lt.KL_CONFIGS:   # each autotuned configuration alone: the interpreter has no benchmarker
+        lt.indexer_kl_kernel.configs = [cfg]
+        got = kl_and_grads(triton_indexer_kl)
+        for name, a, b in zip(("kl", "dq", "dw", "dkeys"), want, got):
+            assert torch.isfinite(b).all() and torch.isfinite(a).all(), name
+            assert torch.allclose(b, a, rtol=1e-5, atol=1e-5), (cfg, name, (a - b).abs().max())
+        assert got[1][0, 3].abs().max() == 0 and got[0][0, 3] == 0   # no selected pool
     print("TRITON_INTERPRETER_OK")
     """
 )

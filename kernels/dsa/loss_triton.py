@@ -12,10 +12,11 @@ The backward recomputes the row (nothing but the loss is saved) and, with ``G[j]
 g * (softmax[j] * sum(target) - target[j])`` (``g`` the row's incoming gradient), writes
 ``dw[h] = sum_j G[j] relu(S[h, j])``, ``dq[h] = scale * sum_j dS[h, j] K[j]`` and adds
 ``dK[j] = scale * sum_h dS[h, j] q[h]`` to the pool keys' gradient with float32 atomics, where
-``dS = w[h] * G[j] * [S[h, j] > 0]``. Products are IEEE float32 (``input_precision="ieee"``), as in the
-torch path: per row ``3 * 2 * H * J * D`` FLOPs (small shape 0.8 MFLOP) and the row's keys, ``J * D * 4``
-bytes (32 KiB at the small shape), read once forward and twice backward, and ``J * D`` float32 atomics.
-Measured on one H200 (small shape, 4096-row calls): 0.18 ms forward, 0.34 ms backward.
+``dS = w[h] * G[j] * [S[h, j] > 0]``. Products are float32 as three tf32 tensor-core products
+(:data:`DOT_PRECISION`; the torch path's are IEEE float32): per row ``3 * 2 * H * J * D`` FLOPs (small shape
+0.8 MFLOP) and the row's keys, ``J * D * 4`` bytes (32 KiB at the small shape), read once forward and twice
+backward, and ``J * D`` float32 atomics. With IEEE float32 products, measured on one H200 (small shape,
+4096-row calls): 0.18 ms forward, 0.34 ms backward.
 
 Rows without a selected pool give loss 0 and zero gradients (the torch path's masked log-softmax does
 the same).
@@ -30,8 +31,19 @@ import triton.language as tl
 __all__ = ["triton_indexer_kl"]
 
 _EPS = 1e-10   # the log clamp of the target, as kernels.dsa.loss (megatron-core's dsa_indexer_loss)
+DOT_PRECISION = tl.constexpr("tf32x3")
+"""The three products' precision: each float32 operand split into two tf32 parts and three tensor-core products
+summed (the low parts' product dropped), about float32's accuracy. The kernel ran its products as IEEE float32
+FMAs at ~6 TF/s (0.18 ms per 4,096-row forward call at the small shape on an H100, 0.34 ms backward)."""
+
+KL_CONFIGS = [triton.Config({"BLOCK_D": d}, num_warps=w) for d, w in [(16, 4), (32, 4), (16, 8), (32, 8)]]
+"""Autotuned key-column steps and warps. sm_90 compiles (Triton 3.6, :mod:`kernels.dsa.sm90`, small shape: 16
+heads, 128 pools, 64 columns), forward / backward registers: ``(16, 4)`` 94 / 254 (16 bytes spilled), ``(32, 4)``
+174 / 255 (40 spilled), ``(16, 8)`` and ``(32, 8)`` no spill in either (backward 220 and 224); the IEEE kernel
+at ``(32, 4)`` took 128 / 255 (136 spilled)."""
 
 
+@triton.autotune(configs=KL_CONFIGS, key=["n_heads", "n_sel", "dim", "BACKWARD"], reset_to_zero=["DKEYS"])
 @triton.jit
 def indexer_kl_kernel(
     QI, W, KEYS, ROWS, TGT, LOSS, GROW, DQI, DW, DKEYS,
@@ -63,7 +75,7 @@ def indexer_kl_kernel(
         cols = d0 + offs_d
         keys = tl.load(key_ptr + cols[None, :], mask=ok[:, None] & (cols[None, :] < dim), other=0.0).to(tl.float32)
         q = tl.load(q_ptr + cols[None, :], mask=mask_h[:, None] & (cols[None, :] < dim), other=0.0).to(tl.float32)
-        s += tl.dot(q, tl.trans(keys), input_precision="ieee")
+        s += tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION)
     s = s * scale                                                             # [H, J]
     w = tl.load(W + b * stride_wb + t * stride_wt + offs_h, mask=mask_h, other=0.0).to(tl.float32)
     r = tl.maximum(s, 0.0)
@@ -88,8 +100,8 @@ def indexer_kl_kernel(
             cols = d0 + offs_d
             keys = tl.load(key_ptr + cols[None, :], mask=ok[:, None] & (cols[None, :] < dim), other=0.0).to(tl.float32)
             q = tl.load(q_ptr + cols[None, :], mask=mask_h[:, None] & (cols[None, :] < dim), other=0.0).to(tl.float32)
-            dq = tl.dot(ds, keys, input_precision="ieee")                         # [H, BLOCK_D]
-            dk = tl.dot(tl.trans(ds), q, input_precision="ieee")                  # [J, BLOCK_D]
+            dq = tl.dot(ds, keys, input_precision=DOT_PRECISION)                         # [H, BLOCK_D]
+            dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION)                  # [J, BLOCK_D]
             tl.store(DQI + (row * n_heads + offs_h[:, None]) * dim + cols[None, :], dq.to(DQI.dtype.element_ty),
                      mask=mask_h[:, None] & (cols[None, :] < dim))
             tl.atomic_add(DKEYS + (b * n_pools + rows[:, None]) * dim + cols[None, :], dk,
@@ -103,7 +115,6 @@ def _launch(q_index, weights, pool_keys, rows, target, scale, grad_row=None):
     batch, n_q, heads, dim = q_index.shape
     n_sel = rows.shape[2]
     block_h, block_j = (max(16, triton.next_power_of_2(n)) for n in (heads, n_sel))
-    block_d = 32   # key columns per step (the loop in the kernel); 16 is tl.dot's least
     dev = q_index.device
     backward = grad_row is not None
     loss = torch.empty(batch, n_q, dtype=torch.float32, device=dev)
@@ -122,7 +133,7 @@ def _launch(q_index, weights, pool_keys, rows, target, scale, grad_row=None):
         rows.stride(0), rows.stride(1),
         target.stride(0), target.stride(1),
         n_q, heads, n_sel, pool_keys.shape[1], dim, scale, _EPS,
-        BLOCK_H=block_h, BLOCK_J=block_j, BLOCK_D=block_d, BACKWARD=backward, num_warps=4,
+        BLOCK_H=block_h, BLOCK_J=block_j, BACKWARD=backward,
     )
     return (dq, dw, dkeys) if backward else loss
 

@@ -352,15 +352,31 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--out", default=None)
     parser.add_argument("--ties", action="store_true", help="only the massive-tie check")
+    parser.add_argument("--kl-only", action="store_true",
+                        help="only the fused indexer KL against the torch path, on the window layout's k-pools "
+                             "(tests/benchmarks/dsa_bench.pool_indices): no indexer or attention kernels compiled")
     parser.add_argument("--score-kernel", choices=["auto", "triton", "gluon"], default="auto",
                         help="the indexer's score kernel (auto: Gluon on Hopper, Triton elsewhere)")
     args = parser.parse_args()
     probe = torch.empty(1, 1, SHAPES["full"]["index_heads"], 1, device="cuda", dtype=torch.bfloat16)
     print(f"indexer score kernel: {args.score_kernel} -> {resolve_score_kernel(args.score_kernel, probe)}", flush=True)
     results = []
-    ties = dict(ties=check_ties(args.score_kernel))
-    print(json.dumps(ties), flush=True)
-    results.append(ties)
+    if args.kl_only:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+        from dsa_bench import pool_indices
+
+        for seq_len in args.seq_lens:
+            for name, shape in SHAPES.items():
+                gen = torch.Generator(device="cuda").manual_seed(seq_len + len(name))
+                kl = check_kl(seq_len, shape, pool_indices(seq_len, seq_len), gen)
+                row = dict(seq_len=seq_len, shape=name, kl=kl)
+                print(json.dumps(row), flush=True)
+                results.append(row)
+        args.seq_lens = []
+    else:
+        ties = dict(ties=check_ties(args.score_kernel))
+        print(json.dumps(ties), flush=True)
+        results.append(ties)
     if args.ties:
         args.seq_lens = []
     for seq_len in args.seq_lens:

@@ -10,7 +10,7 @@
 # Parts: actbytes (saved bytes per token vs the memory plan), model (tests/gpu/model_small.py),
 # sft (tests/gpu/sft_small.py with $SFT_CONFIGS), model_check (model_small.py's bf16-vs-CPU check
 # only), offload (tests/gpu/offload_check.py: activation offload on/off the copy stream, same
-# gradients), dsacheck (tests/gpu/dsa_check.py with $DSA_ARGS: correctness, CP over every GPU
+# gradients), dsacheck (tests/gpu/dsa_check.py with $DSA_ARGS, e.g. --kl-only: correctness, CP over every GPU
 # pair/quad), indexer (tests/benchmarks/dsa_bench.py indexer: the lightning indexer end to end per score
 # kernel, $INDEXER_ARGS, e.g. --score-kernels triton gluon --rounds 3 --profile), stages (dsa_bench.py stages:
 # the indexer's expansion and k-pool compression kernels), bench (dsa_bench.py alone, with $BENCH_ARGS),
