@@ -102,8 +102,8 @@ def indexer_kl_kernel(
             cols = d0 + offs_d
             keys = tl.load(key_ptr + cols[None, :], mask=ok[:, None] & (cols[None, :] < dim), other=0.0).to(tl.float32)
             q = tl.load(q_ptr + cols[None, :], mask=mask_h[:, None] & (cols[None, :] < dim), other=0.0).to(tl.float32)
-            dq = tl.dot(ds, keys, input_precision=DOT_PRECISION)                         # [H, BLOCK_D]
-            dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION)                  # [J, BLOCK_D]
+            dq = tl.dot(ds, keys, input_precision=DOT_PRECISION)                  # [H, BLOCK_D]
+            dk = tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION)           # [J, BLOCK_D]
             tl.store(DQI + (row * n_heads + offs_h[:, None]) * dim + cols[None, :], dq.to(DQI.dtype.element_ty),
                      mask=mask_h[:, None] & (cols[None, :] < dim))
             tl.atomic_add(DKEYS + (b * n_pools + rows[:, None]) * dim + cols[None, :], dk,

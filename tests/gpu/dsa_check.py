@@ -1,6 +1,6 @@
 """GPU correctness check of the DSA Triton kernels (issue 4). Run on an H200:
 
-    python tests/gpu/dsa_check.py [--seq-lens 4096 16384 65536] [--score-kernel gluon] [--out results.json]
+    python tests/gpu/dsa_check.py [--seq-lens 4096 16384 65536] [--score-kernel gluon] [--kl-only] [--out results.json]
 
 Per sequence length, with fresh random inputs and the caching allocator's free memory
 filled with NaN before every kernel call (so an unwritten output shows up):
@@ -21,7 +21,7 @@ filled with NaN before every kernel call (so an unwritten output shows up):
 * indexer KL loss: the fused Triton kernel (:mod:`kernels.dsa.loss_triton`) against the torch path
   (``kernels.dsa.loss._block_kl``, float32 on the same GPU) on the first 4096 queries' selected pools:
   loss and the gradients of the weights and pool keys within 1e-4 relative, of the bf16 queries
-  within one bf16 ulp (2^-8);
+  within one bf16 ulp (2^-8); with ``--kl-only`` this check alone, on the window layout's k-pools;
 * massive ties (``--ties``, and by default): every score equal (zero queries), and 160 pools
   of six score levels above a tie of all others in 40 of the 512 column groups, so that the
   selection's slots overflow and its exact pass must climb above its bound:
