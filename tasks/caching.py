@@ -358,22 +358,17 @@ def gpu_slug(device_name: str) -> str:
     return "-".join("".join(c if c.isalnum() else " " for c in device_name.lower()).split())
 
 
-def seed_autotune_cache(cache_dir: str | os.PathLike, device_name: str, tunings_dir: Path = TUNINGS_DIR) -> int:
-    """Copy the autotuning results shipped for this GPU into Triton's cache; returns how many were added.
+SAME_TARGET_GPUS = (("nvidia-h100-80gb-hbm3", "nvidia-h200"),)
+"""GPUs whose Triton target is the same (sm_90, warp 32): Triton's autotune key hashes the Triton and ptxas
+versions, the target architecture and the kernel source, not the card, so an entry tuned on one is looked up on
+the other. Each group's archives fill the entries the device's own archive lacks (:func:`seed_autotune_cache`)."""
 
-    ``kernels/tunings/<gpu_slug>.tgz`` holds the ``<key>/<kernel>.autotune.json`` files of a GPU
-    run (Triton's ``TRITON_CACHE_AUTOTUNING``: each the timings of every config of one tuned
-    kernel at one autotune key). ``<key>`` hashes the kernel source, the Triton version and the
-    GPU target, so entries of another version or kernel revision are never looked up: a stale
-    archive costs nothing but its own benchmarking. With them a cold H200 reached its first SFT
-    step in 28.4 s instead of 348.4 s (``docs/measurements.md``). Entries already in the cache
-    are kept; only regular files of that two-level shape are extracted (no links, no ``..``).
-    """
+
+def _extract_autotune_entries(archive: Path, cache_dir: str | os.PathLike) -> int:
+    """Extract ``archive``'s ``<key>/<kernel>.autotune.json`` regular files into ``cache_dir``, keeping entries
+    already there; returns how many were added."""
     import tarfile
 
-    archive = tunings_dir / f"{gpu_slug(device_name)}.tgz"
-    if not archive.exists():
-        return 0
     added = 0
     with tarfile.open(archive) as tar:
         for member in tar.getmembers():
@@ -390,6 +385,32 @@ def seed_autotune_cache(cache_dir: str | os.PathLike, device_name: str, tunings_
             tmp.write_bytes(tar.extractfile(member).read())
             os.replace(tmp, target)             # Triton reads these while other workers write
             added += 1
+    return added
+
+
+def seed_autotune_cache(cache_dir: str | os.PathLike, device_name: str, tunings_dir: Path = TUNINGS_DIR) -> int:
+    """Copy the autotuning results shipped for this GPU into Triton's cache; returns how many were added.
+
+    ``kernels/tunings/<gpu_slug>.tgz`` holds the ``<key>/<kernel>.autotune.json`` files of a GPU
+    run (Triton's ``TRITON_CACHE_AUTOTUNING``: each the timings of every config of one tuned
+    kernel at one autotune key). ``<key>`` hashes the kernel source, the Triton version and the
+    GPU target, so entries of another version or kernel revision are never looked up: a stale
+    archive costs nothing but its own benchmarking. With them a cold H200 reached its first SFT
+    step in 28.4 s instead of 348.4 s (``docs/measurements.md``). Entries already in the cache
+    are kept; only regular files of that two-level shape are extracted (no links, no ``..``).
+
+    After the device's own archive, the archives of the GPUs it shares a Triton target with
+    (:data:`SAME_TARGET_GPUS`) add the entries it lacks: a kernel tuned only on the other card starts from that
+    card's choice instead of benchmarking every configuration in the first step. The device's own entries win
+    where both have one (extracted first, and existing entries are kept).
+    """
+    slug = gpu_slug(device_name)
+    siblings = [other for group in SAME_TARGET_GPUS if slug in group for other in group if other != slug]
+    added = 0
+    for name in [slug, *siblings]:
+        archive = tunings_dir / f"{name}.tgz"
+        if archive.exists():
+            added += _extract_autotune_entries(archive, cache_dir)
     return added
 
 

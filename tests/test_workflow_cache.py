@@ -145,6 +145,16 @@ def test_shipped_autotune_results_seed_the_cache_and_nothing_else(tmp_path):
     assert found == ["cache/KEYA/kernel_a.autotune.json", "cache/KEYB/kernel_b.autotune.json"]
     assert (cache / "KEYA" / "kernel_a.autotune.json").read_text() == '{"old": 1}'   # an existing entry stays
     assert seed_autotune_cache(cache, "NVIDIA A100-SXM4-80GB", tunings) == 0          # no archive for that GPU
+    # An H100 (the same sm_90 target): its own archive first, then the H200's entries it lacks.
+    with tarfile.open(tunings / "nvidia-h100-80gb-hbm3.tgz", "w:gz") as tar:
+        add(tar, "./KEYB/kernel_b.autotune.json", b'{"h100": 1}')
+        add(tar, "./KEYG/kernel_g.autotune.json", b'{"h100": 1}')
+    h100 = tmp_path / "cache_h100"
+    assert seed_autotune_cache(h100, "NVIDIA H100 80GB HBM3", tunings) == 3
+    got = {str(p.relative_to(h100)): p.read_text() for p in h100.rglob("*.json")}
+    assert got == {"KEYA/kernel_a.autotune.json": '{"new": 1}', "KEYB/kernel_b.autotune.json": '{"h100": 1}',
+                   "KEYG/kernel_g.autotune.json": '{"h100": 1}'}
+    assert seed_autotune_cache(tmp_path / "cache_a100", "NVIDIA A100-SXM4-80GB", tunings) == 0
     # The shipped H200 archive: Triton autotune entries only, each with its key and config timings.
     with tarfile.open(TUNINGS_DIR / "nvidia-h200.tgz") as tar:
         members = [m for m in tar.getmembers() if m.isfile()]

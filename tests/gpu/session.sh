@@ -43,7 +43,7 @@ elif [ "${SEED_TUNINGS:-1}" = 1 ]; then
   # What an SFT/RL worker does (tasks.caching.shared_kernel_cache): the package's shipped results.
   python3 -c "import sys, torch; sys.path.insert(0, 'tests/gpu'); import flyte_standin as f; f.install_flytekit_stand_in()
 import tasks.caching as c; gpu = torch.cuda.get_device_name()
-print('autotune cache:', c.seed_autotune_cache('$TRITON_CACHE_DIR', gpu), 'results from', c.TUNINGS_DIR / (c.gpu_slug(gpu) + '.tgz'))"
+print('autotune cache:', c.seed_autotune_cache('$TRITON_CACHE_DIR', gpu), 'results from', c.TUNINGS_DIR / (c.gpu_slug(gpu) + '.tgz'), 'and its same-target siblings')"
 fi
 # inductor's compiled glue (model.fused): scripts load the shipped artifacts themselves when SEED_COMPILE=1
 # (sft_profile.py --seed-compile-cache); TORCHINDUCTOR_CACHE_DIR keeps what a part compiles for the next part.
