@@ -18,7 +18,7 @@
 # launches, $NCU_CASES), profile (tests/benchmarks/sft_profile.py: whole-step profile of $PROFILE_CONFIGS,
 # default 64k, with $PROFILE_ARGS; profile_base: the same from a carried earlier tree), layerbench (tests/benchmarks/layer_bench.py: one full-width layer of each kind as
 # one b200-64 rank at 256k and 1M, projected to 64 B200, with $LAYERBENCH_ARGS), hcproj (the mHC projection's
-# Triton kernels vs float64, and their time), hcdiag, gluonsmoke, tilings, coldstart (see their lines below). The DSA parts need no wheels: with no .whl folder the install is skipped.
+# Triton kernels vs float64, and their time), hcdiag, gluonsmoke, tilings, coldstart, refresh (see their lines below). The DSA parts need no wheels: with no .whl folder the install is skipped.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -120,6 +120,24 @@ import tasks.caching as c; print('autotune cache:', c.seed_autotune_cache('$TRIT
 }
 export -f coldstart && export OUT
 part coldstart "${T_COLDSTART:-420}" bash -c coldstart
+# refresh: this GPU's shipped tunings renewed, then the cold start they give. The 64k profile ($PROFILE_CONFIGS)
+# saves its compiled glue; its autotune results (with the seeded ones) and that glue replace
+# kernels/tunings/<gpu>.tgz and <gpu>.torch-<version>.inductor.bin.gz in this copy of the tree, then coldstart
+# runs from them. Both files also stay in $OUT (triton_autotune.tgz, inductor.bin.gz) to commit.
+refresh() {
+  python3 tests/benchmarks/sft_profile.py --pack runs/sft_gpu_pack --configs ${PROFILE_CONFIGS:-64k} --steps 3 \
+    --profile-steps 1 --seed-compile-cache --save-compile-cache "$OUT/inductor.bin.gz" \
+    --out "$OUT/sft_profile_refresh.json" || return 1
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/triton_autotune.tgz" -T -) || return 1
+  python3 -c "import shutil, sys, torch; sys.path.insert(0, 'tests/gpu'); import flyte_standin as f
+f.install_flytekit_stand_in(); import tasks.caching as c; gpu = torch.cuda.get_device_name()
+glue = c.compile_cache_path(gpu, torch.__version__); tunings = c.TUNINGS_DIR / (c.gpu_slug(gpu) + '.tgz')
+shutil.copy('$OUT/inductor.bin.gz', glue); shutil.copy('$OUT/triton_autotune.tgz', tunings)
+print('refreshed', tunings.name, 'and', glue.name)" || return 1
+  coldstart
+}
+export -f refresh
+part refresh "${T_REFRESH:-540}" bash -c refresh
 # kdafold (tests/benchmarks/kda_cp_fold_bench.py: the KDA CP state fold, per-rank indexing vs split+unbind, full widths).
 part kdafold "${T_KDAFOLD:-60}" python3 tests/benchmarks/kda_cp_fold_bench.py --out "$OUT/kda_cp_fold.json"
 part layerbench "${T_LAYERBENCH:-540}" python3 tests/benchmarks/layer_bench.py ${LAYERBENCH_ARGS:-} --out "$OUT/layer_bench.json"
