@@ -364,6 +364,11 @@ versions, the target architecture and the kernel source, not the card, so an ent
 the other. Each group's archives fill the entries the device's own archive lacks (:func:`seed_autotune_cache`)."""
 
 
+def autotune_archive(device_name: str, tunings_dir: Path = TUNINGS_DIR) -> Path:
+    """The archive of a GPU's shipped autotuning results: ``kernels/tunings/<gpu_slug>.tgz``."""
+    return tunings_dir / f"{gpu_slug(device_name)}.tgz"
+
+
 def _extract_autotune_entries(archive: Path, cache_dir: str | os.PathLike) -> int:
     """Extract ``archive``'s ``<key>/<kernel>.autotune.json`` regular files into ``cache_dir``, keeping entries
     already there; returns how many were added."""
@@ -404,14 +409,10 @@ def seed_autotune_cache(cache_dir: str | os.PathLike, device_name: str, tunings_
     card's choice instead of benchmarking every configuration in the first step. The device's own entries win
     where both have one (extracted first, and existing entries are kept).
     """
-    slug = gpu_slug(device_name)
-    siblings = [other for group in SAME_TARGET_GPUS if slug in group for other in group if other != slug]
-    added = 0
-    for name in [slug, *siblings]:
-        archive = tunings_dir / f"{name}.tgz"
-        if archive.exists():
-            added += _extract_autotune_entries(archive, cache_dir)
-    return added
+    own = autotune_archive(device_name, tunings_dir)
+    siblings = [tunings_dir / f"{other}.tgz" for group in SAME_TARGET_GPUS if own.stem in group for other in group
+                if other != own.stem]
+    return sum(_extract_autotune_entries(archive, cache_dir) for archive in [own, *siblings] if archive.exists())
 
 
 def compile_cache_path(device_name: str, torch_version: str, tunings_dir: Path = TUNINGS_DIR) -> Path:

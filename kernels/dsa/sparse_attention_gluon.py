@@ -152,7 +152,10 @@ def _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_i
     """This program's query ``t`` (program 0), 64-head block (program 1) and batch ``b`` (program 2):
     ``(b, q_row, do_row, lse_row, IDX, KV)``, the offsets of its first head in ``Q``, in a contiguous
     ``[B, T, H, D]`` gradient and in ``LSE``, and ``IDX`` and ``KV`` advanced to its index row and batch. int64: at
-    1M tokens x H x D the offsets pass 2^31."""
+    1M tokens x H x D the offsets pass 2^31. Asserts the shapes every Gluon sparse MLA kernel needs."""
+    gl.static_assert(H % _BLOCK_H == 0)
+    gl.static_assert(D % 64 == 0)
+    gl.static_assert(D <= 512)   # D // 2 columns per warpgroup: wgmma's N is at most 256
     t = gl.program_id(0).to(gl.int64)
     pid_h = gl.program_id(1)
     b = gl.program_id(2).to(gl.int64)
@@ -167,10 +170,7 @@ def _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_i
 def _fwd_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib, stride_it, stride_ob, stride_ot,
               stride_oh, stride_lb, stride_lt, H: gl.constexpr, D: gl.constexpr):
     """A forward program's ``(q_row, lse_row, out_row, IDX, KV)``: :func:`_program_rows` and the offset of its
-    first head in ``OUT``; the shapes every Gluon forward needs, asserted."""
-    gl.static_assert(H % _BLOCK_H == 0)
-    gl.static_assert(D % 64 == 0)
-    gl.static_assert(D <= 512)   # D // 2 columns per warpgroup: wgmma's N is at most 256
+    first head in ``OUT``."""
     b, q_row, _, lse_row, IDX, KV = _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
                                                   stride_it, stride_lb, stride_lt, H, D)
     out_row = b * stride_ob + gl.program_id(0).to(gl.int64) * stride_ot + gl.program_id(1) * _BLOCK_H * stride_oh
@@ -621,9 +621,9 @@ def sparse_mla_fwd_pair_kernel(
     upper half after the second's ``P_0 V``; ``K_{2i+1}`` the other way round.
 
     Shared memory: ``q`` 64 KiB, four half blocks 128 KiB, two ``P`` tiles 16 KiB (at ``D`` 512). Opt-in
-    (``schedule="pair"``): on one H100 (``full`` shape, 64k) it ran 77.9 ms against the ring kernel's 46.5 ms. It
-    holds one pair of blocks, and three of the four half blocks free only at the end of the pair, so the next
-    pair's gather waits for this pair's products (``docs/dsa_kernels.md``)."""
+    (``schedule="pair"``): on one H100 (``full`` shape, 64k) it runs 55.4 ms against the ring kernel's 42.5 ms. It
+    holds one pair of blocks, and the next pair's gather waits for most of this pair's products
+    (``docs/dsa_kernels.md``)."""
     gl.static_assert(64 % GATHER_ROWS == 0)
     gl.static_assert(gl.num_warps() == _WG_WARPS)
     q_row, lse_row, out_row, IDX, KV = _fwd_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
@@ -798,9 +798,6 @@ def sparse_mla_dkv_gluon_kernel(
     (benchmarks only, ``DKV`` unchanged) issues the atomics predicated off: the kernel's time without their
     memory traffic. ``PRODUCTS=False`` (benchmarks only, ``DKV`` gets a constant) skips the four products: the
     gathers and the atomics alone."""
-    gl.static_assert(H % _BLOCK_H == 0)
-    gl.static_assert(D % 64 == 0)
-    gl.static_assert(D <= 512)
     gl.static_assert(BLOCK_K == 64)   # the M of the dkv products: one wgmma tile of rows per warpgroup
     gl.static_assert(BLOCK_K % GATHER_ROWS == 0)
     b, q_row, do_row, lse_row, IDX, KV = _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
@@ -899,9 +896,6 @@ def sparse_mla_dq_gluon_kernel(
     for the latent gradient (:func:`sparse_mla_dkv_gluon_kernel`), which this kernel completes: together they are
     the backward at 64 heads per program, where Triton's ``dq`` pass (``MODE`` 1) runs its products one after the
     other with the gather (280 TF/s at the ``full`` shape on an H100, anchor 797)."""
-    gl.static_assert(H % _BLOCK_H == 0)
-    gl.static_assert(D % 64 == 0)
-    gl.static_assert(D <= 512)
     gl.static_assert(BLOCK_K % GATHER_ROWS == 0)
     gl.static_assert(STAGES >= 2)   # block j's buffer is still read by dS_j K_j when block j + 1's is awaited
     b, q_row, do_row, lse_row, IDX, KV = _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,

@@ -43,7 +43,7 @@ elif [ "${SEED_TUNINGS:-1}" = 1 ]; then
   # What an SFT/RL worker does (tasks.caching.shared_kernel_cache): the package's shipped results.
   python3 -c "import sys, torch; sys.path.insert(0, 'tests/gpu'); import flyte_standin as f; f.install_flytekit_stand_in()
 import tasks.caching as c; gpu = torch.cuda.get_device_name()
-print('autotune cache:', c.seed_autotune_cache('$TRITON_CACHE_DIR', gpu), 'results from', c.TUNINGS_DIR / (c.gpu_slug(gpu) + '.tgz'), 'and its same-target siblings')"
+print('autotune cache:', c.seed_autotune_cache('$TRITON_CACHE_DIR', gpu), 'results from', c.autotune_archive(gpu), 'and its same-target siblings')"
 fi
 # inductor's compiled glue (model.fused): scripts load the shipped artifacts themselves when SEED_COMPILE=1
 # (sft_profile.py --seed-compile-cache); TORCHINDUCTOR_CACHE_DIR keeps what a part compiles for the next part.
@@ -128,15 +128,15 @@ refresh() {
   python3 tests/benchmarks/sft_profile.py --pack runs/sft_gpu_pack --configs ${PROFILE_CONFIGS:-64k} --steps 3 \
     --profile-steps 1 --seed-compile-cache --save-compile-cache "$OUT/inductor.bin.gz" \
     --out "$OUT/sft_profile_refresh.json" || return 1
-  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/triton_autotune.tgz" -T -) || return 1
+  save_cache && [ -s "$OUT/triton_autotune.tgz" ] || return 1
   python3 -c "import shutil, sys, torch; sys.path.insert(0, 'tests/gpu'); import flyte_standin as f
 f.install_flytekit_stand_in(); import tasks.caching as c; gpu = torch.cuda.get_device_name()
-glue = c.compile_cache_path(gpu, torch.__version__); tunings = c.TUNINGS_DIR / (c.gpu_slug(gpu) + '.tgz')
+glue = c.compile_cache_path(gpu, torch.__version__); tunings = c.autotune_archive(gpu)
 shutil.copy('$OUT/inductor.bin.gz', glue); shutil.copy('$OUT/triton_autotune.tgz', tunings)
 print('refreshed', tunings.name, 'and', glue.name)" || return 1
   coldstart
 }
-export -f refresh
+export -f refresh save_cache
 part refresh "${T_REFRESH:-540}" bash -c refresh
 # kdafold (tests/benchmarks/kda_cp_fold_bench.py: the KDA CP state fold, per-rank indexing vs split+unbind, full widths).
 part kdafold "${T_KDAFOLD:-60}" python3 tests/benchmarks/kda_cp_fold_bench.py --out "$OUT/kda_cp_fold.json"
