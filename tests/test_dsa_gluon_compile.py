@@ -121,6 +121,37 @@ def test_gluon_sparse_dkv_holds_q_and_do_once(atomics):
     assert not re.search(r"C75[01]\d", report), report
 
 
+@pytest.mark.parametrize("layout", ["v4", "lines"])
+def test_gluon_sparse_dkv_atomic_layouts_widen_the_atomics(layout):
+    """The latent gradient's other atomic layouts (``ATOMIC_LAYOUTS``): the same 64 x 512 float32 adds per key
+    block in half as many ``red.v4.f32`` instructions (16 bytes per thread) instead of ``v2``; ``v4`` trades
+    halves between lanes through shuffles (no shared memory), ``lines`` through shared memory that still fits one
+    CTA per SM; neither spills more than the ``fragments`` build."""
+    import triton
+
+    from kernels.dsa.sm90 import SM_SHARED, compile_gluon_sparse_dkv, resources
+    from kernels.dsa.sparse_attention_gluon import ATOMIC_LAYOUTS, GLUON_DKV_CONFIGS
+
+    cfg = GLUON_DKV_CONFIGS[0]
+    builds = {}
+    for name in ("fragments", layout):
+        config = triton.Config(dict(cfg.kwargs, ATOMIC_LAYOUT=ATOMIC_LAYOUTS.index(name)), num_warps=cfg.num_warps,
+                               maxnreg=cfg.maxnreg)
+        builds[name] = compile_gluon_sparse_dkv(64, 512, config)
+    base, wide = builds["fragments"], builds[layout]
+    count = lambda c, v: len(re.findall(rf"\b(?:red|atom)\.global\.[\w.]*add\.{v}\.f32", c.asm["ptx"]))
+    # each consumer thread's share of one block: 64 x 512 floats over 256 threads
+    assert 2 * count(base, "v2") == 64 * 512 // 256 == 4 * count(wide, "v4")
+    assert count(wide, "v2") == 0
+    shuffles = len(re.findall(r"\bshfl\.sync", wide.asm["ptx"])) - len(re.findall(r"\bshfl\.sync", base.asm["ptx"]))
+    if layout == "v4":
+        assert shuffles > 0 and wide.metadata.shared == base.metadata.shared
+    else:
+        assert shuffles == 0 and base.metadata.shared < wide.metadata.shared <= SM_SHARED
+    # Triton 3.6 (the device's) spills none of the three; newer ptxas spills the same few live values in each
+    assert resources(wide, cfg.num_warps)["stack_bytes"] <= resources(base, cfg.num_warps)["stack_bytes"] + 32
+
+
 def test_gluon_sparse_dq_gathers_q_do_and_a_two_deep_ring():
     """The sparse MLA query-gradient kernel at 64 heads x 512: ``q`` and ``dO`` once each, two 32-key latent
     buffers and the ``dS`` tile in shared memory (one CTA per SM); per key block ``Q K^T`` and ``dO V^T`` over

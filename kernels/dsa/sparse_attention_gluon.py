@@ -130,6 +130,34 @@ def _wgmma_layout(n):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, n // 2, 16])
 
 
+ATOMIC_LAYOUTS = ("fragments", "v4", "lines")
+"""How :func:`sparse_mla_dkv_gluon_kernel` lays out its ``[64, D]`` float32 block before the atomics
+(``ATOMIC_LAYOUT``, an index into this tuple): ``fragments``, the ``wgmma`` result as it is (2 floats per thread,
+``red.v2.f32``; a warp's instruction touches 8 rows, 32 bytes each); ``v4``, two lanes trade halves (64
+shuffles per thread) so each thread holds 4 floats (``red.v4.f32``; 16 rows of 32 bytes per instruction);
+``lines``, through 16 KiB of shared memory so that 8 lanes cover one 128-byte line of a row (4 rows of 128 bytes
+per instruction). The same float32 adds in each; only how many L2 requests carry them differs."""
+
+
+@gluon.constexpr_function
+def _atomic_layout(n, d, mode):
+    """The register layout of the latent gradient's ``[n, d]`` float32 block (``n == 64``, over the two consumer
+    warpgroups as :func:`_wgmma_layout` splits ``d``) for :data:`ATOMIC_LAYOUTS` ``[mode]``. As linear-layout bases
+    ([row, column] per register, lane and warp bit): the ``wgmma`` result's are registers (col 1, row 8, col 8 ..
+    d/4), lanes (col 2, col 4, row 1, row 2, row 4), warps (row 16, row 32, col d/2)."""
+    assert n == 64 and d >= 128 and d & (d - 1) == 0, (n, d)
+    if ATOMIC_LAYOUTS[mode] == "fragments":
+        return _wgmma_layout(d)
+    high = [[0, c] for c in (8, 16, 32, 64, 128, 256, 512, 1024) if c <= d // 4]
+    warps = [[16, 0], [32, 0], [0, d // 2]]
+    if ATOMIC_LAYOUTS[mode] == "v4":   # the row-8 register bit and the col-2 lane bit trade places
+        regs, lanes = [[0, 1], [0, 2]] + high, [[8, 0], [0, 4], [1, 0], [2, 0], [4, 0]]
+    else:   # "lines": columns 4, 8, 16 on lanes, rows 4 and 8 on registers
+        regs, lanes = [[0, 1], [0, 2]] + high[2:] + [[4, 0], [8, 0]], [[0, 4], [0, 8], [0, 16], [1, 0], [2, 0]]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=warps, block_bases=[],
+                                      shape=[n, d])
+
+
 @gluon.constexpr_function
 def _wg_layout(n):
     """The register layout of a ``[64, n]`` ``wgmma`` result held by one warpgroup (four warps of 16 rows)."""
@@ -727,19 +755,21 @@ def _probs_and_ds(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2):
 @gluon.jit
 def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready, empty, lse_row,
                   stride_dks, n_idx, n_blocks, scale, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr,
-                  ATOMICS: gl.constexpr, PRODUCTS: gl.constexpr):
+                  ATOMICS: gl.constexpr, PRODUCTS: gl.constexpr, ATOMIC_LAYOUT: gl.constexpr):
     """The default partition of :func:`sparse_mla_dkv_gluon_kernel` (two warpgroups): per key block, ``P`` and
     ``dS`` of the 64 heads (``[64, BLOCK_K]``, recomputed from ``lse`` and ``delta``), then the block's latent
-    gradient ``dS^T q + P^T dO`` (``[BLOCK_K, D]``, each warpgroup half of ``D``) added to ``DKV``'s rows."""
+    gradient ``dS^T q + P^T dO`` (``[BLOCK_K, D]``, each warpgroup half of ``D``) added to ``DKV``'s rows in the
+    layout :data:`ATOMIC_LAYOUTS` ``[ATOMIC_LAYOUT]``."""
     gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
     s_l: gl.constexpr = _wgmma_layout(BLOCK_K)
     o_l: gl.constexpr = _wgmma_layout(D)
+    a_l: gl.constexpr = _atomic_layout(BLOCK_K, D, ATOMIC_LAYOUT)
     lse2, row_ok, delta = _backward_rows(LSE, DELTA, lse_row, s_l)
     s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
     o_init = gl.zeros([BLOCK_K, D], gl.float32, o_l)
     offs_kb = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
-    offs_kr = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, o_l))
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
+    offs_kr = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, a_l))
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, a_l))
 
     mbarrier.wait(q_bar, 0)
     for j in range(n_blocks):
@@ -765,6 +795,7 @@ def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_s
             _cta_barrier()
             mbarrier.arrive(empty.index(0))
             acc = o_init + scale
+        acc = gl.convert_layout(acc, a_l)
         rows_k = j * BLOCK_K + offs_kr
         rows = gl.load(IDX + rows_k, mask=rows_k < n_idx, other=-1).to(gl.int64)
         if ATOMICS:
@@ -786,6 +817,7 @@ def sparse_mla_dkv_gluon_kernel(
     n_idx, scale, scale_log2,
     H: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, GATHER_ROWS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ATOMICS: gl.constexpr = True, INDICES_AHEAD: gl.constexpr = False, PRODUCTS: gl.constexpr = True,
+    ATOMIC_LAYOUT: gl.constexpr = 0,
 ):
     """The latent's gradient of one query ``t`` (program 0) and heads ``[64 * pid_h, 64 * pid_h + 64)`` (program
     1), batch ``b`` (program 2), added to ``DKV [B, S, D]`` float32 with atomics: ``sum_h scale * dS[h, k] q[h]
@@ -797,7 +829,8 @@ def sparse_mla_dkv_gluon_kernel(
     one 64-key latent buffer, where Triton's per-operand copies need 256-352 KiB at 64 heads. ``ATOMICS=False``
     (benchmarks only, ``DKV`` unchanged) issues the atomics predicated off: the kernel's time without their
     memory traffic. ``PRODUCTS=False`` (benchmarks only, ``DKV`` gets a constant) skips the four products: the
-    gathers and the atomics alone."""
+    gathers and the atomics alone. ``ATOMIC_LAYOUT`` indexes :data:`ATOMIC_LAYOUTS`: how the block's float32 rows
+    are spread over the threads for their atomics."""
     gl.static_assert(BLOCK_K == 64)   # the M of the dkv products: one wgmma tile of rows per warpgroup
     gl.static_assert(BLOCK_K % GATHER_ROWS == 0)
     b, q_row, do_row, lse_row, IDX, KV = _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
@@ -815,7 +848,8 @@ def sparse_mla_dkv_gluon_kernel(
 
     gl.warp_specialize([
         (_dkv_consumer, (IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready, empty,
-                         lse_row, stride_dks, n_idx, n_blocks, scale, scale_log2, D, BLOCK_K, ATOMICS, PRODUCTS)),
+                         lse_row, stride_dks, n_idx, n_blocks, scale, scale_log2, D, BLOCK_K, ATOMICS, PRODUCTS,
+                         ATOMIC_LAYOUT)),
         (_producer, (Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_row, do_row, stride_qh,
                      stride_kvs, n_idx, n_blocks, D, BLOCK_K, 1, GATHER_ROWS, True, INDICES_AHEAD)),
     ], [_PRODUCER_WARPS], [PRODUCER_REGS])
@@ -1034,7 +1068,8 @@ def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
 
 def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
                          lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float, dkv: torch.Tensor,
-                         atomics: bool = True, indices_ahead: bool = False, products: bool = True) -> None:
+                         atomics: bool = True, indices_ahead: bool = False, products: bool = True,
+                         atomic_layout: str | None = None) -> None:
     """Add the latent's gradient of :func:`kernels.dsa.sparse_attention.sparse_mla_attention` to ``dkv``, from
     :func:`sparse_mla_dkv_gluon_kernel`: every selected key of every query, 64 heads per program.
 
@@ -1049,6 +1084,7 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         products: ``False`` for benchmarks only: no products, a constant added to ``dkv``'s selected rows; the
             time of the gathers and the atomics alone.
         indices_ahead: the producer's ``INDICES_AHEAD`` (:func:`_producer`; benchmarks: no faster here on an H100).
+        atomic_layout: one of :data:`ATOMIC_LAYOUTS` (benchmarks and checks), or ``None``: the configuration's.
 
     Raises:
         DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
@@ -1064,4 +1100,5 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         dkv.stride(0), dkv.stride(1),
         indices.shape[2], softmax_scale, softmax_scale * 1.4426950408889634,
         H=heads, D=dqk, ATOMICS=atomics, INDICES_AHEAD=indices_ahead, PRODUCTS=products,
+        **({} if atomic_layout is None else {"ATOMIC_LAYOUT": ATOMIC_LAYOUTS.index(atomic_layout)}),
     )

@@ -5,7 +5,7 @@
 At 256 queries, 64 and 128 heads, a 512-wide latent and 200 index slots per query (not a multiple of any
 ``BLOCK_K``; random keys with ``-1`` holes, one query with none valid), each configuration of
 :func:`kernels.dsa.sparse_attention_gluon.sparse_mla_fwd_gluon_kernel` launched outside the autotuner, and
-:func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dkv`, against the float64 torch paths
+:func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dkv` (in each of its ``ATOMIC_LAYOUTS``)
 and :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dq`, against the float64 torch paths
 (:mod:`kernels.dsa.sparse_attention`): relative Frobenius error of ``out``, ``dkv`` and ``dq`` <= 1e-2, ``lse``
 within 5e-2, the empty query's output and ``dq`` 0 and its ``lse`` ``-inf``. Each launch is synchronized and reported before the next,
@@ -88,6 +88,15 @@ def ring_and_gradients(fwd_configs, indices_ahead: bool) -> bool:
         ok &= good
         print(f"dkv {heads} heads, indices ahead {indices_ahead}: rel {err:.2e} {time.perf_counter() - t0:.1f}s "
               f"{'ok' if good else 'FAIL'}", flush=True)
+        for layout in sag.ATOMIC_LAYOUTS[1:]:   # the same gradient through wider atomics
+            dkv.zero_()
+            sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse, delta, scale, dkv, indices_ahead=indices_ahead,
+                                     atomic_layout=layout)
+            err = rel(dkv, dkv64)
+            good = err <= 1e-2
+            ok &= good
+            print(f"dkv {heads} heads, {layout} atomics, indices ahead {indices_ahead}: rel {err:.2e} "
+                  f"{'ok' if good else 'FAIL'}", flush=True)
         t0 = time.perf_counter()
         dq = sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse, delta, scale, indices_ahead=indices_ahead)
         torch.cuda.synchronize()
