@@ -66,7 +66,7 @@ def gluon_forward_rows(q, kv, idx, scale, out_ref, lse_ref, fwd_flops, reps) -> 
 
 def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, ceil, valid_keys) -> None:
     """``--gluon-only``: the autotuned Triton forward and every Gluon forward, then the Gluon query gradient and
-    latent gradient (with its atomics, predicated off, and alone without the products; then in each other
+    latent gradient (with its atomics, predicated off, and alone without the products; then in each other of
     :data:`kernels.dsa.sparse_attention_gluon.ATOMIC_LAYOUTS`), one table."""
     t_fwd_auto, _ = timed(lambda: sat.triton_sparse_mla_fwd(q, kv, idx, scale, q.shape[-1]), args.reps)
     rows = gluon_forward_rows(q, kv, idx, scale, out_ref, lse_ref, fwd_flops, args.reps)
@@ -87,7 +87,8 @@ def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, c
         ]
     kernels.append(("gluon dkv, gathers and atomics only (no products)", None,
                     lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, products=False)))
-    for layout in sag.ATOMIC_LAYOUTS[1:]:   # the same atomic rows in fewer, wider requests
+    default = sag.ATOMIC_LAYOUTS[sag.GLUON_DKV_CONFIGS[0].kwargs["ATOMIC_LAYOUT"]]
+    for layout in [a for a in sag.ATOMIC_LAYOUTS if a != default]:   # the same atomic rows, other requests
         kernels += [
             (f"gluon dkv, {layout} atomics", 4 * per_token,
              lambda a=layout: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, atomic_layout=a)),

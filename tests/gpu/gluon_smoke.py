@@ -88,7 +88,7 @@ def ring_and_gradients(fwd_configs, indices_ahead: bool) -> bool:
         ok &= good
         print(f"dkv {heads} heads, indices ahead {indices_ahead}: rel {err:.2e} {time.perf_counter() - t0:.1f}s "
               f"{'ok' if good else 'FAIL'}", flush=True)
-        for layout in sag.ATOMIC_LAYOUTS[1:]:   # the same gradient through wider atomics
+        for layout in sag.ATOMIC_LAYOUTS:   # the same gradient in each atomic layout
             dkv.zero_()
             sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse, delta, scale, dkv, indices_ahead=indices_ahead,
                                      atomic_layout=layout)
