@@ -297,11 +297,10 @@ def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_r
     # wait orders the two (the PTX memory model's rule; one fence per key block)
     fence_async_shared()
     s_tok = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), s_init, use_acc=False, is_async=True)
+    idx = gl.load(IDX + offs_kb, mask=offs_kb < n_idx, other=-1)
     scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     for j in range(n_blocks):
         slot = j % STAGES
-        offs_k = j * BLOCK_K + offs_kb
-        idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
         s = gl.where((idx >= 0)[None, :], scores * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -315,6 +314,10 @@ def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_r
         fence_async_shared()
         _cta_barrier()
         acc_tok = warpgroup_mma(p_smem, kv_smem.index(slot), acc, is_async=True)
+        # block j + 1's indices: their round trip to L2 runs under P_j V_j and the wait for the block, not in
+        # the softmax between the two products
+        offs_k = (j + 1) * BLOCK_K + offs_kb
+        idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
         nxt = gl.minimum(j + 1, n_blocks - 1)   # the last iteration recomputes its own block's scores, unused
         mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
         fence_async_shared()
@@ -727,13 +730,16 @@ the SM's shared memory), released as soon as ``Q K^T`` and ``dO V^T`` of its blo
 
 
 @gluon.jit
-def _scores_and_dp(q_smem, do_smem, kv_block, s_init):
+def _scores_and_dp(q_smem, do_smem, kv_block, s_init, IDX, offs_k, n_idx):
     """``S = Q K^T`` and ``dP = dO V^T`` of one latent block (``V`` is the latent), both issued before either is
-    awaited: ``[64, BLOCK_K]`` float32 each, in ``s_init``'s layout."""
+    awaited: ``[64, BLOCK_K]`` float32 each, in ``s_init``'s layout; and the block's indices ``IDX[offs_k]``
+    (``-1`` past ``n_idx``), loaded while the products run so that their round trip to L2 is not added to them."""
     kv_t = kv_block.permute((1, 0))
     s_tok = warpgroup_mma(q_smem, kv_t, s_init, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(do_smem, kv_t, s_init, use_acc=False, is_async=True)
-    return warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dp_tok))
+    idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
+    scores, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dp_tok))
+    return scores, dp, idx
 
 
 @gluon.jit
@@ -779,13 +785,12 @@ def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_s
         mbarrier.wait(ready.index(0), j & 1)
         if PRODUCTS:
             fence_async_shared()   # the producer's cp.async (generic proxy) before wgmma's reads (async proxy)
-            scores, dp = _scores_and_dp(q_smem, do_smem, kv_smem.index(0), s_init)
+            scores, dp, idx = _scores_and_dp(q_smem, do_smem, kv_smem.index(0), s_init, IDX, j * BLOCK_K + offs_kb,
+                                             n_idx)
             # Both warpgroups' products of the block have retired: the buffer takes block j + 1 while this
             # block's gradient is formed (it needs q, dO, P and dS, not the latent)
             _cta_barrier()
             mbarrier.arrive(empty.index(0))
-            offs_k = j * BLOCK_K + offs_kb
-            idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
             p, ds = _probs_and_ds(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2)
             pt_smem.store(gl.permute(p.to(pt_smem.dtype), (1, 0)))
             dst_smem.store(gl.permute(ds.to(dst_smem.dtype), (1, 0)))
@@ -793,14 +798,16 @@ def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_s
             _cta_barrier()
             acc = warpgroup_mma(dst_smem, q_smem, o_init, use_acc=False, is_async=True)
             acc = warpgroup_mma(pt_smem, do_smem, acc, is_async=True)
+            rows_k = j * BLOCK_K + offs_kr   # the atomics' rows, loaded under the two products
+            rows = gl.load(IDX + rows_k, mask=rows_k < n_idx, other=-1).to(gl.int64)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         else:   # the gathers and the atomics alone (benchmarks only): what the products could hide under
             _cta_barrier()
             mbarrier.arrive(empty.index(0))
+            rows_k = j * BLOCK_K + offs_kr
+            rows = gl.load(IDX + rows_k, mask=rows_k < n_idx, other=-1).to(gl.int64)
             acc = o_init + scale
         acc = gl.convert_layout(acc, a_l)
-        rows_k = j * BLOCK_K + offs_kr
-        rows = gl.load(IDX + rows_k, mask=rows_k < n_idx, other=-1).to(gl.int64)
         if ATOMICS:
             keep = rows >= 0
         else:   # issued but predicated off (no row is below -1): the atomics' memory traffic out of the timing
@@ -895,9 +902,8 @@ def _dq_consumer(IDX, DQ, LSE, DELTA, q_smem, do_smem, kv_smem, ds_smem, q_bar, 
         slot = j % STAGES
         mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
         fence_async_shared()   # the producer's cp.async (generic proxy) before wgmma's reads (async proxy)
-        scores, dp = _scores_and_dp(q_smem, do_smem, kv_smem.index(slot), s_init)
-        offs_k = j * BLOCK_K + offs_kb
-        idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
+        scores, dp, idx = _scores_and_dp(q_smem, do_smem, kv_smem.index(slot), s_init, IDX, j * BLOCK_K + offs_kb,
+                                         n_idx)
         _, ds = _probs_and_ds(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2)
         ds_smem.store(ds.to(ds_smem.dtype))
         # every consumer warp's part of dS is in shared memory and visible to wgmma's (async) proxy
