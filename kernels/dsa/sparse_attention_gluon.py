@@ -719,14 +719,15 @@ FWD_SCHEDULE = "ring"
 
 
 GLUON_DKV_CONFIGS = [
-    triton.Config({"BLOCK_K": 64, "GATHER_ROWS": 16, "PRODUCER_REGS": regs,
-                   "ATOMIC_LAYOUT": ATOMIC_LAYOUTS.index("lines")}, num_warps=CONSUMER_WARPS, maxnreg=MAXNREG)
+    triton.Config({"BLOCK_K": 64, "GATHER_ROWS": 16, "PRODUCER_REGS": regs}, num_warps=CONSUMER_WARPS, maxnreg=MAXNREG)
     for regs in (56,)
 ]
 """Configurations of :func:`sparse_mla_dkv_gluon_kernel`: one 64-key buffer (``q`` and ``dO`` take 128 KiB of
-the SM's shared memory), released as soon as ``Q K^T`` and ``dO V^T`` of its block retire; the atomic rows in
-128-byte lines (one H100, ``full`` shape, 64k: 116.5 ms against 135.6 in the ``wgmma`` fragments and 138.1 in
-``v4``: the L2 requests, not the instructions, bound them)."""
+the SM's shared memory), released as soon as ``Q K^T`` and ``dO V^T`` of its block retire."""
+DKV_ATOMIC_LAYOUT = "lines"
+"""The :data:`ATOMIC_LAYOUTS` entry :func:`gluon_sparse_mla_dkv` launches with. One H100, ``full`` shape, 64k:
+116.5 ms in 128-byte lines against 135.6 in the ``wgmma`` fragments and 138.1 in ``v4``: the number of L2 requests
+bounds the atomics, not the instructions; the conversion through shared memory costs ~10 ms of it."""
 
 
 @gluon.jit
@@ -1093,7 +1094,7 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         products: ``False`` for benchmarks only: no products, a constant added to ``dkv``'s selected rows; the
             time of the gathers and the atomics alone.
         indices_ahead: the producer's ``INDICES_AHEAD`` (:func:`_producer`; benchmarks: no faster here on an H100).
-        atomic_layout: one of :data:`ATOMIC_LAYOUTS` (benchmarks and checks), or ``None``: the configuration's.
+        atomic_layout: one of :data:`ATOMIC_LAYOUTS` (benchmarks and checks), or ``None``: :data:`DKV_ATOMIC_LAYOUT`.
 
     Raises:
         DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
@@ -1109,5 +1110,5 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         dkv.stride(0), dkv.stride(1),
         indices.shape[2], softmax_scale, softmax_scale * 1.4426950408889634,
         H=heads, D=dqk, ATOMICS=atomics, INDICES_AHEAD=indices_ahead, PRODUCTS=products,
-        **({} if atomic_layout is None else {"ATOMIC_LAYOUT": ATOMIC_LAYOUTS.index(atomic_layout)}),
+        ATOMIC_LAYOUT=ATOMIC_LAYOUTS.index(atomic_layout or DKV_ATOMIC_LAYOUT),
     )

@@ -87,8 +87,7 @@ def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, c
         ]
     kernels.append(("gluon dkv, gathers and atomics only (no products)", None,
                     lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, products=False)))
-    default = sag.ATOMIC_LAYOUTS[sag.GLUON_DKV_CONFIGS[0].kwargs["ATOMIC_LAYOUT"]]
-    for layout in [a for a in sag.ATOMIC_LAYOUTS if a != default]:   # the same atomic rows, other requests
+    for layout in [a for a in sag.ATOMIC_LAYOUTS if a != sag.DKV_ATOMIC_LAYOUT]:   # the same atomic rows, other requests
         kernels += [
             (f"gluon dkv, {layout} atomics", 4 * per_token,
              lambda a=layout: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, atomic_layout=a)),
