@@ -123,11 +123,11 @@ def test_gluon_sparse_dkv_holds_q_and_do_once(atomics):
     assert not re.search(r"C75[01]\d", report), report
 
 
-@pytest.mark.parametrize("layout", ["v4", "lines"])
+@pytest.mark.parametrize("layout", ["v4", "halves", "lines"])
 def test_gluon_sparse_dkv_atomic_layouts_widen_the_atomics(layout):
     """The latent gradient's other atomic layouts (``ATOMIC_LAYOUTS``): the same 64 x 512 float32 adds per key
-    block in half as many ``red.v4.f32`` instructions (16 bytes per thread) instead of ``v2``; ``v4`` trades
-    halves between lanes through shuffles (no shared memory), ``lines`` through shared memory that still fits one
+    block in half as many ``red.v4.f32`` instructions (16 bytes per thread) instead of ``v2``; ``v4`` and
+    ``halves`` trade values between lanes through shuffles (no shared memory), ``lines`` through shared memory that still fits one
     CTA per SM; neither spills more than the ``fragments`` build."""
     import triton
 
@@ -146,7 +146,7 @@ def test_gluon_sparse_dkv_atomic_layouts_widen_the_atomics(layout):
     assert 2 * count(base, "v2") == 64 * 512 // 256 == 4 * count(wide, "v4")
     assert count(wide, "v2") == 0
     shuffles = len(re.findall(r"\bshfl\.sync", wide.asm["ptx"])) - len(re.findall(r"\bshfl\.sync", base.asm["ptx"]))
-    if layout == "v4":
+    if layout in ("v4", "halves"):
         assert shuffles > 0 and wide.metadata.shared == base.metadata.shared
     else:
         assert shuffles == 0 and base.metadata.shared < wide.metadata.shared <= SM_SHARED

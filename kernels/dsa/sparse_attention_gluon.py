@@ -130,12 +130,12 @@ def _wgmma_layout(n):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, n // 2, 16])
 
 
-ATOMIC_LAYOUTS = ("fragments", "v4", "lines")
+ATOMIC_LAYOUTS = ("fragments", "v4", "halves", "lines")
 """How :func:`sparse_mla_dkv_gluon_kernel` lays out its ``[64, D]`` float32 block before the atomics
 (``ATOMIC_LAYOUT``, an index into this tuple): ``fragments``, the ``wgmma`` result as it is (2 floats per thread,
 ``red.v2.f32``; a warp's instruction touches 8 rows, 32 bytes each); ``v4``, two lanes trade halves (64
 shuffles per thread) so each thread holds 4 floats (``red.v4.f32``; 16 rows of 32 bytes per instruction);
-``lines``, through 16 KiB of shared memory so that 8 lanes cover one 128-byte line of a row (4 rows of 128 bytes
+``halves``, the same number of shuffles moving other columns: 8 rows of 64 bytes per instruction; ``lines``, through 16 KiB of shared memory so that 8 lanes cover one 128-byte line of a row (4 rows of 128 bytes
 per instruction). The same float32 adds in each; only how many L2 requests carry them differs."""
 
 
@@ -152,6 +152,8 @@ def _atomic_layout(n, d, mode):
     warps = [[16, 0], [32, 0], [0, d // 2]]
     if ATOMIC_LAYOUTS[mode] == "v4":   # the row-8 register bit and the col-2 lane bit trade places
         regs, lanes = [[0, 1], [0, 2]] + high, [[8, 0], [0, 4], [1, 0], [2, 0], [4, 0]]
+    elif ATOMIC_LAYOUTS[mode] == "halves":   # the col-8 register bit and the col-2 lane bit trade places
+        regs, lanes = [[0, 1], [0, 2], [8, 0]] + high[1:], [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
     else:   # "lines": columns 4, 8, 16 on lanes, rows 4 and 8 on registers
         regs, lanes = [[0, 1], [0, 2]] + high[2:] + [[4, 0], [8, 0]], [[0, 4], [0, 8], [0, 16], [1, 0], [2, 0]]
     return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=warps, block_bases=[],
