@@ -1,6 +1,6 @@
 """First contact of the Gluon sparse MLA kernels with a GPU: small, fast, float64-checked. Run on an H100/H200:
 
-    python tests/gpu/gluon_smoke.py            # session part gluonsmoke (60 s): a hang costs one minute
+    python tests/gpu/gluon_smoke.py            # session part gluonsmoke (150 s: every variant compiles cold)
 
 At 256 queries, 64 and 128 heads, a 512-wide latent and 200 index slots per query (not a multiple of any
 ``BLOCK_K``; random keys with ``-1`` holes, one query with none valid), each configuration of
