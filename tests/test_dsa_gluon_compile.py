@@ -127,8 +127,8 @@ def test_gluon_sparse_dkv_holds_q_and_do_once(atomics):
 def test_gluon_sparse_dkv_atomic_layouts_widen_the_atomics(layout):
     """The latent gradient's other atomic layouts (``ATOMIC_LAYOUTS``): the same 64 x 512 float32 adds per key
     block in half as many ``red.v4.f32`` instructions (16 bytes per thread) instead of ``v2``; ``v4`` and
-    ``halves`` trade values between lanes through shuffles (no shared memory), ``lines`` through shared memory that still fits one
-    CTA per SM; neither spills more than the ``fragments`` build."""
+    ``halves`` trade values between lanes through shuffles (no shared memory), ``lines`` through shared memory
+    that still fits one CTA per SM; none spills more than the ``fragments`` build."""
     import triton
 
     from kernels.dsa.sm90 import SM_SHARED, compile_gluon_sparse_dkv, resources
@@ -157,8 +157,8 @@ def test_gluon_sparse_dkv_atomic_layouts_widen_the_atomics(layout):
 def test_gluon_sparse_dq_gathers_q_do_and_a_two_deep_ring():
     """The sparse MLA query-gradient kernel at 64 heads x 512: ``q`` and ``dO`` once each, two 32-key latent
     buffers and the ``dS`` tile in shared memory (one CTA per SM); per key block ``Q K^T`` and ``dO V^T`` over
-    K = 512 and ``dS K`` over the block's 32 keys; ``cp.async`` signalled with ``.noinc`` for the query tile and
-    the ring; no serialized ``wgmma``."""
+    K = 512 (issued before the previous block's ``dS K`` is awaited) and ``dS K`` over the block's 32 keys;
+    ``cp.async`` signalled with ``.noinc`` for the query tile and the ring; no serialized ``wgmma``."""
     from kernels.dsa.sm90 import SM_SHARED, compile_gluon_sparse_dq
     from kernels.dsa.sparse_attention_gluon import GLUON_DQ_CONFIGS
 
@@ -168,7 +168,8 @@ def test_gluon_sparse_dq_gathers_q_do_and_a_two_deep_ring():
         block_k = cfg.kwargs["BLOCK_K"]
         expected_smem = (2 * 64 * 512 + cfg.kwargs["STAGES"] * block_k * 512 + 64 * block_k) * 2
         assert expected_smem <= compiled.metadata.shared <= SM_SHARED
-        assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * 512 // 16 + block_k // 16
+        # S and dP of the first block before the loop and of the next block inside it, then dS K
+        assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * (2 * 512 // 16) + block_k // 16
         assert len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)) == 2
         assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+\d+", ptx) and "setmaxnreg.inc" in ptx
         report = ptxas_report(compiled)
