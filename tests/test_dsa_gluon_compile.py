@@ -157,8 +157,8 @@ def test_gluon_sparse_dkv_atomic_layouts_widen_the_atomics(layout):
 def test_gluon_sparse_dq_gathers_q_do_and_a_two_deep_ring():
     """The sparse MLA query-gradient kernel at 64 heads x 512: ``q`` and ``dO`` once each, two 32-key latent
     buffers and the ``dS`` tile in shared memory (one CTA per SM); per key block ``Q K^T`` and ``dO V^T`` over
-    K = 512 (issued before the previous block's ``dS K`` is awaited) and ``dS K`` over the block's 32 keys;
-    ``cp.async`` signalled with ``.noinc`` for the query tile and the ring; no serialized ``wgmma``."""
+    K = 512 and ``dS K`` over the block's 32 keys; ``cp.async`` signalled with ``.noinc`` for the query tile and
+    the ring; no serialized ``wgmma``."""
     from kernels.dsa.sm90 import SM_SHARED, compile_gluon_sparse_dq
     from kernels.dsa.sparse_attention_gluon import GLUON_DQ_CONFIGS
 

@@ -739,21 +739,13 @@ bounds the atomics, not the instructions; the conversion through shared memory c
 
 
 @gluon.jit
-def _issue_scores_and_dp(q_smem, do_smem, kv_block, s_init):
-    """Issue ``S = Q K^T`` and ``dP = dO V^T`` of one latent block (``V`` is the latent), two ``wgmma`` groups:
-    their tokens, ``[64, BLOCK_K]`` float32 each in ``s_init``'s layout once awaited."""
+def _scores_and_dp(q_smem, do_smem, kv_block, s_init, IDX, offs_k, n_idx):
+    """``S = Q K^T`` and ``dP = dO V^T`` of one latent block (``V`` is the latent), both issued before either is
+    awaited: ``[64, BLOCK_K]`` float32 each, in ``s_init``'s layout; and the block's indices ``IDX[offs_k]``
+    (``-1`` past ``n_idx``), loaded while the products run so that their round trip to L2 is not added to them."""
     kv_t = kv_block.permute((1, 0))
     s_tok = warpgroup_mma(q_smem, kv_t, s_init, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(do_smem, kv_t, s_init, use_acc=False, is_async=True)
-    return s_tok, dp_tok
-
-
-@gluon.jit
-def _scores_and_dp(q_smem, do_smem, kv_block, s_init, IDX, offs_k, n_idx):
-    """``S = Q K^T`` and ``dP = dO V^T`` of one latent block, both issued before either is awaited, and the
-    block's indices ``IDX[offs_k]`` (``-1`` past ``n_idx``), loaded while the products run so that their round
-    trip to L2 is not added to them."""
-    s_tok, dp_tok = _issue_scores_and_dp(q_smem, do_smem, kv_block, s_init)
     idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
     scores, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dp_tok))
     return scores, dp, idx
@@ -901,13 +893,11 @@ overlaps them."""
 @gluon.jit
 def _dq_consumer(IDX, DQ, LSE, DELTA, q_smem, do_smem, kv_smem, ds_smem, q_bar, ready, empty, dq_row, stride_dqh,
                  lse_row, n_idx, n_blocks, scale, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr,
-                 STAGES: gl.constexpr, PIPELINED: gl.constexpr):
+                 STAGES: gl.constexpr):
     """The default partition of :func:`sparse_mla_dq_gluon_kernel` (two warpgroups): per key block ``P`` and
     ``dS`` of the 64 heads (recomputed from ``lse`` and ``delta``; each warpgroup half of the block's keys),
     ``dS`` through shared memory, then ``dq += dS K`` (each warpgroup half of ``D``), the block's buffer released
-    once both warpgroups' ``dS K`` retired. ``PIPELINED``: the next block's ``S`` and ``dP`` are issued before
-    ``dS K`` is awaited, so the tensor cores run them back to back (the forward's order); off (benchmarks), each
-    block's products wait for the previous block's ``dS K`` to retire."""
+    once both warpgroups' ``dS K`` retired."""
     gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
     s_l: gl.constexpr = _wgmma_layout(BLOCK_K)
     o_l: gl.constexpr = _wgmma_layout(D)
@@ -927,29 +917,18 @@ def _dq_consumer(IDX, DQ, LSE, DELTA, q_smem, do_smem, kv_smem, ds_smem, q_bar, 
         # every consumer warp's part of dS is in shared memory and visible to wgmma's (async) proxy
         fence_async_shared()
         _cta_barrier()
-        acc_tok = warpgroup_mma(ds_smem, kv_smem.index(slot), acc, is_async=True)
-        if PIPELINED:
-            # block j + 1's S and dP queue behind dS_j K_j on the tensor cores, its indices' round trip under
-            # both (the last iteration recomputes its own block's, unused: the producer is done with the ring)
-            offs_k = (j + 1) * BLOCK_K + offs_kb
-            idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
-            nxt = gl.minimum(j + 1, n_blocks - 1)
+        acc = warpgroup_mma(ds_smem, kv_smem.index(slot), acc, is_async=True)
+        # S and dP of block j + 1 issued before this wait (the forward's order) spilled 520 bytes per thread at
+        # 168 registers and took the kernel from 71.7 to 124.2 ms (one H100, full shape, 64k)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _cta_barrier()   # both warpgroups' dS_j K_j retired: the slot and dS are free
+        mbarrier.arrive(empty.index(slot))
+        if j + 1 < n_blocks:
+            nxt = j + 1
             mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
             fence_async_shared()
-            s_tok, dp_tok = _issue_scores_and_dp(q_smem, do_smem, kv_smem.index(nxt % STAGES), s_init)
-            acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc_tok,))   # dS_j K_j retired
-            _cta_barrier()   # both warpgroups' dS_j K_j retired: the slot and dS are free
-            mbarrier.arrive(empty.index(slot))
-            scores, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dp_tok))
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
-            _cta_barrier()   # both warpgroups' dS_j K_j retired: the slot and dS are free
-            mbarrier.arrive(empty.index(slot))
-            if j + 1 < n_blocks:
-                mbarrier.wait(ready.index((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
-                fence_async_shared()
-                scores, dp, idx = _scores_and_dp(q_smem, do_smem, kv_smem.index((j + 1) % STAGES), s_init, IDX,
-                                                 (j + 1) * BLOCK_K + offs_kb, n_idx)
+            scores, dp, idx = _scores_and_dp(q_smem, do_smem, kv_smem.index(nxt % STAGES), s_init, IDX,
+                                             nxt * BLOCK_K + offs_kb, n_idx)
 
     offs_hr = gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, o_l))
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
@@ -966,7 +945,7 @@ def sparse_mla_dq_gluon_kernel(
     stride_lb, stride_lt,
     n_idx, scale, scale_log2,
     H: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATHER_ROWS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, INDICES_AHEAD: gl.constexpr = False, PIPELINED: gl.constexpr = True,
+    PRODUCER_REGS: gl.constexpr, INDICES_AHEAD: gl.constexpr = False,
 ):
     """The query gradient of one query ``t`` (program 0) and heads ``[64 * pid_h, 64 * pid_h + 64)`` (program 1),
     batch ``b`` (program 2): ``DQ[h] = sum_k scale * dS[h, k] kv[k]`` over the selected keys, ``dS = P (dP -
@@ -991,7 +970,7 @@ def sparse_mla_dq_gluon_kernel(
 
     gl.warp_specialize([
         (_dq_consumer, (IDX, DQ, LSE, DELTA, q_smem, do_smem, kv_smem, ds_smem, q_bar, ready, empty, do_row, D,
-                        lse_row, n_idx, n_blocks, scale, scale_log2, D, BLOCK_K, STAGES, PIPELINED)),
+                        lse_row, n_idx, n_blocks, scale, scale_log2, D, BLOCK_K, STAGES)),
         (_producer, (Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_row, do_row, stride_qh,
                      stride_kvs, n_idx, n_blocks, D, BLOCK_K, STAGES, GATHER_ROWS, True, INDICES_AHEAD)),
     ], [_PRODUCER_WARPS], [PRODUCER_REGS])
@@ -1082,8 +1061,7 @@ def _backward_inputs(q, kv, indices, grad_out, lse, delta, what: str) -> tuple[t
 
 def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
                         lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float,
-                        dq: torch.Tensor | None = None, indices_ahead: bool = False,
-                        pipelined: bool = True) -> torch.Tensor:
+                        dq: torch.Tensor | None = None, indices_ahead: bool = False) -> torch.Tensor:
     """``dq [B, T, H, Dqk]`` (q.dtype) of :func:`kernels.dsa.sparse_attention.sparse_mla_attention`, from
     :func:`sparse_mla_dq_gluon_kernel`: every selected key of every query, 64 heads per program.
 
@@ -1094,7 +1072,6 @@ def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
         lse, delta: ``[B, T, H]`` float32: the forward's log-sum-exp and ``rowsum(dO * O)``.
         dq: a contiguous ``[B, T, H, Dqk]`` tensor of ``q``'s dtype to write into (``None``: a new one).
         indices_ahead: the producer's ``INDICES_AHEAD`` (:func:`_producer`; benchmarks: no faster here on an H100).
-        pipelined: the consumer's ``PIPELINED`` (:func:`_dq_consumer`); ``False`` for benchmarks only.
 
     Raises:
         DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
@@ -1109,7 +1086,7 @@ def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
         indices.stride(0), indices.stride(1),
         lse.stride(0), lse.stride(1),
         indices.shape[2], softmax_scale, softmax_scale * 1.4426950408889634,
-        H=heads, D=dqk, INDICES_AHEAD=indices_ahead, PIPELINED=pipelined,
+        H=heads, D=dqk, INDICES_AHEAD=indices_ahead,
     )
     return dq
 

@@ -87,8 +87,6 @@ def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, c
         ]
     kernels.append(("gluon dkv, gathers and atomics only (no products)", None,
                     lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, products=False)))
-    kernels.append(("gluon dq, not pipelined (each block's S and dP after the previous dS K)", 3 * per_token,
-                    lambda: sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse_ref, delta, scale, pipelined=False)))
     # the same atomic rows in other L2 requests
     for layout in [a for a in sag.ATOMIC_LAYOUTS if a != sag.DKV_ATOMIC_LAYOUT]:
         kernels += [
