@@ -32,29 +32,33 @@ count that is a multiple of 64 (one ``wgmma`` tile of rows per program), ``d_v =
 512, and CUDA capability 9.x; :func:`gluon_sparse_mla_fwd` raises :class:`kernels.dsa.errors.DSAInputError`
 otherwise. It is the forward wherever it runs (``fwd_kernel="auto"``, :func:`kernels.dsa.sparse_attention.choose_kernels`):
 checked by ``tests/gpu/gluon_smoke.py`` and ``tests/gpu/dsa_check.py`` and timed by
-``tests/benchmarks/sparse_mla_tilings.py`` on an H100 (418 TF/s at the ``full`` shape, 64k tokens, with the
-producer's indices ahead, against the Triton forward's 254; anchor 788).
+``tests/benchmarks/sparse_mla_tilings.py`` on an H100 (427 TF/s at the ``full`` shape, 64k tokens, with the
+producer's indices ahead and each block's indices loaded under the previous block's ``P V``, against the Triton
+forward's 252; anchor 790).
 
 The latent gradient (:func:`sparse_mla_dkv_gluon_kernel`, ``dkv_kernel="auto"`` or ``"gluon"``) exists because
 Triton's per-query backward cannot take 64 heads in one program: it holds ``q`` and ``dO`` twice each, once per
 major order its products read them in (256-352 KiB at 64 heads x 512), so the autotuner falls back to 32- or
-16-head programs, each gathering every selected row and adding its own atomic row per key. Here the producer
-copies ``q`` and ``dO`` once, ``wgmma`` reads each in both orders, and one 64-key latent buffer is released as
-soon as ``Q K^T`` and ``dO V^T`` retire, so the next gather overlaps ``dS^T q + P^T dO`` and the atomics. With
-its atomics predicated off it takes 74.8 ms instead of 135.4 ms (one H100, ``full`` shape, 64k tokens), and with
-its products skipped (``PRODUCTS=False``) 127.1 ms: its gathers and atomic rows bound it, not its pipeline. An
-H200, with 1.41x the copy rate, runs it (and the forward and query gradient) in the same time, so HBM is not what
-bounds these kernels. Nor are the gathers: with every query's pools the same 128 (L2-resident) or spread over
-its whole history the forward and query gradient take within 7% of their time on a recent window, so their
-own pipeline (the softmax between one key block's two products) bounds them; only this kernel's atomics slow
-down on a spread selection (``docs/dsa_kernels.md``).
+16-head programs, each gathering every selected row and adding its own atomic row per key. Here the producer copies
+``q`` and ``dO`` once, ``wgmma`` reads each in both orders, and one 64-key latent buffer is released as soon as
+``Q K^T`` and ``dO V^T`` retire, so the next gather overlaps ``dS^T q + P^T dO`` and the atomics. Its float32 atomic
+rows are bound by the number of L2 requests that carry them, not by their bytes or instructions: in the ``wgmma``
+fragments (32 bytes of a row per request) the kernel takes 135.4 ms (one H100, ``full`` shape, 64k tokens),
+127.1 ms of it with its products skipped (``PRODUCTS=False``); in 128-byte lines (:data:`ATOMIC_LAYOUTS`,
+:data:`DKV_ATOMIC_LAYOUT`) 116.1 ms, 86.9 without products, 82.3 with the atomics predicated off (the conversion
+through shared memory included). An H200, with 1.41x the copy rate, ran it (and the forward and query gradient) in
+the same time, so HBM is not what bounds these kernels. Nor are the gathers: with every query's pools the same 128
+(L2-resident) or spread over its whole history the forward and query gradient take within 7% of their time on a
+recent window, so their own pipeline (the softmax between one key block's two products) bounds them; only this
+kernel's atomics slow down on a spread selection (``docs/dsa_kernels.md``).
 
 The query gradient (:func:`sparse_mla_dq_gluon_kernel`, taken with the Gluon latent gradient:
 ``triton_sparse_mla_bwd``'s ``dq_kernel="auto"``) has the same producer with a two-deep ring of 32-key buffers;
 the consumers form ``dS`` and accumulate ``dq += dS K`` over the blocks. ``rowsum(dO O)`` comes from
 :func:`kernels.dsa.sparse_attention_triton.triton_sparse_mla_delta`. One H100, ``full`` shape, 64k tokens: 74.6 ms
-(356 TF/s of its three products) against the Triton ``dq`` pass's 94.6 ms; the backward 213.0 ms against
-230.6 ms, fwd+bwd with the Gluon forward 239 TF/s (``tests/benchmarks/sparse_mla_tilings.py``, anchor 781 TF/s).
+(356 TF/s of its three products) against the Triton ``dq`` pass's 94.6 ms (``tests/benchmarks/sparse_mla_tilings.py``,
+anchor 781 TF/s); 71.8 ms now. Forward and backward together, ``tests/benchmarks/dsa_bench.py table``: 236.0 ms,
+263 TF/s (anchor 785).
 
 Shared memory per CTA of the forward: ``64 * D * 2`` (queries) ``+ STAGES * BLOCK_K * D * 2`` (key ring)
 ``+ 64 * BLOCK_K * 2`` (``P``) bytes: 200 KiB at ``D`` 512 with ``(BLOCK_K, STAGES)`` ``(64, 2)`` or ``(32, 4)``; one CTA per SM.
