@@ -105,13 +105,11 @@ def test_gluon_sparse_dkv_holds_q_and_do_once(atomics):
     import triton
 
     from kernels.dsa.sm90 import SM_SHARED, compile_gluon_sparse_dkv
-    from kernels.dsa.sparse_attention_gluon import ATOMIC_LAYOUTS, DKV_ATOMIC_LAYOUT, GLUON_DKV_CONFIGS
+    from kernels.dsa.sparse_attention_gluon import GLUON_DKV_CONFIGS
 
     cfg = GLUON_DKV_CONFIGS[0]
-    layout = ATOMIC_LAYOUTS.index(DKV_ATOMIC_LAYOUT)
-    config = triton.Config(dict(cfg.kwargs, ATOMICS=atomics, ATOMIC_LAYOUT=layout), num_warps=cfg.num_warps,
-                           maxnreg=cfg.maxnreg)
-    compiled = compile_gluon_sparse_dkv(64, 512, config)
+    compiled = compile_gluon_sparse_dkv(64, 512, triton.Config(dict(cfg.kwargs, ATOMICS=atomics),
+                                                               num_warps=cfg.num_warps, maxnreg=cfg.maxnreg))
     ptx = compiled.asm["ptx"]
     expected_smem = (2 * 64 * 512 + 64 * 512 + 2 * 64 * 64) * 2
     assert expected_smem <= compiled.metadata.shared <= SM_SHARED

@@ -100,7 +100,11 @@ def compile_gluon_sparse_fwd(heads: int, dim: int, config, index_dtype: str = "*
 
 def compile_gluon_sparse_dkv(heads: int, dim: int, config, index_dtype: str = "*i32"):
     """The sparse MLA latent-gradient kernel (:func:`kernels.dsa.sparse_attention_gluon.sparse_mla_dkv_gluon_kernel`)
-    compiled for sm_90 with ``config``, ``heads`` x ``dim`` bf16 queries, latent and output gradient."""
+    compiled for sm_90 with ``config``, ``heads`` x ``dim`` bf16 queries, latent and output gradient; in the atomic
+    layout the launcher takes (``DKV_ATOMIC_LAYOUT``) unless ``config`` names its ``ATOMIC_LAYOUT``."""
+    sag = sparse_attention_gluon
+    config = triton.Config(dict(ATOMIC_LAYOUT=sag.ATOMIC_LAYOUTS.index(sag.DKV_ATOMIC_LAYOUT)) | config.kwargs,
+                           num_warps=config.num_warps, maxnreg=config.maxnreg)
     pointers = dict(zip(["Q", "KV", "IDX", "DO", "LSE", "DELTA", "DKV"],
                         ["*bf16", "*bf16", index_dtype, "*bf16", "*fp32", "*fp32", "*fp32"]))
     return _compile_gluon_sparse(sparse_attention_gluon.sparse_mla_dkv_gluon_kernel, pointers,
