@@ -12,6 +12,8 @@ tests/gpu/dsa_check.py, tests/gpu/gluon_smoke.py and tests/benchmarks/dsa_bench.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 
 import pytest
@@ -172,4 +174,27 @@ def test_gluon_sparse_dq_gathers_q_do_and_a_two_deep_ring():
         assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+\d+", ptx) and "setmaxnreg.inc" in ptx
         report = ptxas_report(compiled)
         assert not re.search(r"C75[01]\d", report), report
+
+
+def test_sm_share_occupier_leaves_no_room_for_the_sparse_mla_kernels():
+    """``tests/benchmarks/sparse_mla_sm_share.py`` holds SMs with one ``occupy_kernel`` CTA each: its shared memory
+    plus the smallest Gluon sparse MLA kernel's (the query gradient's) exceeds an SM's, so none of their CTAs runs
+    on a held SM; and it polls its release flag with a volatile load (a cached load would spin forever)."""
+    import triton
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    path = os.path.join(os.path.dirname(__file__), "benchmarks", "sparse_mla_sm_share.py")
+    spec = importlib.util.spec_from_file_location("sparse_mla_sm_share", path)
+    share = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(share)
+    from kernels.dsa.sm90 import SM_SHARED, TARGET, compile_gluon_sparse_dq
+    from kernels.dsa.sparse_attention_gluon import GLUON_DQ_CONFIGS
+
+    src = GluonASTSource(fn=share.occupy_kernel, signature={"FLAG": "*i32", "OUT": "*i32", "ROWS": "constexpr"},
+                         constexprs={"ROWS": share.OCCUPY_ROWS})
+    occupier = triton.compile(src, target=TARGET, options=dict(num_warps=4))
+    smallest = min(compile_gluon_sparse_dq(64, 512, cfg).metadata.shared for cfg in GLUON_DQ_CONFIGS)
+    assert 2 * occupier.metadata.shared > SM_SHARED   # one occupier per SM
+    assert occupier.metadata.shared + smallest > SM_SHARED
+    assert re.search(r"ld\.volatile\.global", occupier.asm["ptx"])
 
