@@ -55,28 +55,30 @@ def occupy_kernel(FLAG, OUT, ROWS: gl.constexpr):
 
 def time_on_free_sms(fn, held: int, reps: int) -> float:
     """Median seconds of ``fn`` (GPU work on the current stream) while :func:`occupy_kernel` holds ``held`` SMs
-    (0: the whole GPU). Raises ValueError if ``held`` leaves no SM free."""
+    (0: the whole GPU), both on streams of their own. Raises ValueError if ``held`` leaves no SM free."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if not 0 <= held < sms:
         raise ValueError(f"held={held}: 0 to {sms - 1} SMs of {sms}")
-    side = torch.cuda.Stream()
+    # both on created streams: the legacy default stream would wait for the occupier, which waits for it
+    side, main = torch.cuda.Stream(), torch.cuda.Stream()
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     sink = torch.zeros(max(held, 1), dtype=torch.int32, device="cuda")
     fn()   # compile and autotune outside the timing
     times = []
     for _ in range(reps + 1):
-        torch.cuda.synchronize()
         flag.zero_()
         torch.cuda.synchronize()
         if held:
             with torch.cuda.stream(side):
                 occupy_kernel[(held,)](flag, sink, ROWS=OCCUPY_ROWS, num_warps=4)
-            torch.cuda._sleep(200_000)   # ~0.1 ms: the held SMs' CTAs are resident before the measured launch
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        flag.fill_(1)   # releases the held SMs once fn is done
+        with torch.cuda.stream(main):
+            if held:
+                torch.cuda._sleep(200_000)   # ~0.1 ms: the held SMs' CTAs are resident before the measured launch
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            flag.fill_(1)   # releases the held SMs once fn is done
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return sorted(times[1:])[reps // 2]
