@@ -410,8 +410,8 @@ def seed_autotune_cache(cache_dir: str | os.PathLike, device_name: str, tunings_
     where both have one (extracted first, and existing entries are kept).
     """
     own = autotune_archive(device_name, tunings_dir)
-    siblings = [tunings_dir / f"{other}.tgz" for group in SAME_TARGET_GPUS if own.stem in group for other in group
-                if other != own.stem]
+    siblings = [autotune_archive(other, tunings_dir) for group in SAME_TARGET_GPUS if own.stem in group
+                for other in group if other != own.stem]
     return sum(_extract_autotune_entries(archive, cache_dir) for archive in [own, *siblings] if archive.exists())
 
 
