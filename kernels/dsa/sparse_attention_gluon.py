@@ -288,6 +288,19 @@ def _producer(Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_r
 
 
 @gluon.jit
+def _drain_ring(q_bar, ready, empty, n_blocks, STAGES: gl.constexpr):
+    """A default partition that releases each ring slot as soon as its block has landed (benchmarks only): the
+    producer's copies with nothing to wait for but their own round trips."""
+    gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
+    mbarrier.wait(q_bar, 0)
+    for j in range(n_blocks):
+        slot = j % STAGES
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        _cta_barrier()   # every consumer warp has passed the wait before the slot is handed back
+        mbarrier.arrive(empty.index(slot))
+
+
+@gluon.jit
 def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row, n_idx,
               n_blocks, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     """The default partition (two warpgroups): online softmax over the key blocks the producer delivers, ``O``
@@ -361,12 +374,13 @@ def sparse_mla_fwd_gluon_kernel(
     stride_lb, stride_lt,
     n_idx, scale_log2,
     H: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATHER_ROWS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, INDICES_AHEAD: gl.constexpr = False,
+    PRODUCER_REGS: gl.constexpr, INDICES_AHEAD: gl.constexpr = False, PRODUCTS: gl.constexpr = True,
 ):
     """One query ``t`` (program 0), heads ``[64 * pid_h, 64 * pid_h + 64)`` (program 1), batch ``b`` (program
     2): ``Q [B, T, H, D]`` (``stride(3) == 1``), ``KV [B, S, D]`` (``stride(2) == 1``), ``IDX [B, T, K]`` int32
     or int64, ``OUT [B, T, H, D]``, ``LSE [B, T, H]`` float32; the arguments of
-    :func:`kernels.dsa.sparse_attention_triton.sparse_mla_fwd_kernel` with ``d_v == Dqk == D``."""
+    :func:`kernels.dsa.sparse_attention_triton.sparse_mla_fwd_kernel` with ``d_v == Dqk == D``.
+    ``PRODUCTS=False`` (benchmarks only; ``OUT`` and ``LSE`` left unwritten) runs the gathers alone."""
     gl.static_assert(BLOCK_K % GATHER_ROWS == 0)
     gl.static_assert(STAGES >= 2)   # the consumers wait for block j + 1 before they release block j
     q_row, lse_row, out_row, IDX, KV = _fwd_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
@@ -379,12 +393,19 @@ def sparse_mla_fwd_gluon_kernel(
     p_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, BLOCK_K], _nvmma([_BLOCK_H, BLOCK_K], dtype))
     q_bar, ready, empty = _ring_barriers(STAGES)
 
-    gl.warp_specialize([
-        (_consumer, (IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row, n_idx,
-                     n_blocks, scale_log2, D, BLOCK_K, STAGES)),
-        (_producer, (Q, Q, KV, IDX, q_smem, q_smem, kv_smem, q_bar, ready, empty, q_row, q_row, stride_qh, stride_kvs,
-                     n_idx, n_blocks, D, BLOCK_K, STAGES, GATHER_ROWS, False, INDICES_AHEAD)),
-    ], [_PRODUCER_WARPS], [PRODUCER_REGS])
+    if PRODUCTS:
+        gl.warp_specialize([
+            (_consumer, (IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row,
+                         n_idx, n_blocks, scale_log2, D, BLOCK_K, STAGES)),
+            (_producer, (Q, Q, KV, IDX, q_smem, q_smem, kv_smem, q_bar, ready, empty, q_row, q_row, stride_qh,
+                         stride_kvs, n_idx, n_blocks, D, BLOCK_K, STAGES, GATHER_ROWS, False, INDICES_AHEAD)),
+        ], [_PRODUCER_WARPS], [PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_drain_ring, (q_bar, ready, empty, n_blocks, STAGES)),
+            (_producer, (Q, Q, KV, IDX, q_smem, q_smem, kv_smem, q_bar, ready, empty, q_row, q_row, stride_qh,
+                         stride_kvs, n_idx, n_blocks, D, BLOCK_K, STAGES, GATHER_ROWS, False, INDICES_AHEAD)),
+        ], [_PRODUCER_WARPS], [PRODUCER_REGS])
 
     _invalidate_barriers(q_bar, ready, empty, STAGES)
 
@@ -982,6 +1003,173 @@ def sparse_mla_dq_gluon_kernel(
     _invalidate_barriers(q_bar, ready, empty, STAGES)
 
 
+GLUON_DQ_SPLIT_CONFIGS = [
+    triton.Config({"BLOCK_K": 32, "STAGES": 2, "GATHER_ROWS": 16, "PRODUCER_REGS": 56, "CONSUMER_REGS": 224},
+                  num_warps=WG_WARPS, maxnreg=MAXNREG)
+]
+"""Configurations of :func:`sparse_mla_dq_split_kernel`: the two-deep ring of 32-key buffers of
+:data:`GLUON_DQ_CONFIGS`. Its own ``num_warps`` is the first consumer warpgroup (the default partition); the
+second and the producer are worker partitions, ``4 * 224 + 4 * 224 + 4 * 56 = 12 * 164`` registers per thread at
+most."""
+
+
+@gluon.jit
+def _dq_split_scores(IDX, DQ, LSE, q_smem, kv_smem, p_smem, ds_smem, q_bar, ready, empty, p_bar, ds_bar, ds_free,
+                     dq_row, stride_dqh, lse_row, n_idx, n_blocks, scale_log2, D: gl.constexpr,
+                     BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """The first consumer warpgroup of :func:`sparse_mla_dq_split_kernel` (the default partition): per key block
+    ``S = Q K^T`` over the whole block (``wgmma`` N = ``BLOCK_K``), ``P = exp2(scale S - lse)`` (0 at ``-1``
+    slots and rows without a valid index) to ``p_smem`` for the second warpgroup (signal ``p_bar``), then, once
+    the second has written ``dS`` (``ds_bar``), ``dq[:, :D/2] += dS K[:, :D/2]``."""
+    HALF: gl.constexpr = D // 2
+    s_l: gl.constexpr = _wg_layout(BLOCK_K)
+    o_l: gl.constexpr = _wg_layout(HALF)
+    offs_h = gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, s_l))
+    lse = gl.load(LSE + lse_row + offs_h)
+    row_ok = lse > float("-inf")
+    lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
+    s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
+    acc = gl.zeros([_BLOCK_H, HALF], gl.float32, o_l)
+    offs_kb = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
+
+    mbarrier.wait(q_bar, 0)
+    for j in range(n_blocks):
+        slot = j % STAGES
+        buf = j % 2
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        fence_async_shared()   # the producer's cp.async (generic proxy) before wgmma's reads (async proxy)
+        s_tok = warpgroup_mma(q_smem, kv_smem.index(slot).permute((1, 0)), s_init, use_acc=False, is_async=True)
+        offs_k = j * BLOCK_K + offs_kb
+        idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
+        scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        p = gl.exp2(scores * scale_log2 - lse2[:, None])
+        # P_{j-2}, the buffer's last, was read before the second warpgroup signalled dS_{j-2}, awaited below
+        p_smem.index(buf).store(gl.where((idx >= 0)[None, :] & row_ok[:, None], p, 0.0))
+        _cta_barrier()
+        mbarrier.arrive(p_bar.index(buf))
+        mbarrier.wait(ds_bar.index(buf), (j // 2) & 1)
+        acc_tok = warpgroup_mma(ds_smem.index(buf), kv_smem.index(slot).slice(0, HALF, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+        _cta_barrier()   # this warpgroup's dS_j K_j retired: its reads of the slot and of dS_j are done
+        mbarrier.arrive(empty.index(slot))
+        mbarrier.arrive(ds_free.index(buf))
+
+    offs_ho = gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, o_l))
+    offs_d = gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
+    gl.store(DQ + dq_row + offs_ho[:, None] * stride_dqh + offs_d[None, :], acc.to(DQ.dtype.element_ty))
+
+
+@gluon.jit
+def _dq_split_grads(DQ, LSE, DELTA, do_smem, kv_smem, p_smem, ds_smem, q_bar, ready, empty, p_bar, ds_bar, ds_free,
+                    dq_row, stride_dqh, lse_row, n_blocks, scale, D: gl.constexpr, BLOCK_K: gl.constexpr,
+                    STAGES: gl.constexpr):
+    """The second consumer warpgroup of :func:`sparse_mla_dq_split_kernel` (a worker partition): per key block
+    ``dP = dO V^T`` over the whole block, ``dS = scale P (dP - delta)`` with the first warpgroup's ``P``
+    (``p_bar``) to ``ds_smem`` (signal ``ds_bar``; the buffer's previous ``dS`` freed by the first's ``ds_free``),
+    then ``dq[:, D/2:] += dS K[:, D/2:]``."""
+    HALF: gl.constexpr = D // 2
+    s_l: gl.constexpr = _wg_layout(BLOCK_K)
+    o_l: gl.constexpr = _wg_layout(HALF)
+    delta = gl.load(DELTA + lse_row + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, s_l)))
+    s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
+    acc = gl.zeros([_BLOCK_H, HALF], gl.float32, o_l)
+
+    mbarrier.wait(q_bar, 0)
+    for j in range(n_blocks):
+        slot = j % STAGES
+        buf = j % 2
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        fence_async_shared()
+        dp_tok = warpgroup_mma(do_smem, kv_smem.index(slot).permute((1, 0)), s_init, use_acc=False, is_async=True)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
+        mbarrier.wait(p_bar.index(buf), (j // 2) & 1)
+        ds = p_smem.index(buf).load(s_l) * (dp - delta[:, None]) * scale
+        mbarrier.wait(ds_free.index(buf), ((j // 2) & 1) ^ 1)   # a new barrier passes parity 1 at once
+        ds_smem.index(buf).store(ds.to(ds_smem.dtype))
+        # every warp's part of dS is in shared memory and visible to wgmma's (async) proxy, both warpgroups'
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(ds_bar.index(buf))
+        acc_tok = warpgroup_mma(ds_smem.index(buf), kv_smem.index(slot).slice(HALF, HALF, dim=1), acc,
+                                is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+        _cta_barrier()
+        mbarrier.arrive(empty.index(slot))
+
+    offs_ho = gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, o_l))
+    offs_d = HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
+    gl.store(DQ + dq_row + offs_ho[:, None] * stride_dqh + offs_d[None, :], acc.to(DQ.dtype.element_ty))
+
+
+@triton.autotune(configs=GLUON_DQ_SPLIT_CONFIGS, key=["H", "D"])
+@gluon.jit
+def sparse_mla_dq_split_kernel(
+    Q, KV, IDX, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qt, stride_qh,
+    stride_kvb, stride_kvs,
+    stride_ib, stride_it,
+    stride_lb, stride_lt,
+    n_idx, scale, scale_log2,
+    H: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATHER_ROWS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, INDICES_AHEAD: gl.constexpr = False,
+):
+    """The query gradient of :func:`sparse_mla_dq_gluon_kernel` (same arguments, same result) with the block's two
+    score products split between the consumer warpgroups instead of its keys: the first runs ``S = Q K^T``, the
+    second ``dP = dO V^T``, each over all ``BLOCK_K`` keys (``wgmma`` N = 32, not 16), so each reads one of ``q``
+    and ``dO`` per block instead of both (shared-memory reads per 32-key block: 192 KiB for the two products,
+    against 320 KiB); ``P`` (float32) passes to the second through shared memory, ``dS`` back to both, and each
+    accumulates half of ``dq``'s columns."""
+    gl.static_assert(BLOCK_K % GATHER_ROWS == 0)
+    gl.static_assert(STAGES >= 2)
+    b, q_row, do_row, lse_row, IDX, KV = _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
+                                                       stride_it, stride_lb, stride_lt, H, D)
+    n_blocks = gl.cdiv(n_idx, BLOCK_K)
+
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
+    do_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
+    kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, D], _nvmma([BLOCK_K, D], dtype))
+    p_smem = gl.allocate_shared_memory(gl.float32, [2, _BLOCK_H, BLOCK_K], _nvmma([_BLOCK_H, BLOCK_K], gl.float32))
+    ds_smem = gl.allocate_shared_memory(dtype, [2, _BLOCK_H, BLOCK_K], _nvmma([_BLOCK_H, BLOCK_K], dtype))
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=32 * _PRODUCER_WARPS)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=32 * _PRODUCER_WARPS)
+        mbarrier.init(empty.index(s), count=2)   # both warpgroups release each slot
+    for s in gl.static_range(2):
+        mbarrier.init(p_bar.index(s), count=1)
+        mbarrier.init(ds_bar.index(s), count=1)
+        mbarrier.init(ds_free.index(s), count=1)
+
+    gl.warp_specialize([
+        (_dq_split_scores, (IDX, DQ, LSE, q_smem, kv_smem, p_smem, ds_smem, q_bar, ready, empty, p_bar, ds_bar,
+                            ds_free, do_row, D, lse_row, n_idx, n_blocks, scale_log2, D, BLOCK_K, STAGES)),
+        (_dq_split_grads, (DQ, LSE, DELTA, do_smem, kv_smem, p_smem, ds_smem, q_bar, ready, empty, p_bar, ds_bar,
+                           ds_free, do_row, D, lse_row, n_blocks, scale, D, BLOCK_K, STAGES)),
+        (_producer, (Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_row, do_row, stride_qh,
+                     stride_kvs, n_idx, n_blocks, D, BLOCK_K, STAGES, GATHER_ROWS, True, INDICES_AHEAD)),
+    ], [_WG_WARPS, _PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+
+    _invalidate_barriers(q_bar, ready, empty, STAGES)
+    for s in gl.static_range(2):
+        mbarrier.invalidate(p_bar.index(s))
+        mbarrier.invalidate(ds_bar.index(s))
+        mbarrier.invalidate(ds_free.index(s))
+
+
+DQ_KERNELS = {"keys": sparse_mla_dq_gluon_kernel, "products": sparse_mla_dq_split_kernel}
+"""The query gradients by how the two consumer warpgroups share a key block's score products: ``"keys"`` (each
+runs ``S`` and ``dP`` over half of the keys, :func:`sparse_mla_dq_gluon_kernel`) or ``"products"`` (one runs
+``S``, the other ``dP``, each over all of them, :func:`sparse_mla_dq_split_kernel`)."""
+DQ_SCHEDULE = "products"
+"""The :data:`DQ_KERNELS` entry :func:`gluon_sparse_mla_dq` launches by default."""
+
+
 def gluon_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int, indices: torch.Tensor | None = None) -> str | None:
     """Why the Gluon sparse MLA kernels (:func:`gluon_sparse_mla_fwd`, :func:`gluon_sparse_mla_dkv`,
     :func:`gluon_sparse_mla_dq`) cannot run these inputs (``None`` when they can): the dtype, the head count, the
@@ -1034,14 +1222,19 @@ def gluon_sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
 
 
 def launch_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-               softmax_scale: float, config: triton.Config | None = None, schedule: str = "ring") -> None:
+               softmax_scale: float, config: triton.Config | None = None, schedule: str = "ring",
+               products: bool = True) -> None:
     """Launch the Gluon forward of ``schedule`` (:data:`GLUON_FWD_TRIALS`: ``"ring"``
     :func:`sparse_mla_fwd_gluon_kernel`, ``"pair"`` :func:`sparse_mla_fwd_pair_kernel`) into ``out`` and ``lse``:
     autotuned, or with ``config`` (one of that schedule's configurations, or any other) outside the autotuner, as
     the benchmarks and the GPU smoke test time and check each. Inputs as :func:`gluon_sparse_mla_fwd` takes them,
-    contiguous and unchecked. Raises ``ValueError`` for an unknown ``schedule``."""
+    contiguous and unchecked. ``products=False`` (benchmarks only, ``"ring"`` only; ``out`` and ``lse`` left
+    unwritten) runs the producer's gathers alone. Raises ``ValueError`` for an unknown ``schedule``, or
+    ``products=False`` with another."""
     if schedule not in _FWD_KERNELS:
         raise ValueError(f"schedule must be one of {sorted(_FWD_KERNELS)}, got {schedule!r}")
+    if not products and schedule != "ring":
+        raise ValueError(f"products=False needs schedule 'ring', got {schedule!r}")
     batch, n_q, heads, dqk = q.shape
     kernel = _FWD_KERNELS[schedule] if config is None else _FWD_KERNELS[schedule].fn
     tuning = {} if config is None else dict(config.kwargs, num_warps=config.num_warps, maxnreg=config.maxnreg)
@@ -1053,7 +1246,7 @@ def launch_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: to
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         indices.shape[2], softmax_scale * 1.4426950408889634,
-        H=heads, D=dqk, **tuning,
+        H=heads, D=dqk, **tuning, **({} if products else {"PRODUCTS": False}),
     )
 
 
@@ -1065,7 +1258,8 @@ def _backward_inputs(q, kv, indices, grad_out, lse, delta, what: str) -> tuple[t
 
 def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
                         lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float,
-                        dq: torch.Tensor | None = None, indices_ahead: bool = False) -> torch.Tensor:
+                        dq: torch.Tensor | None = None, indices_ahead: bool = False,
+                        schedule: str | None = None) -> torch.Tensor:
     """``dq [B, T, H, Dqk]`` (q.dtype) of :func:`kernels.dsa.sparse_attention.sparse_mla_attention`, from
     :func:`sparse_mla_dq_gluon_kernel`: every selected key of every query, 64 heads per program.
 
@@ -1076,14 +1270,19 @@ def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
         lse, delta: ``[B, T, H]`` float32: the forward's log-sum-exp and ``rowsum(dO * O)``.
         dq: a contiguous ``[B, T, H, Dqk]`` tensor of ``q``'s dtype to write into (``None``: a new one).
         indices_ahead: the producer's ``INDICES_AHEAD`` (:func:`_producer`; benchmarks: no faster here on an H100).
+        schedule: one of :data:`DQ_KERNELS` (benchmarks and checks), or ``None``: :data:`DQ_SCHEDULE`.
 
     Raises:
         DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
+        ValueError: for an unknown ``schedule``.
     """
+    schedule = schedule or DQ_SCHEDULE
+    if schedule not in DQ_KERNELS:
+        raise ValueError(f"schedule must be one of {sorted(DQ_KERNELS)}, got {schedule!r}")
     q, kv, indices, grad_out, lse, delta = _backward_inputs(q, kv, indices, grad_out, lse, delta, "query gradient")
     batch, n_q, heads, dqk = q.shape
     dq = torch.empty_like(q) if dq is None else dq
-    sparse_mla_dq_gluon_kernel[(n_q, heads // BLOCK_H, batch)](
+    DQ_KERNELS[schedule][(n_q, heads // BLOCK_H, batch)](
         q, kv, indices, grad_out, lse, delta, dq,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),

@@ -65,15 +65,19 @@ def gluon_forward_rows(q, kv, idx, scale, out_ref, lse_ref, fwd_flops, reps) -> 
 
 
 def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, ceil, valid_keys) -> None:
-    """``--gluon-only``: the autotuned Triton forward and every Gluon forward, then the Gluon query gradient and
-    latent gradient (with its atomics, predicated off, and alone without the products; then in each other of
-    :data:`kernels.dsa.sparse_attention_gluon.ATOMIC_LAYOUTS`), one table."""
+    """``--gluon-only``: the autotuned Triton forward and every Gluon forward, each ring forward's gathers alone
+    (``products=False``), then the Gluon query gradient and latent gradient (with its atomics, predicated off, and
+    alone without the products; then in each other of :data:`kernels.dsa.sparse_attention_gluon.ATOMIC_LAYOUTS`),
+    one table."""
     t_fwd_auto, _ = timed(lambda: sat.triton_sparse_mla_fwd(q, kv, idx, scale, q.shape[-1]), args.reps)
     rows = gluon_forward_rows(q, kv, idx, scale, out_ref, lse_ref, fwd_flops, args.reps)
+    out, lse = torch.empty_like(out_ref), torch.empty_like(lse_ref)
+    kernels = [(f"gluon ring forward {' '.join(f'{k}={v}' for k, v in cfg.kwargs.items())}, gathers only", None,
+                lambda c=cfg: sag.launch_fwd(q, kv, idx, out, lse, scale, c, products=False))
+               for cfg in sag.GLUON_FWD_TRIALS["ring"]]
     delta = (grad.float() * out_ref.float()).sum(-1)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
     per_token = 2 * q.shape[1] * q.shape[2] * WIDTH * q.shape[-1]
-    kernels = []
     for ahead in (False, True):   # the producer's INDICES_AHEAD off (the default) and on
         tag = ", indices ahead" if ahead else ""
         kernels += [
@@ -85,6 +89,10 @@ def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, c
              lambda a=ahead: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, atomics=False,
                                                       indices_ahead=a)),
         ]
+    for schedule in [d for d in sag.DQ_KERNELS if d != sag.DQ_SCHEDULE]:   # the other query gradients
+        kernels.append((f"gluon dq, {schedule} schedule", 3 * per_token,
+                        lambda d=schedule: sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse_ref, delta, scale,
+                                                                   schedule=d)))
     kernels.append(("gluon dkv, gathers and atomics only (no products)", None,
                     lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, products=False)))
     # the same atomic rows in other L2 requests

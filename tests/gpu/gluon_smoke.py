@@ -6,7 +6,7 @@ At 256 queries, 64 and 128 heads, a 512-wide latent and 200 index slots per quer
 ``BLOCK_K``; random keys with ``-1`` holes, one query with none valid), each configuration of
 :func:`kernels.dsa.sparse_attention_gluon.sparse_mla_fwd_gluon_kernel` launched outside the autotuner, and
 :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dkv` (in each of its ``ATOMIC_LAYOUTS``)
-and :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dq`, against the float64 torch paths
+and :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dq` (each of its ``DQ_KERNELS``), against the float64 torch paths
 (:mod:`kernels.dsa.sparse_attention`): relative Frobenius error of ``out``, ``dkv`` and ``dq`` <= 1e-2, ``lse``
 within 5e-2, the empty query's output and ``dq`` 0 and its ``lse`` ``-inf``. Each launch is synchronized and reported before the next,
 so a deadlock names its kernel; the paired-block forward (``schedule="pair"``) runs last, also on an odd number of
@@ -90,15 +90,17 @@ def ring_and_gradients(fwd_configs, indices_ahead: bool) -> bool:
             ok &= good
             print(f"dkv {heads} heads, {layout} atomics, indices ahead {indices_ahead}: rel {err:.2e} "
                   f"{time.perf_counter() - t0:.1f}s {'ok' if good else 'FAIL'}", flush=True)
-        t0 = time.perf_counter()
-        dq = sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse, delta, scale, indices_ahead=indices_ahead)
-        torch.cuda.synchronize()
-        err = rel(dq, dq64)
-        good = err <= 1e-2 and bool((dq[:, 3] == 0).all())
-        ok &= good
-        print(f"dq {heads} heads, indices ahead {indices_ahead}: rel {err:.2e}, empty query zero "
-              f"{bool((dq[:, 3] == 0).all())} {time.perf_counter() - t0:.1f}s {'ok' if good else 'FAIL'}",
-              flush=True)
+        for schedule in sag.DQ_KERNELS:   # each query gradient, the launcher's among them
+            t0 = time.perf_counter()
+            dq = sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse, delta, scale, indices_ahead=indices_ahead,
+                                         schedule=schedule)
+            torch.cuda.synchronize()
+            err = rel(dq, dq64)
+            good = err <= 1e-2 and bool((dq[:, 3] == 0).all())
+            ok &= good
+            print(f"dq {heads} heads, {schedule} schedule, indices ahead {indices_ahead}: rel {err:.2e}, empty query "
+                  f"zero {bool((dq[:, 3] == 0).all())} {time.perf_counter() - t0:.1f}s {'ok' if good else 'FAIL'}",
+                  flush=True)
     return ok
 
 
