@@ -1168,6 +1168,9 @@ runs ``S`` and ``dP`` over half of the keys, :func:`sparse_mla_dq_gluon_kernel`)
 ``S``, the other ``dP``, each over all of them, :func:`sparse_mla_dq_split_kernel`)."""
 DQ_SCHEDULE = "products"
 """The :data:`DQ_KERNELS` entry :func:`gluon_sparse_mla_dq` launches by default."""
+DQ_INDICES_AHEAD = {"keys": False, "products": True}
+"""The producer's ``INDICES_AHEAD`` each query gradient launches with (one H100, ``full`` shape, 64k: ``"keys"``
+71.6 ms without, 72.1 with; ``"products"`` 57.2 ms without, 54.1 with)."""
 
 
 def gluon_supported(q: torch.Tensor, kv: torch.Tensor, d_v: int, indices: torch.Tensor | None = None) -> str | None:
@@ -1258,7 +1261,7 @@ def _backward_inputs(q, kv, indices, grad_out, lse, delta, what: str) -> tuple[t
 
 def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
                         lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float,
-                        dq: torch.Tensor | None = None, indices_ahead: bool = False,
+                        dq: torch.Tensor | None = None, indices_ahead: bool | None = None,
                         schedule: str | None = None) -> torch.Tensor:
     """``dq [B, T, H, Dqk]`` (q.dtype) of :func:`kernels.dsa.sparse_attention.sparse_mla_attention`, from
     :func:`sparse_mla_dq_gluon_kernel`: every selected key of every query, 64 heads per program.
@@ -1269,7 +1272,8 @@ def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
         grad_out: ``[B, T, H, d_v]`` (``d_v == Dqk``).
         lse, delta: ``[B, T, H]`` float32: the forward's log-sum-exp and ``rowsum(dO * O)``.
         dq: a contiguous ``[B, T, H, Dqk]`` tensor of ``q``'s dtype to write into (``None``: a new one).
-        indices_ahead: the producer's ``INDICES_AHEAD`` (:func:`_producer`; benchmarks: no faster here on an H100).
+        indices_ahead: the producer's ``INDICES_AHEAD`` (:func:`_producer`), or ``None``: the schedule's
+            (:data:`DQ_INDICES_AHEAD`).
         schedule: one of :data:`DQ_KERNELS` (benchmarks and checks), or ``None``: :data:`DQ_SCHEDULE`.
 
     Raises:
@@ -1279,6 +1283,7 @@ def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
     schedule = schedule or DQ_SCHEDULE
     if schedule not in DQ_KERNELS:
         raise ValueError(f"schedule must be one of {sorted(DQ_KERNELS)}, got {schedule!r}")
+    indices_ahead = DQ_INDICES_AHEAD[schedule] if indices_ahead is None else indices_ahead
     q, kv, indices, grad_out, lse, delta = _backward_inputs(q, kv, indices, grad_out, lse, delta, "query gradient")
     batch, n_q, heads, dqk = q.shape
     dq = torch.empty_like(q) if dq is None else dq
