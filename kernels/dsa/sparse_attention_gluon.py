@@ -55,10 +55,13 @@ kernel's atomics slow down on a spread selection (``docs/dsa_kernels.md``).
 The query gradient (:func:`sparse_mla_dq_gluon_kernel`, taken with the Gluon latent gradient:
 ``triton_sparse_mla_bwd``'s ``dq_kernel="auto"``) has the same producer with a two-deep ring of 32-key buffers;
 the consumers form ``dS`` and accumulate ``dq += dS K`` over the blocks. ``rowsum(dO O)`` comes from
-:func:`kernels.dsa.sparse_attention_triton.triton_sparse_mla_delta`. One H100, ``full`` shape, 64k tokens: 74.6 ms
-(356 TF/s of its three products) against the Triton ``dq`` pass's 94.6 ms (``tests/benchmarks/sparse_mla_tilings.py``,
-anchor 781 TF/s); 71.8 ms now. Forward and backward together, ``tests/benchmarks/dsa_bench.py table``: 236.0 ms,
-263 TF/s (anchor 785).
+:func:`kernels.dsa.sparse_attention_triton.triton_sparse_mla_delta`. Two schedules (:data:`DQ_KERNELS`): both
+warpgroups run ``S`` and ``dP`` over half of each block's keys (``"keys"``, :func:`sparse_mla_dq_gluon_kernel`:
+``wgmma`` N = 16, each warpgroup reading both ``q`` and ``dO`` per block, 71.6 ms on one H100 at the ``full`` shape,
+64k tokens), or one runs ``S`` and the other ``dP`` over all of them (``"products"``,
+:func:`sparse_mla_dq_split_kernel`, the default: N = 32, each reads one; 54.1 ms, 492 TF/s of its three products,
+with the producer's indices ahead; ``tests/benchmarks/sparse_mla_tilings.py``, anchor 785 TF/s). Forward and
+backward together, ``tests/benchmarks/dsa_bench.py table``: 218.5 ms, 284 TF/s (anchor 791).
 
 Shared memory per CTA of the forward: ``64 * D * 2`` (queries) ``+ STAGES * BLOCK_K * D * 2`` (key ring)
 ``+ 64 * BLOCK_K * 2`` (``P``) bytes: 200 KiB at ``D`` 512 with ``(BLOCK_K, STAGES)`` ``(64, 2)`` or ``(32, 4)``; one CTA per SM.
@@ -68,8 +71,10 @@ Registers: 12 warps, ``maxnreg`` :data:`MAXNREG` (``12 * 32 * 168 <= 65,536``), 
 Timed beside the defaults by ``tests/benchmarks/sparse_mla_tilings.py --gluon-only`` and checked by
 ``tests/gpu/gluon_smoke.py``: :func:`sparse_mla_fwd_pair_kernel` (opt-in, ``schedule="pair"``, FlashMLA's
 one-block-per-warpgroup schedule; slower on an H100, 55.4 ms against the ring's 42.5) and the producer's
-``INDICES_AHEAD`` (:func:`_producer`; on in the ring forward's ``(64, 2)`` configuration, 46.6 -> 42.5 ms; off in
-both gradients, where it changed nothing: 72.3 -> 72.0 and 135.4 -> 135.6 ms).
+``INDICES_AHEAD`` (:func:`_producer`; on in the ring forward's ``(64, 2)`` configuration, 46.6 -> 42.5 ms, and in
+the ``"products"`` query gradient, 57.2 -> 54.1 ms; off in the ``"keys"`` one and the latent gradient, where it
+changed nothing: 72.3 -> 72.0 and 135.4 -> 135.6 ms). With ``products=False`` the ring forward runs its gathers
+alone: 17.7 ms of its 41.5 at ``(64, 2)``, so the gathers do not bound it.
 """
 
 from __future__ import annotations
