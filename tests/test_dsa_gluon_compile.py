@@ -163,7 +163,7 @@ def test_gluon_sparse_dq_gathers_q_do_and_a_two_deep_ring():
     from kernels.dsa.sparse_attention_gluon import GLUON_DQ_CONFIGS
 
     for cfg in GLUON_DQ_CONFIGS:
-        compiled = compile_gluon_sparse_dq(64, 512, cfg)
+        compiled = compile_gluon_sparse_dq(64, 512, cfg, schedule="keys")
         ptx = compiled.asm["ptx"]
         block_k = cfg.kwargs["BLOCK_K"]
         expected_smem = (2 * 64 * 512 + cfg.kwargs["STAGES"] * block_k * 512 + 64 * block_k) * 2
@@ -174,6 +174,30 @@ def test_gluon_sparse_dq_gathers_q_do_and_a_two_deep_ring():
         assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+\d+", ptx) and "setmaxnreg.inc" in ptx
         report = ptxas_report(compiled)
         assert not re.search(r"C75[01]\d", report), report
+
+
+def test_gluon_sparse_dq_products_schedule_gives_each_warpgroup_one_score_product():
+    """The ``"products"`` query gradient at 64 heads x 512: one warpgroup runs ``Q K^T``, the other ``dO V^T``,
+    each over the whole 32-key block (32 ``wgmma`` over K = 512 each, once in its own partition), each ``dS K``
+    over half of ``D``; ``P`` (float32) and ``dS`` double-buffered in shared memory beside ``q``, ``dO`` and the
+    two-deep ring, one CTA per SM; three consumer-to-consumer barriers per buffer; no serialized ``wgmma``, and no
+    more spills than the ``"keys"`` schedule's kernel."""
+    from kernels.dsa.sm90 import SM_SHARED, compile_gluon_sparse_dq, resources
+    from kernels.dsa.sparse_attention_gluon import GLUON_DQ_CONFIGS, GLUON_DQ_SPLIT_CONFIGS
+
+    keys = compile_gluon_sparse_dq(64, 512, GLUON_DQ_CONFIGS[0], schedule="keys")
+    for cfg in GLUON_DQ_SPLIT_CONFIGS:
+        compiled = compile_gluon_sparse_dq(64, 512, cfg, schedule="products")
+        ptx = compiled.asm["ptx"]
+        block_k, stages = cfg.kwargs["BLOCK_K"], cfg.kwargs["STAGES"]
+        expected_smem = 2 * 64 * 512 * 2 + stages * block_k * 512 * 2 + 2 * 64 * block_k * (4 + 2)
+        assert expected_smem <= compiled.metadata.shared <= SM_SHARED
+        assert len(re.findall(r"wgmma\.mma_async", ptx)) == 2 * (512 // 16) + 2 * (block_k // 16)
+        # the producer's query tile and ring, once each
+        assert len(re.findall(r"cp\.async\.mbarrier\.arrive\.noinc", ptx)) == 2
+        report = ptxas_report(compiled)
+        assert not re.search(r"C75[01]\d", report), report
+        assert resources(compiled, 12)["stack_bytes"] <= resources(keys, 12)["stack_bytes"]
 
 
 def test_sm_share_occupier_leaves_no_room_for_the_sparse_mla_kernels():
@@ -193,7 +217,7 @@ def test_sm_share_occupier_leaves_no_room_for_the_sparse_mla_kernels():
     src = GluonASTSource(fn=share.occupy_kernel, signature={"FLAG": "*i32", "OUT": "*i32", "ROWS": "constexpr"},
                          constexprs={"ROWS": share.OCCUPY_ROWS})
     occupier = triton.compile(src, target=TARGET, options=dict(num_warps=4))
-    smallest = min(compile_gluon_sparse_dq(64, 512, cfg).metadata.shared for cfg in GLUON_DQ_CONFIGS)
+    smallest = min(compile_gluon_sparse_dq(64, 512, cfg, schedule="keys").metadata.shared for cfg in GLUON_DQ_CONFIGS)
     assert 2 * occupier.metadata.shared > SM_SHARED   # one occupier per SM
     assert occupier.metadata.shared + smallest > SM_SHARED
     assert re.search(r"ld\.volatile\.global", occupier.asm["ptx"])

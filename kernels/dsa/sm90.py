@@ -111,12 +111,14 @@ def compile_gluon_sparse_dkv(heads: int, dim: int, config, index_dtype: str = "*
                                  ("n_idx", "scale", "scale_log2"), heads, dim, config)
 
 
-def compile_gluon_sparse_dq(heads: int, dim: int, config, index_dtype: str = "*i32"):
-    """The sparse MLA query-gradient kernel (:func:`kernels.dsa.sparse_attention_gluon.sparse_mla_dq_gluon_kernel`)
-    compiled for sm_90 with ``config``, ``heads`` x ``dim`` bf16 queries, latent and gradients."""
+def compile_gluon_sparse_dq(heads: int, dim: int, config, index_dtype: str = "*i32", schedule: str | None = None):
+    """A sparse MLA query-gradient kernel (:data:`kernels.dsa.sparse_attention_gluon.DQ_KERNELS` ``[schedule]``,
+    ``None``: the launcher's ``DQ_SCHEDULE``) compiled for sm_90 with ``config`` (one of that kernel's), ``heads`` x
+    ``dim`` bf16 queries, latent and gradients."""
+    sag = sparse_attention_gluon
     pointers = dict(zip(["Q", "KV", "IDX", "DO", "LSE", "DELTA", "DQ"],
                         ["*bf16", "*bf16", index_dtype, "*bf16", "*fp32", "*fp32", "*bf16"]))
-    return _compile_gluon_sparse(sparse_attention_gluon.sparse_mla_dq_gluon_kernel, pointers,
+    return _compile_gluon_sparse(sag.DQ_KERNELS[schedule or sag.DQ_SCHEDULE], pointers,
                                  ("n_idx", "scale", "scale_log2"), heads, dim, config)
 
 
