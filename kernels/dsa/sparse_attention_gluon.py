@@ -223,17 +223,17 @@ def _fwd_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib, s
 
 
 @gluon.jit
-def _ring_barriers(STAGES: gl.constexpr):
+def _ring_barriers(STAGES: gl.constexpr, RELEASES: gl.constexpr = 1):
     """``(q_bar, ready, empty)``: the query tile's barrier and the key ring's ``[STAGES, 1]`` full/empty barriers,
-    initialized. Every producer thread arrives once per fill (``cp.async.mbarrier.arrive.noinc``), the consumers
-    once per release."""
+    initialized. Every producer thread arrives once per fill (``cp.async.mbarrier.arrive.noinc``), each of the
+    ``RELEASES`` consumer partitions once per release."""
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=32 * _PRODUCER_WARPS)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=32 * _PRODUCER_WARPS)
-        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(empty.index(s), count=RELEASES)
     return q_bar, ready, empty
 
 
@@ -921,6 +921,15 @@ overlaps them."""
 
 
 @gluon.jit
+def _store_head_rows(OUT, row, stride_h, acc, col0, layout: gl.constexpr):
+    """Store ``acc`` (``[64, N]`` float32 in ``layout``) in ``OUT``'s dtype: head ``h``'s row at ``OUT + row + h *
+    stride_h``, columns ``col0 .. col0 + N``."""
+    offs_h = gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, layout))
+    offs_c = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    gl.store(OUT + row + offs_h[:, None] * stride_h + offs_c[None, :], acc.to(OUT.dtype.element_ty))
+
+
+@gluon.jit
 def _dq_consumer(IDX, DQ, LSE, DELTA, q_smem, do_smem, kv_smem, ds_smem, q_bar, ready, empty, dq_row, stride_dqh,
                  lse_row, n_idx, n_blocks, scale, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr,
                  STAGES: gl.constexpr):
@@ -960,9 +969,7 @@ def _dq_consumer(IDX, DQ, LSE, DELTA, q_smem, do_smem, kv_smem, ds_smem, q_bar, 
             scores, dp, idx = _scores_and_dp(q_smem, do_smem, kv_smem.index(nxt % STAGES), s_init, IDX,
                                              nxt * BLOCK_K + offs_kb, n_idx)
 
-    offs_hr = gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, o_l))
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
-    gl.store(DQ + dq_row + offs_hr[:, None] * stride_dqh + offs_d[None, :], acc.to(DQ.dtype.element_ty))
+    _store_head_rows(DQ, dq_row, stride_dqh, acc, 0, o_l)
 
 
 @triton.autotune(configs=GLUON_DQ_CONFIGS, key=["H", "D"])
@@ -1059,9 +1066,7 @@ def _dq_split_scores(IDX, DQ, LSE, q_smem, kv_smem, p_smem, ds_smem, q_bar, read
         mbarrier.arrive(empty.index(slot))
         mbarrier.arrive(ds_free.index(buf))
 
-    offs_ho = gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, o_l))
-    offs_d = gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
-    gl.store(DQ + dq_row + offs_ho[:, None] * stride_dqh + offs_d[None, :], acc.to(DQ.dtype.element_ty))
+    _store_head_rows(DQ, dq_row, stride_dqh, acc, 0, o_l)
 
 
 @gluon.jit
@@ -1101,9 +1106,7 @@ def _dq_split_grads(DQ, LSE, DELTA, do_smem, kv_smem, p_smem, ds_smem, q_bar, re
         _cta_barrier()
         mbarrier.arrive(empty.index(slot))
 
-    offs_ho = gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, o_l))
-    offs_d = HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_l))
-    gl.store(DQ + dq_row + offs_ho[:, None] * stride_dqh + offs_d[None, :], acc.to(DQ.dtype.element_ty))
+    _store_head_rows(DQ, dq_row, stride_dqh, acc, HALF, o_l)
 
 
 @triton.autotune(configs=GLUON_DQ_SPLIT_CONFIGS, key=["H", "D"])
@@ -1136,16 +1139,10 @@ def sparse_mla_dq_split_kernel(
     kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, D], _nvmma([BLOCK_K, D], dtype))
     p_smem = gl.allocate_shared_memory(gl.float32, [2, _BLOCK_H, BLOCK_K], _nvmma([_BLOCK_H, BLOCK_K], gl.float32))
     ds_smem = gl.allocate_shared_memory(dtype, [2, _BLOCK_H, BLOCK_K], _nvmma([_BLOCK_H, BLOCK_K], dtype))
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_bar, ready, empty = _ring_barriers(STAGES, 2)   # both warpgroups release each slot
     p_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=32 * _PRODUCER_WARPS)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=32 * _PRODUCER_WARPS)
-        mbarrier.init(empty.index(s), count=2)   # both warpgroups release each slot
     for s in gl.static_range(2):
         mbarrier.init(p_bar.index(s), count=1)
         mbarrier.init(ds_bar.index(s), count=1)
