@@ -32,9 +32,9 @@ count that is a multiple of 64 (one ``wgmma`` tile of rows per program), ``d_v =
 512, and CUDA capability 9.x; :func:`gluon_sparse_mla_fwd` raises :class:`kernels.dsa.errors.DSAInputError`
 otherwise. It is the forward wherever it runs (``fwd_kernel="auto"``, :func:`kernels.dsa.sparse_attention.choose_kernels`):
 checked by ``tests/gpu/gluon_smoke.py`` and ``tests/gpu/dsa_check.py`` and timed by
-``tests/benchmarks/sparse_mla_tilings.py`` on an H100 (427 TF/s at the ``full`` shape, 64k tokens, with the
-producer's indices ahead and each block's indices loaded under the previous block's ``P V``, against the Triton
-forward's 252; anchor 790).
+``tests/benchmarks/sparse_mla_tilings.py`` on an H100 (437 TF/s at the ``full`` shape, 64k tokens, with the
+producer's indices ahead, each block's indices loaded under the previous block's ``P V`` and the softmax's
+denominator summed once at the end, against the Triton forward's 252; anchor 787).
 
 The latent gradient (:func:`sparse_mla_dkv_gluon_kernel`, ``dkv_kernel="auto"`` or ``"gluon"``) exists because
 Triton's per-query backward cannot take 64 heads in one program: it holds ``q`` and ``dO`` twice each, once per
@@ -61,7 +61,7 @@ warpgroups run ``S`` and ``dP`` over half of each block's keys (``"keys"``, :fun
 64k tokens), or one runs ``S`` and the other ``dP`` over all of them (``"products"``,
 :func:`sparse_mla_dq_split_kernel`, the default: N = 32, each reads one; 54.1 ms, 492 TF/s of its three products,
 with the producer's indices ahead; ``tests/benchmarks/sparse_mla_tilings.py``, anchor 785 TF/s). Forward and
-backward together, ``tests/benchmarks/dsa_bench.py table``: 218.5 ms, 284 TF/s (anchor 791).
+backward together, ``tests/benchmarks/dsa_bench.py table``: 217.2 ms, 286 TF/s (anchor 794).
 
 Shared memory per CTA of the forward: ``64 * D * 2`` (queries) ``+ STAGES * BLOCK_K * D * 2`` (key ring)
 ``+ 64 * BLOCK_K * 2`` (``P``) bytes: 200 KiB at ``D`` 512 with ``(BLOCK_K, STAGES)`` ``(64, 2)`` or ``(32, 4)``; one CTA per SM.
@@ -123,7 +123,8 @@ wider ``S`` products against a deeper ring), rows per ``cp.async`` batch, the pr
 registers ptxas spilled 28 bytes) and whether the producer loads a block's indices ahead (:func:`_producer`; on
 one H100, ``full`` shape, 64k: ``(64, 2)`` 46.6 -> 42.5 ms with them ahead, the 32-key rings unchanged within
 1%). Offline sm_90 compiles (Triton 3.6, :func:`kernels.dsa.sm90.compile_gluon_sparse_fwd` at 64 heads x 512):
-no spills; ``setmaxnreg`` gives the consumers 224 registers, the producer 56."""
+no spills but 8 bytes in ``(64, 2)``, whose consumers also hold the softmax's per-element denominator
+(``ROW_SUM_AT_END``); ``setmaxnreg`` gives the consumers 224 registers, the producer 56."""
 
 
 @gluon.constexpr_function
@@ -307,9 +308,12 @@ def _drain_ring(q_bar, ready, empty, n_blocks, STAGES: gl.constexpr):
 
 @gluon.jit
 def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row, n_idx,
-              n_blocks, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+              n_blocks, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+              ROW_SUM_AT_END: gl.constexpr):
     """The default partition (two warpgroups): online softmax over the key blocks the producer delivers, ``O``
-    normalized and stored with its log-sum-exp."""
+    normalized and stored with its log-sum-exp. With ``ROW_SUM_AT_END`` the softmax's denominator is kept per
+    element (``[64, BLOCK_K]``, rescaled with ``O``) and summed over the keys once after the last block: one
+    reduction across the two warpgroups (through shared memory, with a barrier) per block instead of two."""
     gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
     s_l: gl.constexpr = _wgmma_layout(BLOCK_K)
     o_l: gl.constexpr = _wgmma_layout(D)
@@ -319,6 +323,7 @@ def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_r
     l_i = gl.zeros([_BLOCK_H], gl.float32, rows_s)
     acc = gl.zeros([_BLOCK_H, D], gl.float32, o_l)
     s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
+    l_block = s_init   # with ROW_SUM_AT_END: each key column's share of the denominator
     offs_kb = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
 
     mbarrier.wait(q_bar, 0)
@@ -336,7 +341,10 @@ def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_r
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - m_safe[:, None])
         alpha = gl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+        if ROW_SUM_AT_END:
+            l_block = l_block * alpha[:, None] + p
+        else:
+            l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
         p_smem.store(p.to(p_smem.dtype))
@@ -358,6 +366,8 @@ def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_r
         mbarrier.arrive(empty.index(slot))
         scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
 
+    if ROW_SUM_AT_END:
+        l_i = gl.sum(l_block, axis=1)
     has_any = l_i > 0
     l_safe = gl.where(has_any, l_i, 1.0)
     out = acc / gl.convert_layout(l_safe, rows_o)[:, None]
@@ -380,12 +390,15 @@ def sparse_mla_fwd_gluon_kernel(
     n_idx, scale_log2,
     H: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATHER_ROWS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, INDICES_AHEAD: gl.constexpr = False, PRODUCTS: gl.constexpr = True,
+    ROW_SUM_AT_END: gl.constexpr = True,
 ):
     """One query ``t`` (program 0), heads ``[64 * pid_h, 64 * pid_h + 64)`` (program 1), batch ``b`` (program
     2): ``Q [B, T, H, D]`` (``stride(3) == 1``), ``KV [B, S, D]`` (``stride(2) == 1``), ``IDX [B, T, K]`` int32
     or int64, ``OUT [B, T, H, D]``, ``LSE [B, T, H]`` float32; the arguments of
     :func:`kernels.dsa.sparse_attention_triton.sparse_mla_fwd_kernel` with ``d_v == Dqk == D``.
-    ``PRODUCTS=False`` (benchmarks only; ``OUT`` and ``LSE`` left unwritten) runs the gathers alone."""
+    ``PRODUCTS=False`` (benchmarks only; ``OUT`` and ``LSE`` left unwritten) runs the gathers alone;
+    ``ROW_SUM_AT_END``: :func:`_consumer` (one H100, ``full`` shape, 64k, ``(64, 2)``: 40.5 ms with it against
+    42.1 without, same call)."""
     gl.static_assert(BLOCK_K % GATHER_ROWS == 0)
     gl.static_assert(STAGES >= 2)   # the consumers wait for block j + 1 before they release block j
     q_row, lse_row, out_row, IDX, KV = _fwd_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
@@ -401,7 +414,7 @@ def sparse_mla_fwd_gluon_kernel(
     if PRODUCTS:
         gl.warp_specialize([
             (_consumer, (IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row,
-                         n_idx, n_blocks, scale_log2, D, BLOCK_K, STAGES)),
+                         n_idx, n_blocks, scale_log2, D, BLOCK_K, STAGES, ROW_SUM_AT_END)),
             (_producer, (Q, Q, KV, IDX, q_smem, q_smem, kv_smem, q_bar, ready, empty, q_row, q_row, stride_qh,
                          stride_kvs, n_idx, n_blocks, D, BLOCK_K, STAGES, GATHER_ROWS, False, INDICES_AHEAD)),
         ], [_PRODUCER_WARPS], [PRODUCER_REGS])
@@ -747,7 +760,13 @@ GLUON_FWD_AHEAD_FLIPPED = [triton.Config(dict(cfg.kwargs, INDICES_AHEAD=not cfg.
                                          num_warps=cfg.num_warps, maxnreg=cfg.maxnreg) for cfg in GLUON_FWD_CONFIGS]
 """The ring forward's configurations with the producer's ``INDICES_AHEAD`` (:func:`_producer`) the other way:
 timed and checked beside :data:`GLUON_FWD_CONFIGS` by the benchmarks and the GPU smoke test, not autotuned."""
-GLUON_FWD_TRIALS = {"ring": GLUON_FWD_CONFIGS + GLUON_FWD_AHEAD_FLIPPED, "pair": GLUON_FWD_PAIR_CONFIGS}
+GLUON_FWD_ROW_SUM_FLIPPED = [triton.Config(dict(GLUON_FWD_CONFIGS[0].kwargs, ROW_SUM_AT_END=False),
+                                            num_warps=GLUON_FWD_CONFIGS[0].num_warps,
+                                            maxnreg=GLUON_FWD_CONFIGS[0].maxnreg)]
+"""The ring forward's first configuration with the denominator summed per block (``ROW_SUM_AT_END=False``,
+:func:`_consumer`): timed and checked beside the others, not autotuned."""
+GLUON_FWD_TRIALS = {"ring": GLUON_FWD_CONFIGS + GLUON_FWD_AHEAD_FLIPPED + GLUON_FWD_ROW_SUM_FLIPPED,
+                    "pair": GLUON_FWD_PAIR_CONFIGS}
 """The Gluon forwards by schedule, each with every configuration the benchmarks time and check: ``"ring"`` (both
 warpgroups on each key block, a ring of ``STAGES`` buffers; its autotuned configurations, then the same with the
 producer's ``INDICES_AHEAD`` the other way) and ``"pair"`` (one warpgroup per block of a pair, FlashMLA's

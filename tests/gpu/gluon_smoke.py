@@ -47,7 +47,7 @@ def main() -> None:
     # the default kernels first, then again with the producer's INDICES_AHEAD the other way, then the pair
     # schedule: a hang in a variant leaves the lines before it in the log
     ok = ring_and_gradients(sag.GLUON_FWD_CONFIGS, indices_ahead=False)
-    ok &= ring_and_gradients(sag.GLUON_FWD_AHEAD_FLIPPED, indices_ahead=True)
+    ok &= ring_and_gradients(sag.GLUON_FWD_AHEAD_FLIPPED + sag.GLUON_FWD_ROW_SUM_FLIPPED, indices_ahead=True)
     ok &= pair_schedule()
     print(f"GLUON SMOKE OK: {ok}", flush=True)
 
