@@ -3,12 +3,13 @@ they run faster side by side on disjoint SMs than one after the other?
 
     python tests/benchmarks/sparse_mla_sm_share.py --out $OUT/sm_share.json     # session part smshare
 
-The latent gradient (:func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dkv`) is bound by the L2 requests
-of its gathers and float32 atomic rows, a resource of the whole GPU; the query gradient
-(:func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dq`) by its own pipeline, a resource of each SM
-(``docs/dsa_kernels.md``). If the first loses little when it has fewer SMs and the second scales with them, the two
-kernels side by side on disjoint SMs (persistent grids, or one launch with both roles) take
-``max(T_dkv(n), T_dq(132 - n))`` instead of ``T_dkv(132) + T_dq(132)``.
+The question: is the latent gradient (:func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dkv`), bound by
+the requests of its gathers and float32 atomic rows, limited by L2 (a resource of the whole GPU) while the query
+gradient (:func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dq`) is limited by its own pipeline (a
+resource of each SM)? If the first lost little with fewer SMs and the second scaled with them, the two kernels side
+by side on disjoint SMs (persistent grids, or one launch with both roles) would take ``max(T_dkv(n), T_dq(132 -
+n))`` instead of ``T_dkv(132) + T_dq(132)``. Measured on one H100 (``docs/dsa_kernels.md``, 2026-12-06): both
+take 132/n times as long on n SMs, so the atomics are a limit of each SM and the split cannot gain.
 
 Each kernel runs alone on the whole GPU, then beside :func:`occupy_kernel`, which holds ``n`` SMs: one CTA per
 SM (128 KiB of shared memory; the measured kernels' CTAs take 196-224 KiB, so none fits beside it) spinning on a
