@@ -44,8 +44,8 @@ def case(heads: int, n_q: int = 256, n_k: int = 1024, width: int = 200, dim: int
 
 
 def main() -> None:
-    # the default kernels first, then again with the producer's INDICES_AHEAD the other way, then the pair
-    # schedule: a hang in a variant leaves the lines before it in the log
+    # the default kernels first, then again with the producer's INDICES_AHEAD the other way (and the forward with
+    # its row sum per block), then the pair schedule: a hang in a variant leaves the lines before it in the log
     ok = ring_and_gradients(sag.GLUON_FWD_CONFIGS, indices_ahead=False)
     ok &= ring_and_gradients(sag.GLUON_FWD_AHEAD_FLIPPED + sag.GLUON_FWD_ROW_SUM_FLIPPED, indices_ahead=True)
     ok &= pair_schedule()
