@@ -103,6 +103,7 @@ WIRING = textwrap.dedent(
     # the block and its merge with the Triton kernels (forced on the CPU, run by the interpreter) against the torch
     # maps and merge backward, both through the float32 projection: the same values and gradients
     cfg = preset("tiny")
+    torch.manual_seed(0)   # the projection's other parameters are initialized from the global generator
     hc = layers.HyperConnection(cfg)
     with torch.no_grad():
         hc.base.normal_(std=0.2, generator=torch.Generator().manual_seed(1))
