@@ -42,8 +42,10 @@ major order its products read them in (256-352 KiB at 64 heads x 512), so the au
 16-head programs, each gathering every selected row and adding its own atomic row per key. Here the producer copies
 ``q`` and ``dO`` once, ``wgmma`` reads each in both orders, and one 64-key latent buffer is released as soon as
 ``Q K^T`` and ``dO V^T`` retire, so the next gather overlaps ``dS^T q + P^T dO`` and the atomics. Its float32 atomic
-rows are bound by the number of L2 requests that carry them, not by their bytes or instructions: in the ``wgmma``
-fragments (32 bytes of a row per request) the kernel takes 135.4 ms (one H100, ``full`` shape, 64k tokens),
+rows are bound by the number of requests that carry them, not by their bytes or instructions, and that is a limit
+of each SM, not of L2 (on ``n`` of 132 SMs it takes 132/n times as long:
+``tests/benchmarks/sparse_mla_sm_share.py``). In the ``wgmma`` fragments (32 bytes of a row per request) the kernel
+takes 135.4 ms (one H100, ``full`` shape, 64k tokens),
 127.1 ms of it with its products skipped (``PRODUCTS=False``); in 128-byte lines (:data:`ATOMIC_LAYOUTS`,
 :data:`DKV_ATOMIC_LAYOUT`) 116.1 ms, 86.9 without products, 82.3 with the atomics predicated off (the conversion
 through shared memory included). An H200, with 1.41x the copy rate, ran it (and the forward and query gradient) in
@@ -769,7 +771,7 @@ GLUON_FWD_TRIALS = {"ring": GLUON_FWD_CONFIGS + GLUON_FWD_AHEAD_FLIPPED + GLUON_
                     "pair": GLUON_FWD_PAIR_CONFIGS}
 """The Gluon forwards by schedule, each with every configuration the benchmarks time and check: ``"ring"`` (both
 warpgroups on each key block, a ring of ``STAGES`` buffers; its autotuned configurations, then the same with the
-producer's ``INDICES_AHEAD`` the other way) and ``"pair"`` (one warpgroup per block of a pair, FlashMLA's
+producer's ``INDICES_AHEAD`` the other way, and the first with its row sum per block) and ``"pair"`` (one warpgroup per block of a pair, FlashMLA's
 schedule)."""
 FWD_SCHEDULE = "ring"
 """The schedule :func:`gluon_sparse_mla_fwd` runs (the training path's Gluon forward)."""
@@ -783,8 +785,8 @@ GLUON_DKV_CONFIGS = [
 the SM's shared memory), released as soon as ``Q K^T`` and ``dO V^T`` of its block retire."""
 DKV_ATOMIC_LAYOUT = "lines"
 """The :data:`ATOMIC_LAYOUTS` entry :func:`gluon_sparse_mla_dkv` launches with. One H100, ``full`` shape, 64k:
-116.5 ms in 128-byte lines against 135.6 in the ``wgmma`` fragments and 138.1 in ``v4``: the number of L2 requests
-bounds the atomics, not the instructions; the conversion through shared memory costs ~10 ms of it."""
+116.5 ms in 128-byte lines against 135.6 in the ``wgmma`` fragments and 138.1 in ``v4``: the number of requests
+each SM issues bounds the atomics, not the instructions; the conversion through shared memory costs ~10 ms of it."""
 
 
 @gluon.jit
@@ -1045,8 +1047,8 @@ most."""
 
 
 @gluon.jit
-def _dq_split_scores(IDX, DQ, LSE, q_smem, kv_smem, p_smem, ds_smem, q_bar, ready, empty, p_bar, ds_bar, ds_free,
-                     dq_row, stride_dqh, lse_row, n_idx, n_blocks, scale_log2, D: gl.constexpr,
+def _dq_split_scores(IDX, DQ, LSE, DELTA, q_smem, kv_smem, p_smem, ds_smem, q_bar, ready, empty, p_bar, ds_bar,
+                     ds_free, dq_row, stride_dqh, lse_row, n_idx, n_blocks, scale_log2, D: gl.constexpr,
                      BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     """The first consumer warpgroup of :func:`sparse_mla_dq_split_kernel` (the default partition): per key block
     ``S = Q K^T`` over the whole block (``wgmma`` N = ``BLOCK_K``), ``P = exp2(scale S - lse)`` (0 at ``-1``
@@ -1055,10 +1057,7 @@ def _dq_split_scores(IDX, DQ, LSE, q_smem, kv_smem, p_smem, ds_smem, q_bar, read
     HALF: gl.constexpr = D // 2
     s_l: gl.constexpr = _wg_layout(BLOCK_K)
     o_l: gl.constexpr = _wg_layout(HALF)
-    offs_h = gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, s_l))
-    lse = gl.load(LSE + lse_row + offs_h)
-    row_ok = lse > float("-inf")
-    lse2 = gl.where(row_ok, lse * 1.4426950408889634, 0.0)
+    lse2, row_ok, _ = _backward_rows(LSE, DELTA, lse_row, s_l)
     s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
     acc = gl.zeros([_BLOCK_H, HALF], gl.float32, o_l)
     offs_kb = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
@@ -1099,7 +1098,7 @@ def _dq_split_grads(DQ, LSE, DELTA, do_smem, kv_smem, p_smem, ds_smem, q_bar, re
     HALF: gl.constexpr = D // 2
     s_l: gl.constexpr = _wg_layout(BLOCK_K)
     o_l: gl.constexpr = _wg_layout(HALF)
-    delta = gl.load(DELTA + lse_row + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, s_l)))
+    _, _, delta = _backward_rows(LSE, DELTA, lse_row, s_l)
     s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
     acc = gl.zeros([_BLOCK_H, HALF], gl.float32, o_l)
 
@@ -1168,7 +1167,7 @@ def sparse_mla_dq_split_kernel(
         mbarrier.init(ds_free.index(s), count=1)
 
     gl.warp_specialize([
-        (_dq_split_scores, (IDX, DQ, LSE, q_smem, kv_smem, p_smem, ds_smem, q_bar, ready, empty, p_bar, ds_bar,
+        (_dq_split_scores, (IDX, DQ, LSE, DELTA, q_smem, kv_smem, p_smem, ds_smem, q_bar, ready, empty, p_bar, ds_bar,
                             ds_free, do_row, D, lse_row, n_idx, n_blocks, scale_log2, D, BLOCK_K, STAGES)),
         (_dq_split_grads, (DQ, LSE, DELTA, do_smem, kv_smem, p_smem, ds_smem, q_bar, ready, empty, p_bar, ds_bar,
                            ds_free, do_row, D, lse_row, n_blocks, scale, D, BLOCK_K, STAGES)),
