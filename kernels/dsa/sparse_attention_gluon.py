@@ -790,6 +790,16 @@ each SM issues bounds the atomics, not the instructions; the conversion through 
 
 
 @gluon.jit
+def _backward_tiles(dtype: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """The backward kernels' shared memory for the program's 64 heads: ``(q_smem, do_smem, kv_smem)``, ``q`` and
+    ``dO`` as ``[64, D]`` tiles and the latent as a ``[STAGES, BLOCK_K, D]`` ring, ``dtype``, ``wgmma``-swizzled."""
+    q_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
+    do_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
+    kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, D], _nvmma([BLOCK_K, D], dtype))
+    return q_smem, do_smem, kv_smem
+
+
+@gluon.jit
 def _scores_and_dp(q_smem, do_smem, kv_block, s_init, IDX, offs_k, n_idx):
     """``S = Q K^T`` and ``dP = dO V^T`` of one latent block (``V`` is the latent), both issued before either is
     awaited: ``[64, BLOCK_K]`` float32 each, in ``s_init``'s layout; and the block's indices ``IDX[offs_k]``
@@ -909,9 +919,7 @@ def sparse_mla_dkv_gluon_kernel(
     DKV = DKV + b * stride_dkb
 
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
-    do_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
-    kv_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_K, D], _nvmma([BLOCK_K, D], dtype))
+    q_smem, do_smem, kv_smem = _backward_tiles(dtype, D, BLOCK_K, 1)
     pt_smem = gl.allocate_shared_memory(dtype, [BLOCK_K, _BLOCK_H], _nvmma([BLOCK_K, _BLOCK_H], dtype))
     dst_smem = gl.allocate_shared_memory(dtype, [BLOCK_K, _BLOCK_H], _nvmma([BLOCK_K, _BLOCK_H], dtype))
     q_bar, ready, empty = _ring_barriers(1)
@@ -1020,9 +1028,7 @@ def sparse_mla_dq_gluon_kernel(
     n_blocks = gl.cdiv(n_idx, BLOCK_K)
 
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
-    do_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
-    kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, D], _nvmma([BLOCK_K, D], dtype))
+    q_smem, do_smem, kv_smem = _backward_tiles(dtype, D, BLOCK_K, STAGES)
     ds_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, BLOCK_K], _nvmma([_BLOCK_H, BLOCK_K], dtype))
     q_bar, ready, empty = _ring_barriers(STAGES)
 
@@ -1152,9 +1158,7 @@ def sparse_mla_dq_split_kernel(
     n_blocks = gl.cdiv(n_idx, BLOCK_K)
 
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
-    do_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
-    kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, D], _nvmma([BLOCK_K, D], dtype))
+    q_smem, do_smem, kv_smem = _backward_tiles(dtype, D, BLOCK_K, STAGES)
     p_smem = gl.allocate_shared_memory(gl.float32, [2, _BLOCK_H, BLOCK_K], _nvmma([_BLOCK_H, BLOCK_K], gl.float32))
     ds_smem = gl.allocate_shared_memory(dtype, [2, _BLOCK_H, BLOCK_K], _nvmma([_BLOCK_H, BLOCK_K], dtype))
     q_bar, ready, empty = _ring_barriers(STAGES, 2)   # both warpgroups release each slot
