@@ -180,8 +180,8 @@ def test_gluon_sparse_dq_products_schedule_gives_each_warpgroup_one_score_produc
     """The ``"products"`` query gradient at 64 heads x 512: one warpgroup runs ``Q K^T``, the other ``dO V^T``,
     each over the whole 32-key block (32 ``wgmma`` over K = 512 each, once in its own partition), each ``dS K``
     over half of ``D``; ``P`` (float32) and ``dS`` double-buffered in shared memory beside ``q``, ``dO`` and the
-    two-deep ring, one CTA per SM; three consumer-to-consumer barriers per buffer; no serialized ``wgmma``, and no
-    more spills than the ``"keys"`` schedule's kernel."""
+    two-deep ring, one CTA per SM; no serialized ``wgmma``, and no more spills than the ``"keys"`` schedule's
+    kernel."""
     from kernels.dsa.sm90 import SM_SHARED, compile_gluon_sparse_dq, resources
     from kernels.dsa.sparse_attention_gluon import GLUON_DQ_CONFIGS, GLUON_DQ_SPLIT_CONFIGS
 
@@ -198,6 +198,25 @@ def test_gluon_sparse_dq_products_schedule_gives_each_warpgroup_one_score_produc
         report = ptxas_report(compiled)
         assert not re.search(r"C75[01]\d", report), report
         assert resources(compiled, 12)["stack_bytes"] <= resources(keys, 12)["stack_bytes"]
+
+
+def test_ring_forward_sums_its_denominator_without_a_per_block_reduction():
+    """The ring forward with ``ROW_SUM_AT_END`` (the default) keeps the softmax denominator per element and sums it
+    once after the loop: its PTX has fewer thread barriers than the same configuration summing per block (each
+    reduction across the two warpgroups goes through shared memory between barriers), and the same products."""
+    import triton
+
+    from kernels.dsa.sm90 import compile_gluon_sparse_fwd
+    from kernels.dsa.sparse_attention_gluon import GLUON_FWD_CONFIGS
+
+    cfg = GLUON_FWD_CONFIGS[0]
+    builds = {at_end: compile_gluon_sparse_fwd(64, 512, triton.Config(dict(cfg.kwargs, ROW_SUM_AT_END=at_end),
+                                                                      num_warps=cfg.num_warps, maxnreg=cfg.maxnreg))
+              for at_end in (True, False)}
+    count = {k: {op: len(re.findall(op, b.asm["ptx"])) for op in (r"bar\.sync", r"wgmma\.mma_async")}
+             for k, b in builds.items()}
+    assert count[True][r"bar\.sync"] < count[False][r"bar\.sync"], count
+    assert count[True][r"wgmma\.mma_async"] == count[False][r"wgmma\.mma_async"], count
 
 
 def test_sm_share_occupier_leaves_no_room_for_the_sparse_mla_kernels():
