@@ -694,6 +694,7 @@ from tasks.caching import (  # noqa: E402
     shared_kernel_cache, stage_output_dir,
 )
 from tasks.presets import Preset, active_preset  # noqa: E402
+from tasks.trainer import finish_parallel  # noqa: E402
 
 
 def rl_parallel(preset: Preset):
@@ -744,6 +745,7 @@ def rl_task(shards: HashedDir, sft: HashedDir, cfg: RLConfig) -> HashedDir:
     shared_kernel_cache(cfg.checkpoint_dir)
     out = stage_output_dir("rl", RL_VERSION, **identity)
     rl(hf_export(sft.download()), shards.download(), cfg, out, preset=active_preset().name)
+    finish_parallel()
     return as_output(out)
 
 
@@ -762,6 +764,7 @@ def main(argv: list[str] | None = None) -> None:
     if "grpo" in fields:
         fields["grpo"] = GRPOConfig(**fields["grpo"])
     rl(args.sft_export, args.pack_dir, RLConfig(**fields), args.out_dir)
+    finish_parallel()
 
 
 if __name__ == "__main__":   # dist-checkpoint saves start a spawn Manager: the guard is required

@@ -51,9 +51,9 @@ from model.parallel import ParallelLayout
 from tasks.atomic import keep_records_through, sha256_file
 from tasks.checkpoint import Checkpointer, restore_training_state, training_state
 from tasks.memory_plan import MemoryPlan, memory_plan
-from tasks.trainer import (ManualGC, build_trainer, freeze_indexers, init_parallel, local_device, local_window,
-                           model_flops_per_token, moe_overload, optimizer_step, peak_memory_gib, peak_pinned_gib,
-                           peak_tflops, sync_params)
+from tasks.trainer import (ManualGC, build_trainer, finish_parallel, freeze_indexers, init_parallel, local_device,
+                           local_window, model_flops_per_token, moe_overload, optimizer_step, peak_memory_gib,
+                           peak_pinned_gib, peak_tflops, sync_params)
 from tasks.windows import WindowSampler
 
 log = logging.getLogger("megabase.sft")
@@ -743,6 +743,7 @@ def sft_task(shards: HashedDir, cfg: SFTConfig, init: Optional[HashedDir] = None
     shared_kernel_cache(cfg.checkpoint_dir)
     out = stage_output_dir("sft", SFT_VERSION, **identity)
     train(shards.download(), cfg, out)
+    finish_parallel()
     return as_output(out)
 
 
@@ -760,6 +761,7 @@ def main(argv: list[str] | None = None) -> None:
     if "recompute_modules" in fields:
         fields["recompute_modules"] = tuple(fields["recompute_modules"])
     train(args.pack_dir, SFTConfig(**fields), args.out_dir)
+    finish_parallel()
 
 
 if __name__ == "__main__":   # dist-checkpoint saves start a spawn Manager: the guard is required

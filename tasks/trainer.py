@@ -91,6 +91,28 @@ def init_parallel(tensor_parallel: int = 1, context_parallel: int = 1, expert_pa
     return ParallelLayout.from_megatron(local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
+def finish_parallel() -> None:
+    """End a job of several ranks at its normal end: a barrier, then megatron's and torch.distributed's groups
+    destroyed, while the interpreter is whole.
+
+    Left to interpreter finalization, a gloo process group's worker threads may still hold work when it
+    is destructed, and the process aborts ("terminate called without an active exception",
+    pytorch/pytorch#190489) after its job had finished: a rank that returned its result then fails the
+    job. The barrier keeps a rank from tearing down while a peer is still in a collective with it. One
+    process (``WORLD_SIZE`` unset or 1) keeps its group: a local pipeline run's stages share it.
+    Call it on every rank, and only on the normal path (after an error the barrier would wait for
+    the failed rank).
+    """
+    import torch
+    from megatron.core import parallel_state as ps
+
+    if int(os.environ.get("WORLD_SIZE", 1)) <= 1 or not torch.distributed.is_initialized():
+        return
+    torch.distributed.barrier()
+    ps.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
 def local_device():
     """This rank's device: its CUDA device (set by :func:`init_parallel`), else the CPU."""
     import torch

@@ -399,6 +399,7 @@ from tasks.caching import (  # noqa: E402
     HashedDir, as_output, elastic_kwargs, stage_version, hf_export, manifest_sha256, resource_kwargs, stage_output_dir,
 )
 from tasks.presets import active_preset  # noqa: E402
+from tasks.trainer import finish_parallel  # noqa: E402
 
 
 VERIFY_VERSION = stage_version("verify", active_preset())
@@ -420,6 +421,7 @@ def verify_task(shards: HashedDir, checkpoint: HashedDir, three_way: bool = Fals
     result = verify_checkpoint(hf_export(checkpoint.download()), shards.download(), preset, out, three_way)
     if result is not None:
         Deck("verify", (out / "deck.html").read_text())
+    finish_parallel()
     return as_output(out)
 
 
@@ -448,6 +450,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.infer_parallel:
         preset = dataclasses.replace(preset, infer_parallel=ParallelSpec(**json.loads(args.infer_parallel)))
     verify_checkpoint(args.checkpoint, args.pack_dir, preset, args.out_dir, args.three_way)
+    finish_parallel()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 
 from tasks.engines import TrainerLogProbs
+from tasks.trainer import finish_parallel
 from tasks.verify import sample_windows
 
 
@@ -19,12 +20,14 @@ def main(export: str, pack: str, out: str, context_parallel: str, *lengths: str)
     if not source.is_main:
         source.serve()
         source.close()
+        finish_parallel()
         return
     windows = sample_windows(pack, tuple(map(int, lengths)), 2)
     scores = {f"{length}/{i}": lp for length, ws in windows.items()
               for i, lp in enumerate(source.prompt_logprobs([w.tokens for w in ws]))}
     source.close()
     np.savez(out, **scores)
+    finish_parallel()
 
 
 if __name__ == "__main__":
