@@ -90,8 +90,9 @@ def main() -> None:
 
     from tasks.memory_plan import memory_plan
     from tasks.sft import model_config, train
+    from tasks.trainer import finish_parallel
 
-    rows = []
+    rows, interrupted = [], False
     for name in args.configs:
         knobs = CONFIGS[name]
         cfg = sft_config(name, args.steps, args.context_parallel, args.expert_parallel)
@@ -160,6 +161,8 @@ def main() -> None:
             break
         if alone:   # a failed rank of a multi-rank launch: exit so torchrun tears the others down
             raise SystemExit(f"rank {rank}: configuration {name} failed: {error!r}"[:500])
+    if not interrupted:
+        finish_parallel()
 
 
 if __name__ == "__main__":
