@@ -62,7 +62,8 @@ def init_parallel(tensor_parallel: int = 1, context_parallel: int = 1, expert_pa
     """Initialise ``torch.distributed`` (nccl, or gloo on CPU) and megatron ``parallel_state``.
 
     Reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (torchrun, kfpytorch
-    Elastic); without them runs as a single process (in-memory rendezvous, no port).
+    Elastic); without them runs as a single process (in-memory rendezvous, no port). A job of
+    several ranks ends with :func:`finish_parallel`.
 
     Returns:
         This rank's layout, the one the model (:func:`model.glm5_next.build_model`) and the
