@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from rendezvous import free_port
+
 SEQ = 512
 
 
@@ -72,9 +74,7 @@ def _run(rank, world, tp, cp, port, hf_weights, ids, queue, ep=1, dispatcher=Non
 
 
 def _spawn(tp, cp, hf_weights, ids, ep=1, dispatcher=None):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_run, args=(r, 2, tp, cp, port, hf_weights, ids, queue, ep, dispatcher)) for r in range(2)]

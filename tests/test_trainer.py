@@ -4,9 +4,10 @@ Each case runs in spawned processes, so the pytest process's own group (other te
 """
 
 import os
-import socket
 
 import torch.multiprocessing as mp
+
+from rendezvous import free_port
 
 
 def _job(rank: int, world: int, port: int, queue) -> None:
@@ -26,9 +27,7 @@ def _job(rank: int, world: int, port: int, queue) -> None:
 
 
 def _run_job(world: int) -> list[tuple]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_job, args=(r, world, port, queue)) for r in range(world)]

@@ -7,7 +7,6 @@ two gloo ranks with context parallelism 2 (torchrun), against one process scorin
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,8 @@ from tasks.engines import EngineError, TrainerLogProbs
 from tasks.ingest import IngestConfig, ingest
 from tasks.pack import PackConfig, pack
 from tasks.verify import sample_windows
+
+from rendezvous import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 #: 4095 is odd: CP=2 pads the window's end by one token, which no scored position may see.
@@ -42,9 +43,7 @@ def pack_dir(tmp_path_factory):
 
 
 def test_context_parallel_2_ranks_equal_one_process_on_held_out_windows(pack_dir, glm5_next_export, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp_path / "cp2.npz"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
            "tests/cp_trainer_logprobs.py", str(glm5_next_export), str(pack_dir), str(out), "2", *map(str, LENGTHS)]
@@ -75,9 +74,7 @@ def test_verify_with_a_cp2_trainer_leg_writes_rank_0s_report(pack_dir, glm5_next
     (transformers, float32) beside it; the report compares them as the one-process run does."""
     import json
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp_path / "verify"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
            "-m", "tasks.verify", str(glm5_next_export), str(pack_dir), str(out), "--preset", "ci-smoke", "--engine",
