@@ -788,6 +788,15 @@ DKV_ATOMIC_LAYOUT = "lines"
 116.5 ms in 128-byte lines against 135.6 in the ``wgmma`` fragments and 138.1 in ``v4``: the number of requests
 each SM issues bounds the atomics, not the instructions; the conversion through shared memory costs ~10 ms of it."""
 
+DKV_SCORES_AHEAD = False
+"""Whether :func:`gluon_sparse_mla_dkv` issues the next key block's score products before the last piece's
+atomics (:func:`_dkv_consumer_ahead`; with :data:`DKV_PIECES` >= 2)."""
+DKV_PIECES = 1
+"""Column pieces :func:`gluon_sparse_mla_dkv` forms and adds each key block's latent gradient in
+(:func:`_dkv_consumer`). The atomics alone take 83.3 ms of the kernel's 115.5 at the ``full`` shape, 64k tokens
+(one H100, ``tests/benchmarks/sparse_mla_atomics.py``); issued after all of a block's products, they leave the
+tensor cores idle. In pieces, each piece's products run under the previous piece's atomics."""
+
 
 @gluon.jit
 def _backward_tiles(dtype: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
@@ -832,13 +841,41 @@ def _probs_and_ds(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2):
 
 
 @gluon.jit
+def _add_rows(DKV, stride_dks, rows, col0: gl.constexpr, block, ATOMICS: gl.constexpr):
+    """``DKV[rows[r], col0 + c] += block[r, c]`` with relaxed float32 atomics in ``block``'s layout, skipping rows
+    ``-1``. ``ATOMICS=False`` (benchmarks only): issued but predicated off (no row is below -1), the atomics'
+    memory traffic out of the timing."""
+    offs_d = col0 + gl.arange(0, block.shape[1], layout=gl.SliceLayout(0, block.type.layout))
+    keep = rows >= 0 if ATOMICS else rows < -1
+    gl.atomic_add(DKV + rows[:, None] * stride_dks + offs_d[None, :], block, mask=keep[:, None], sem="relaxed")
+
+
+@gluon.jit
+def _dkv_piece(dst_smem, pt_smem, q_smem, do_smem, p_init, col0: gl.constexpr):
+    """Issue columns ``[col0, col0 + PIECE)`` of one key block's latent gradient, ``dS^T q + P^T dO``
+    (``PIECE`` = ``p_init``'s width, ``[BLOCK_K, PIECE]`` float32 in ``p_init``'s layout): two asynchronous
+    ``wgmma`` groups, the token of the second returned."""
+    width: gl.constexpr = p_init.shape[1]
+    if width == q_smem.shape[1]:
+        acc = warpgroup_mma(dst_smem, q_smem, p_init, use_acc=False, is_async=True)
+        acc = warpgroup_mma(pt_smem, do_smem, acc, is_async=True)
+    else:
+        acc = warpgroup_mma(dst_smem, q_smem.slice(col0, width, dim=1), p_init, use_acc=False, is_async=True)
+        acc = warpgroup_mma(pt_smem, do_smem.slice(col0, width, dim=1), acc, is_async=True)
+    return acc
+
+
+@gluon.jit
 def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready, empty, lse_row,
                   stride_dks, n_idx, n_blocks, scale, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr,
-                  ATOMICS: gl.constexpr, PRODUCTS: gl.constexpr, ATOMIC_LAYOUT: gl.constexpr):
+                  ATOMICS: gl.constexpr, PRODUCTS: gl.constexpr, ATOMIC_LAYOUT: gl.constexpr,
+                  PIECES: gl.constexpr):
     """The default partition of :func:`sparse_mla_dkv_gluon_kernel` (two warpgroups): per key block, ``P`` and
     ``dS`` of the 64 heads (``[64, BLOCK_K]``, recomputed from ``lse`` and ``delta``), then the block's latent
     gradient ``dS^T q + P^T dO`` (``[BLOCK_K, D]``, each warpgroup half of ``D``) added to ``DKV``'s rows in the
-    layout :data:`ATOMIC_LAYOUTS` ``[ATOMIC_LAYOUT]``."""
+    layout :data:`ATOMIC_LAYOUTS` ``[ATOMIC_LAYOUT]``. With ``PIECES > 1`` the gradient is formed and added in
+    ``PIECES`` column pieces, each piece's products issued before the previous piece's atomics, so that the
+    tensor cores run while the warps issue atomics (:data:`DKV_PIECES`)."""
     gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
     s_l: gl.constexpr = _wgmma_layout(BLOCK_K)
     o_l: gl.constexpr = _wgmma_layout(D)
@@ -848,7 +885,10 @@ def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_s
     o_init = gl.zeros([BLOCK_K, D], gl.float32, o_l)
     offs_kb = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
     offs_kr = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, a_l))
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, a_l))
+    PIECE: gl.constexpr = D // PIECES
+    pa_l: gl.constexpr = _atomic_layout(BLOCK_K, PIECE, ATOMIC_LAYOUT)
+    p_init = gl.zeros([BLOCK_K, PIECE], gl.float32, _wgmma_layout(PIECE))
+    offs_pr = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, pa_l))
 
     mbarrier.wait(q_bar, 0)
     for j in range(n_blocks):
@@ -866,23 +906,80 @@ def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_s
             dst_smem.store(gl.permute(ds.to(dst_smem.dtype), (1, 0)))
             fence_async_shared()
             _cta_barrier()
-            acc = warpgroup_mma(dst_smem, q_smem, o_init, use_acc=False, is_async=True)
-            acc = warpgroup_mma(pt_smem, do_smem, acc, is_async=True)
-            rows_k = j * BLOCK_K + offs_kr   # the atomics' rows, loaded under the two products
+            acc = _dkv_piece(dst_smem, pt_smem, q_smem, do_smem, p_init, 0)
+            rows_k = j * BLOCK_K + offs_pr   # the atomics' rows, loaded under the first piece's products
             rows = gl.load(IDX + rows_k, mask=rows_k < n_idx, other=-1).to(gl.int64)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            for c in gl.static_range(PIECES):
+                if c + 1 < PIECES:   # the next piece's products run while this piece's atomics issue
+                    nxt = _dkv_piece(dst_smem, pt_smem, q_smem, do_smem, p_init, (c + 1) * PIECE)
+                    piece = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
+                    acc = nxt
+                else:
+                    piece = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                _add_rows(DKV, stride_dks, rows, c * PIECE, gl.convert_layout(piece, pa_l), ATOMICS)
         else:   # the gathers and the atomics alone (benchmarks only): what the products could hide under
             _cta_barrier()
             mbarrier.arrive(empty.index(0))
             rows_k = j * BLOCK_K + offs_kr
             rows = gl.load(IDX + rows_k, mask=rows_k < n_idx, other=-1).to(gl.int64)
-            acc = o_init + scale
-        acc = gl.convert_layout(acc, a_l)
-        if ATOMICS:
-            keep = rows >= 0
-        else:   # issued but predicated off (no row is below -1): the atomics' memory traffic out of the timing
-            keep = rows < -1
-        gl.atomic_add(DKV + rows[:, None] * stride_dks + offs_d[None, :], acc, mask=keep[:, None], sem="relaxed")
+            _add_rows(DKV, stride_dks, rows, 0, gl.convert_layout(o_init + scale, a_l), ATOMICS)
+
+
+@gluon.jit
+def _dkv_consumer_ahead(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready, empty,
+                        lse_row, stride_dks, n_idx, n_blocks, scale, scale_log2, D: gl.constexpr,
+                        BLOCK_K: gl.constexpr, ATOMICS: gl.constexpr, ATOMIC_LAYOUT: gl.constexpr,
+                        PIECES: gl.constexpr):
+    """:func:`_dkv_consumer` in ``PIECES >= 2`` column pieces with the next key block's ``S = Q K^T`` and ``dP =
+    dO V^T`` issued before the last piece's atomics (``SCORES_AHEAD``), so that those products also run while
+    atomics issue. The next block's gather has had all but the last piece's atomics to land. The last block
+    recomputes its own scores instead of branching around the issue (an asynchronous product inside a branch has
+    no value on the other path): ``1 / n_blocks`` of the score products wasted, as in the forward."""
+    gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
+    gl.static_assert(PIECES >= 2)
+    s_l: gl.constexpr = _wgmma_layout(BLOCK_K)
+    PIECE: gl.constexpr = D // PIECES
+    pa_l: gl.constexpr = _atomic_layout(BLOCK_K, PIECE, ATOMIC_LAYOUT)
+    lse2, row_ok, delta = _backward_rows(LSE, DELTA, lse_row, s_l)
+    s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
+    p_init = gl.zeros([BLOCK_K, PIECE], gl.float32, _wgmma_layout(PIECE))
+    offs_kb = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
+    offs_pr = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, pa_l))
+
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(ready.index(0), 0)
+    fence_async_shared()   # the producer's cp.async (generic proxy) before wgmma's reads (async proxy)
+    scores, dp, idx = _scores_and_dp(q_smem, do_smem, kv_smem.index(0), s_init, IDX, offs_kb, n_idx)
+    for j in range(n_blocks):
+        # both warpgroups' score products of block j have retired: the buffer takes block j + 1
+        _cta_barrier()
+        mbarrier.arrive(empty.index(0))
+        p, ds = _probs_and_ds(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2)
+        pt_smem.store(gl.permute(p.to(pt_smem.dtype), (1, 0)))
+        dst_smem.store(gl.permute(ds.to(dst_smem.dtype), (1, 0)))
+        fence_async_shared()
+        _cta_barrier()
+        acc = _dkv_piece(dst_smem, pt_smem, q_smem, do_smem, p_init, 0)
+        rows_k = j * BLOCK_K + offs_pr
+        rows = gl.load(IDX + rows_k, mask=rows_k < n_idx, other=-1).to(gl.int64)
+        for c in gl.static_range(PIECES):
+            if c + 1 < PIECES:
+                nxt = _dkv_piece(dst_smem, pt_smem, q_smem, do_smem, p_init, (c + 1) * PIECE)
+                piece = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
+                acc = nxt
+                _add_rows(DKV, stride_dks, rows, c * PIECE, gl.convert_layout(piece, pa_l), ATOMICS)
+            else:
+                nb = gl.minimum(j + 1, n_blocks - 1)   # the last block's own buffer, unchanged: its scores again
+                mbarrier.wait(ready.index(0), nb & 1)
+                fence_async_shared()
+                kv_t = kv_smem.index(0).permute((1, 0))
+                s_tok = warpgroup_mma(q_smem, kv_t, s_init, use_acc=False, is_async=True)
+                dp_tok = warpgroup_mma(do_smem, kv_t, s_init, use_acc=False, is_async=True)
+                offs_k = nb * BLOCK_K + offs_kb
+                idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
+                piece = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))   # S and dP may run on
+                _add_rows(DKV, stride_dks, rows, c * PIECE, gl.convert_layout(piece, pa_l), ATOMICS)
+                scores, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dp_tok))
 
 
 @triton.autotune(configs=GLUON_DKV_CONFIGS, key=["H", "D"], reset_to_zero=["DKV"])
@@ -897,7 +994,7 @@ def sparse_mla_dkv_gluon_kernel(
     n_idx, scale, scale_log2,
     H: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, GATHER_ROWS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ATOMICS: gl.constexpr = True, INDICES_AHEAD: gl.constexpr = False, PRODUCTS: gl.constexpr = True,
-    ATOMIC_LAYOUT: gl.constexpr = 0,
+    ATOMIC_LAYOUT: gl.constexpr = 0, PIECES: gl.constexpr = 1, SCORES_AHEAD: gl.constexpr = False,
 ):
     """The latent's gradient of one query ``t`` (program 0) and heads ``[64 * pid_h, 64 * pid_h + 64)`` (program
     1), batch ``b`` (program 2), added to ``DKV [B, S, D]`` float32 with atomics: ``sum_h scale * dS[h, k] q[h]
@@ -924,13 +1021,22 @@ def sparse_mla_dkv_gluon_kernel(
     dst_smem = gl.allocate_shared_memory(dtype, [BLOCK_K, _BLOCK_H], _nvmma([BLOCK_K, _BLOCK_H], dtype))
     q_bar, ready, empty = _ring_barriers(1)
 
-    gl.warp_specialize([
-        (_dkv_consumer, (IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready, empty,
-                         lse_row, stride_dks, n_idx, n_blocks, scale, scale_log2, D, BLOCK_K, ATOMICS, PRODUCTS,
-                         ATOMIC_LAYOUT)),
-        (_producer, (Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_row, do_row, stride_qh,
-                     stride_kvs, n_idx, n_blocks, D, BLOCK_K, 1, GATHER_ROWS, True, INDICES_AHEAD)),
-    ], [_PRODUCER_WARPS], [PRODUCER_REGS])
+    if SCORES_AHEAD and PRODUCTS:
+        gl.warp_specialize([
+            (_dkv_consumer_ahead, (IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready,
+                                   empty, lse_row, stride_dks, n_idx, n_blocks, scale, scale_log2, D, BLOCK_K, ATOMICS,
+                                   ATOMIC_LAYOUT, PIECES)),
+            (_producer, (Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_row, do_row, stride_qh,
+                         stride_kvs, n_idx, n_blocks, D, BLOCK_K, 1, GATHER_ROWS, True, INDICES_AHEAD)),
+        ], [_PRODUCER_WARPS], [PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_dkv_consumer, (IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready, empty,
+                             lse_row, stride_dks, n_idx, n_blocks, scale, scale_log2, D, BLOCK_K, ATOMICS, PRODUCTS,
+                             ATOMIC_LAYOUT, PIECES)),
+            (_producer, (Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_row, do_row, stride_qh,
+                         stride_kvs, n_idx, n_blocks, D, BLOCK_K, 1, GATHER_ROWS, True, INDICES_AHEAD)),
+        ], [_PRODUCER_WARPS], [PRODUCER_REGS])
 
     _invalidate_barriers(q_bar, ready, empty, 1)
 
@@ -1326,7 +1432,8 @@ def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
 def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
                          lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float, dkv: torch.Tensor,
                          atomics: bool = True, indices_ahead: bool = False, products: bool = True,
-                         atomic_layout: str | None = None) -> None:
+                         atomic_layout: str | None = None, pieces: int | None = None,
+                         scores_ahead: bool | None = None) -> None:
     """Add the latent's gradient of :func:`kernels.dsa.sparse_attention.sparse_mla_attention` to ``dkv``, from
     :func:`sparse_mla_dkv_gluon_kernel`: every selected key of every query, 64 heads per program.
 
@@ -1342,11 +1449,20 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
             time of the gathers and the atomics alone.
         indices_ahead: the producer's ``INDICES_AHEAD`` (:func:`_producer`; benchmarks: no faster here on an H100).
         atomic_layout: one of :data:`ATOMIC_LAYOUTS` (benchmarks and checks), or ``None``: :data:`DKV_ATOMIC_LAYOUT`.
+        pieces: column pieces of the gradient products and atomics (1, 2 or 4; benchmarks and checks), or
+            ``None``: :data:`DKV_PIECES`.
+        scores_ahead: the next block's score products under the last piece's atomics (:func:`_dkv_consumer_ahead`;
+            needs ``pieces >= 2``), or ``None``: :data:`DKV_SCORES_AHEAD`.
 
     Raises:
         DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
     """
     q, kv, indices, grad_out, lse, delta = _backward_inputs(q, kv, indices, grad_out, lse, delta, "latent gradient")
+    pieces = DKV_PIECES if pieces is None else pieces
+    scores_ahead = DKV_SCORES_AHEAD if scores_ahead is None else scores_ahead
+    if pieces not in (1, 2, 4) or (scores_ahead and pieces < 2):
+        raise DSAInputError(f"pieces={pieces}, scores_ahead={scores_ahead}: pieces is 1, 2 or 4, and 2 or 4 with "
+                            "scores_ahead")
     batch, n_q, heads, dqk = q.shape
     sparse_mla_dkv_gluon_kernel[(n_q, heads // BLOCK_H, batch)](
         q, kv, indices, grad_out, lse, delta, dkv,
@@ -1357,5 +1473,6 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         dkv.stride(0), dkv.stride(1),
         indices.shape[2], softmax_scale, softmax_scale * 1.4426950408889634,
         H=heads, D=dqk, ATOMICS=atomics, INDICES_AHEAD=indices_ahead, PRODUCTS=products,
-        ATOMIC_LAYOUT=ATOMIC_LAYOUTS.index(atomic_layout or DKV_ATOMIC_LAYOUT),
+        ATOMIC_LAYOUT=ATOMIC_LAYOUTS.index(atomic_layout or DKV_ATOMIC_LAYOUT), PIECES=pieces,
+        SCORES_AHEAD=scores_ahead,
     )

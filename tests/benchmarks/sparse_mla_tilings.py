@@ -70,7 +70,7 @@ def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, c
     alone without the products; then in each other of :data:`kernels.dsa.sparse_attention_gluon.ATOMIC_LAYOUTS`),
     one table."""
     t_fwd_auto, _ = timed(lambda: sat.triton_sparse_mla_fwd(q, kv, idx, scale, q.shape[-1]), args.reps)
-    rows = gluon_forward_rows(q, kv, idx, scale, out_ref, lse_ref, fwd_flops, args.reps)
+    rows = [] if args.dkv_only else gluon_forward_rows(q, kv, idx, scale, out_ref, lse_ref, fwd_flops, args.reps)
     out, lse = torch.empty_like(out_ref), torch.empty_like(lse_ref)
     kernels = [(f"gluon ring forward {' '.join(f'{k}={v}' for k, v in cfg.kwargs.items())}, gathers only", None,
                 lambda c=cfg: sag.launch_fwd(q, kv, idx, out, lse, scale, c, products=False))
@@ -93,6 +93,12 @@ def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, c
         kernels.append((f"gluon dq, {schedule} schedule", 3 * per_token,
                         lambda d=schedule: sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse_ref, delta, scale,
                                                                    schedule=d)))
+    # the gradient formed and added in column pieces, the next block's scores ahead of the last piece's atomics or not
+    for pieces, ahead in [(n, a) for n in (1, 2, 4) for a in (False, True) if a <= (n > 1)
+                          if (n, a) != (sag.DKV_PIECES, sag.DKV_SCORES_AHEAD)]:
+        kernels.append((f"gluon dkv, {pieces} column pieces{', scores ahead' if ahead else ''}", 4 * per_token,
+                        lambda n=pieces, a=ahead: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale,
+                                                                           dkv, pieces=n, scores_ahead=a)))
     kernels.append(("gluon dkv, gathers and atomics only (no products)", None,
                     lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, products=False)))
     # the same atomic rows in other L2 requests
@@ -104,6 +110,9 @@ def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, c
              lambda a=layout: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, products=False,
                                                        atomic_layout=a)),
         ]
+    if args.dkv_only:
+        kernels = [k for k in kernels if k[0].startswith("gluon dkv") and "indices ahead" not in k[0]
+                   and not any(f"{a} atomics" in k[0] for a in sag.ATOMIC_LAYOUTS)]
     for name, flops, fn in kernels:
         row = {"config": name}
         try:
@@ -147,6 +156,9 @@ def main() -> None:
     parser.add_argument("--gluon-only", action="store_true",
                         help="only the Gluon kernels: every forward schedule and configuration against the "
                              "autotuned Triton forward, then the query and latent gradients; no Triton tilings")
+    parser.add_argument("--dkv-only", action="store_true",
+                        help="with --gluon-only: only the Gluon latent gradient's rows (its launch, its column "
+                             "pieces, with its atomics predicated off, without products)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

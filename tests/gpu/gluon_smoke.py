@@ -79,17 +79,21 @@ def ring_and_gradients(fwd_configs, indices_ahead: bool) -> bool:
         dq64, dkv64 = torch_sparse_mla_bwd(q.double(), kv.double(), idx, ref_out, ref_lse, grad.double(), scale, dim)
         lse = ref_lse.float()
         delta = (grad.float() * ref_out.float()).sum(-1)
-        for layout in sag.ATOMIC_LAYOUTS:   # the same gradient in each atomic layout, the launcher's among them
+        # the same gradient in each atomic layout, then in column pieces (the launcher's among them)
+        # (with the next block's scores ahead of the last piece's atomics or not)
+        for layout, pieces, ahead in ([(a, 1, False) for a in sag.ATOMIC_LAYOUTS]
+                                      + [(sag.DKV_ATOMIC_LAYOUT, n, a) for n in (2, 4) for a in (False, True)]):
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
             t0 = time.perf_counter()
             sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse, delta, scale, dkv, indices_ahead=indices_ahead,
-                                     atomic_layout=layout)
+                                     atomic_layout=layout, pieces=pieces, scores_ahead=ahead)
             torch.cuda.synchronize()
             err = rel(dkv, dkv64)
             good = err <= 1e-2
             ok &= good
-            print(f"dkv {heads} heads, {layout} atomics, indices ahead {indices_ahead}: rel {err:.2e} "
-                  f"{time.perf_counter() - t0:.1f}s {'ok' if good else 'FAIL'}", flush=True)
+            print(f"dkv {heads} heads, {layout} atomics, {pieces} pieces, scores ahead {ahead}, indices ahead "
+                  f"{indices_ahead}: rel {err:.2e} {time.perf_counter() - t0:.1f}s {'ok' if good else 'FAIL'}",
+                  flush=True)
         for schedule in sag.DQ_KERNELS:   # each query gradient, the launcher's among them
             t0 = time.perf_counter()
             dq = sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse, delta, scale, indices_ahead=indices_ahead,

@@ -18,7 +18,7 @@
 # launches, $NCU_CASES), profile (tests/benchmarks/sft_profile.py: whole-step profile of $PROFILE_CONFIGS,
 # default 64k, with $PROFILE_ARGS; profile_base: the same from a carried earlier tree), layerbench (tests/benchmarks/layer_bench.py: one full-width layer of each kind as
 # one b200-64 rank at 256k and 1M, projected to 64 B200, with $LAYERBENCH_ARGS), hcproj (the mHC projection's
-# Triton kernels vs float64, and their time), hcdiag, gluonsmoke, tilings, smshare, coldstart, refresh (see their lines below). The DSA parts need no wheels: with no .whl folder the install is skipped.
+# Triton kernels vs float64, and their time), hcdiag, gluonsmoke, atomics, tilings, smshare, coldstart, refresh (see their lines below). The DSA parts need no wheels: with no .whl folder the install is skipped.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -97,6 +97,8 @@ part hcdiag "${T_HCDIAG:-150}" python3 tests/gpu/hc_projection_diag.py
 part gluonsmoke "${T_GLUONSMOKE:-150}" python3 tests/gpu/gluon_smoke.py
 # smshare (tests/benchmarks/sparse_mla_sm_share.py: the Gluon dq and dkv kernels with SMs held away, $SMSHARE_ARGS).
 part smshare "${T_SMSHARE:-240}" python3 tests/benchmarks/sparse_mla_sm_share.py ${SMSHARE_ARGS:-} --out "$OUT/sm_share.json"
+# atomics (tests/benchmarks/sparse_mla_atomics.py: the latent gradient's float32 row adds alone, red.global vs TMA reduce, $ATOMICS_ARGS).
+part atomics "${T_ATOMICS:-240}" python3 tests/benchmarks/sparse_mla_atomics.py ${ATOMICS_ARGS:-} --out "$OUT/atomics.json"
 # tilings (tests/benchmarks/sparse_mla_tilings.py: sparse MLA tilings one by one outside the autotuner, $TILINGS_ARGS).
 part tilings "${T_TILINGS:-300}" python3 tests/benchmarks/sparse_mla_tilings.py ${TILINGS_ARGS:-} --out "$OUT/tilings.json"
 # paths (tests/gpu/glue_paths_check.py: fla's KDA short conv and the gather MoE permutation vs the paths they replace).
