@@ -154,6 +154,34 @@ def test_gluon_sparse_dkv_atomic_layouts_widen_the_atomics(layout):
     assert resources(wide, cfg.num_warps)["stack_bytes"] <= resources(base, cfg.num_warps)["stack_bytes"] + 32
 
 
+@pytest.mark.parametrize("pieces,ahead", [(2, False), (4, False), (2, True), (4, True)])
+def test_gluon_sparse_dkv_column_pieces_issue_products_before_the_atomics(pieces, ahead):
+    """The latent gradient in column pieces (``PIECES``): the same 64 x 512 float32 adds per key block (as many
+    ``v4`` atomics as the one-piece build) and the same shared memory, the gradient products in ``wgmma`` of N =
+    512 / pieces / 2 per warpgroup. Each piece's products are issued before the previous piece's are awaited
+    (``wgmma.wait_group 2``: the next piece's two groups stay in flight under the atomics); with ``SCORES_AHEAD``
+    the next block's ``Q K^T`` and ``dO V^T`` too, before the last piece's atomics."""
+    import triton
+
+    from kernels.dsa.sm90 import compile_gluon_sparse_dkv
+    from kernels.dsa.sparse_attention_gluon import GLUON_DKV_CONFIGS
+
+    cfg = GLUON_DKV_CONFIGS[0]
+    build = lambda **kw: compile_gluon_sparse_dkv(64, 512, triton.Config(dict(cfg.kwargs, **kw),
+                                                                         num_warps=cfg.num_warps, maxnreg=cfg.maxnreg))
+    one, split = build(), build(PIECES=pieces, SCORES_AHEAD=ahead)
+    count = lambda c, pattern: len(re.findall(pattern, c.asm["ptx"]))
+    v4 = r"\b(?:red|atom)\.global\.[\w.]*add\.v4\.f32"
+    assert count(split, v4) == count(one, v4) == 64 * 512 // 256 // 4
+    assert split.metadata.shared == one.metadata.shared
+    n = 512 // pieces // 2
+    # per block, 2 products over the 64 heads (K = 64: 4 wgmma each) per piece, all in N = n instructions
+    assert count(split, rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16") == 2 * 4 * pieces
+    waits = count(split, r"wgmma\.wait_group\.sync\.aligned 2\b")
+    assert waits == pieces - 1 + ahead, waits
+    assert not re.search(r"C75[01]\d", ptxas_report(split))
+
+
 def test_gluon_sparse_dq_gathers_q_do_and_a_two_deep_ring():
     """The sparse MLA query-gradient kernel at 64 heads x 512: ``q`` and ``dO`` once each, two 32-key latent
     buffers and the ``dS`` tile in shared memory (one CTA per SM); per key block ``Q K^T`` and ``dO V^T`` over
