@@ -63,7 +63,7 @@ warpgroups run ``S`` and ``dP`` over half of each block's keys (``"keys"``, :fun
 64k tokens), or one runs ``S`` and the other ``dP`` over all of them (``"products"``,
 :func:`sparse_mla_dq_split_kernel`, the default: N = 32, each reads one; 54.1 ms, 492 TF/s of its three products,
 with the producer's indices ahead; ``tests/benchmarks/sparse_mla_tilings.py``, anchor 785 TF/s). Forward and
-backward together, ``tests/benchmarks/dsa_bench.py table``: 217.2 ms, 286 TF/s (anchor 794).
+backward together, ``tests/benchmarks/dsa_bench.py table``: 213.4 ms, 291 TF/s (anchor 783).
 
 Shared memory per CTA of the forward: ``64 * D * 2`` (queries) ``+ STAGES * BLOCK_K * D * 2`` (key ring)
 ``+ 64 * BLOCK_K * 2`` (``P``) bytes: 200 KiB at ``D`` 512 with ``(BLOCK_K, STAGES)`` ``(64, 2)`` or ``(32, 4)``; one CTA per SM.
