@@ -48,7 +48,10 @@ of each SM, not of L2 (on ``n`` of 132 SMs it takes 132/n times as long:
 takes 135.4 ms (one H100, ``full`` shape, 64k tokens),
 127.1 ms of it with its products skipped (``PRODUCTS=False``); in 128-byte lines (:data:`ATOMIC_LAYOUTS`,
 :data:`DKV_ATOMIC_LAYOUT`) 116.1 ms, 86.9 without products, 82.3 with the atomics predicated off (the conversion
-through shared memory included). An H200, with 1.41x the copy rate, ran it (and the forward and query gradient) in
+through shared memory included). In four column pieces, each piece's products issued before the previous piece's
+atomics and the next block's score products before the last piece's (:data:`DKV_PIECES`,
+:data:`DKV_SCORES_AHEAD`), the tensor cores run while the warps issue atomics: 109.6 ms against 117.4 in one
+piece, same process. An H200, with 1.41x the copy rate, ran it (and the forward and query gradient) in
 the same time, so HBM is not what bounds these kernels. Nor are the gathers: with every query's pools the same 128
 (L2-resident) or spread over its whole history the forward and query gradient take within 7% of their time on a
 recent window, so their own pipeline (the softmax between one key block's two products) bounds them; only this
@@ -63,7 +66,8 @@ warpgroups run ``S`` and ``dP`` over half of each block's keys (``"keys"``, :fun
 64k tokens), or one runs ``S`` and the other ``dP`` over all of them (``"products"``,
 :func:`sparse_mla_dq_split_kernel`, the default: N = 32, each reads one; 54.1 ms, 492 TF/s of its three products,
 with the producer's indices ahead; ``tests/benchmarks/sparse_mla_tilings.py``, anchor 785 TF/s). Forward and
-backward together, ``tests/benchmarks/dsa_bench.py table``: 213.4 ms, 291 TF/s (anchor 783).
+backward together, ``tests/benchmarks/dsa_bench.py table``: 207.6 ms, 299 TF/s (anchor 777), with the latent
+gradient in four column pieces and the next block's scores ahead (:data:`DKV_PIECES`, :data:`DKV_SCORES_AHEAD`).
 
 Shared memory per CTA of the forward: ``64 * D * 2`` (queries) ``+ STAGES * BLOCK_K * D * 2`` (key ring)
 ``+ 64 * BLOCK_K * 2`` (``P``) bytes: 200 KiB at ``D`` 512 with ``(BLOCK_K, STAGES)`` ``(64, 2)`` or ``(32, 4)``; one CTA per SM.
@@ -788,14 +792,16 @@ DKV_ATOMIC_LAYOUT = "lines"
 116.5 ms in 128-byte lines against 135.6 in the ``wgmma`` fragments and 138.1 in ``v4``: the number of requests
 each SM issues bounds the atomics, not the instructions; the conversion through shared memory costs ~10 ms of it."""
 
-DKV_SCORES_AHEAD = False
+DKV_SCORES_AHEAD = True
 """Whether :func:`gluon_sparse_mla_dkv` issues the next key block's score products before the last piece's
 atomics (:func:`_dkv_consumer_ahead`; with :data:`DKV_PIECES` >= 2)."""
-DKV_PIECES = 1
+DKV_PIECES = 4
 """Column pieces :func:`gluon_sparse_mla_dkv` forms and adds each key block's latent gradient in
 (:func:`_dkv_consumer`). The atomics alone take 83.3 ms of the kernel's 115.5 at the ``full`` shape, 64k tokens
 (one H100, ``tests/benchmarks/sparse_mla_atomics.py``); issued after all of a block's products, they leave the
-tensor cores idle. In pieces, each piece's products run under the previous piece's atomics."""
+tensor cores idle. In pieces, each piece's products run under the previous piece's atomics. One H100, same process
+(``sparse_mla_tilings.py --gluon-only --dkv-only``, anchor 776 TF/s): one piece 117.4 ms, 2 pieces 116.3 (112.5
+with the scores ahead), 4 pieces 111.1 (**109.6** with the scores ahead)."""
 
 
 @gluon.jit
