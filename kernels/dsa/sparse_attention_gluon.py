@@ -872,6 +872,30 @@ def _dkv_piece(dst_smem, pt_smem, q_smem, do_smem, p_init, col0: gl.constexpr):
 
 
 @gluon.jit
+def _dkv_block_start(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2, pt_smem, dst_smem, q_smem, do_smem,
+                     p_init, IDX, rows_k, n_idx):
+    """One key block's ``P^T`` and ``dS^T`` (from its scores, :func:`_probs_and_ds`) into shared memory, every
+    consumer warp's part visible to ``wgmma``; then the first column piece's products issued and the block's atomic
+    rows ``IDX[rows_k]`` (int64, ``-1`` past ``n_idx``) loaded under them: ``(token, rows)``."""
+    p, ds = _probs_and_ds(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2)
+    pt_smem.store(gl.permute(p.to(pt_smem.dtype), (1, 0)))
+    dst_smem.store(gl.permute(ds.to(dst_smem.dtype), (1, 0)))
+    fence_async_shared()
+    _cta_barrier()
+    acc = _dkv_piece(dst_smem, pt_smem, q_smem, do_smem, p_init, 0)
+    rows = gl.load(IDX + rows_k, mask=rows_k < n_idx, other=-1).to(gl.int64)
+    return acc, rows
+
+
+@gluon.jit
+def _dkv_next_piece(acc, dst_smem, pt_smem, q_smem, do_smem, p_init, col0: gl.constexpr):
+    """Issue the column piece at ``col0`` (:func:`_dkv_piece`), then await the piece ``acc`` is the token of (its
+    two ``wgmma`` groups; the new piece's two stay in flight): ``(new token, finished piece)``."""
+    nxt = _dkv_piece(dst_smem, pt_smem, q_smem, do_smem, p_init, col0)
+    return nxt, warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
+
+
+@gluon.jit
 def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready, empty, lse_row,
                   stride_dks, n_idx, n_blocks, scale, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr,
                   ATOMICS: gl.constexpr, PRODUCTS: gl.constexpr, ATOMIC_LAYOUT: gl.constexpr,
@@ -907,19 +931,11 @@ def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_s
             # block's gradient is formed (it needs q, dO, P and dS, not the latent)
             _cta_barrier()
             mbarrier.arrive(empty.index(0))
-            p, ds = _probs_and_ds(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2)
-            pt_smem.store(gl.permute(p.to(pt_smem.dtype), (1, 0)))
-            dst_smem.store(gl.permute(ds.to(dst_smem.dtype), (1, 0)))
-            fence_async_shared()
-            _cta_barrier()
-            acc = _dkv_piece(dst_smem, pt_smem, q_smem, do_smem, p_init, 0)
-            rows_k = j * BLOCK_K + offs_pr   # the atomics' rows, loaded under the first piece's products
-            rows = gl.load(IDX + rows_k, mask=rows_k < n_idx, other=-1).to(gl.int64)
+            acc, rows = _dkv_block_start(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2, pt_smem, dst_smem,
+                                         q_smem, do_smem, p_init, IDX, j * BLOCK_K + offs_pr, n_idx)
             for c in gl.static_range(PIECES):
                 if c + 1 < PIECES:   # the next piece's products run while this piece's atomics issue
-                    nxt = _dkv_piece(dst_smem, pt_smem, q_smem, do_smem, p_init, (c + 1) * PIECE)
-                    piece = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
-                    acc = nxt
+                    acc, piece = _dkv_next_piece(acc, dst_smem, pt_smem, q_smem, do_smem, p_init, (c + 1) * PIECE)
                 else:
                     piece = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 _add_rows(DKV, stride_dks, rows, c * PIECE, gl.convert_layout(piece, pa_l), ATOMICS)
@@ -960,19 +976,11 @@ def _dkv_consumer_ahead(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem,
         # both warpgroups' score products of block j have retired: the buffer takes block j + 1
         _cta_barrier()
         mbarrier.arrive(empty.index(0))
-        p, ds = _probs_and_ds(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2)
-        pt_smem.store(gl.permute(p.to(pt_smem.dtype), (1, 0)))
-        dst_smem.store(gl.permute(ds.to(dst_smem.dtype), (1, 0)))
-        fence_async_shared()
-        _cta_barrier()
-        acc = _dkv_piece(dst_smem, pt_smem, q_smem, do_smem, p_init, 0)
-        rows_k = j * BLOCK_K + offs_pr
-        rows = gl.load(IDX + rows_k, mask=rows_k < n_idx, other=-1).to(gl.int64)
+        acc, rows = _dkv_block_start(scores, dp, idx, lse2, row_ok, delta, scale, scale_log2, pt_smem, dst_smem,
+                                     q_smem, do_smem, p_init, IDX, j * BLOCK_K + offs_pr, n_idx)
         for c in gl.static_range(PIECES):
             if c + 1 < PIECES:
-                nxt = _dkv_piece(dst_smem, pt_smem, q_smem, do_smem, p_init, (c + 1) * PIECE)
-                piece = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
-                acc = nxt
+                acc, piece = _dkv_next_piece(acc, dst_smem, pt_smem, q_smem, do_smem, p_init, (c + 1) * PIECE)
                 _add_rows(DKV, stride_dks, rows, c * PIECE, gl.convert_layout(piece, pa_l), ATOMICS)
             else:
                 nb = gl.minimum(j + 1, n_blocks - 1)   # the last block's own buffer, unchanged: its scores again
