@@ -1021,7 +1021,10 @@ def sparse_mla_dkv_gluon_kernel(
     (benchmarks only, ``DKV`` unchanged) issues the atomics predicated off: the kernel's time without their
     memory traffic. ``PRODUCTS=False`` (benchmarks only, ``DKV`` gets a constant) skips the four products: the
     gathers and the atomics alone. ``ATOMIC_LAYOUT`` indexes :data:`ATOMIC_LAYOUTS`: how the block's float32 rows
-    are spread over the threads for their atomics."""
+    are spread over the threads for their atomics. ``PIECES`` (1, 2 or 4) column pieces of each block's gradient,
+    each piece's products issued before the previous piece's atomics (:func:`_dkv_consumer`); ``SCORES_AHEAD``
+    (with ``PIECES >= 2`` and the products) also the next block's score products before the last piece's atomics
+    (:func:`_dkv_consumer_ahead`)."""
     gl.static_assert(BLOCK_K == 64)   # the M of the dkv products: one wgmma tile of rows per warpgroup
     gl.static_assert(BLOCK_K % GATHER_ROWS == 0)
     b, q_row, do_row, lse_row, IDX, KV = _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
