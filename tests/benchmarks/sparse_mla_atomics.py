@@ -1,5 +1,6 @@
-"""The sparse MLA latent gradient's float32 row adds alone, two ways: ``red.global`` from the SM (the 128-byte
-``lines`` layout of :data:`kernels.dsa.sparse_attention_gluon.ATOMIC_LAYOUTS`) against Hopper's TMA bulk
+"""The sparse MLA latent gradient's float32 row adds alone, two ways: vector atomics from the SM in 128-byte lines
+(a blocked layout with the requests of the ``lines`` entry of :data:`kernels.dsa.sparse_attention_gluon.ATOMIC_LAYOUTS`:
+4 rows x 128 bytes per warp instruction) against Hopper's TMA bulk
 reduction (``cp.reduce.async.bulk.tensor ... .add.f32``: the rows are staged in shared memory and the TMA unit
 adds them in L2).
 
@@ -52,7 +53,8 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 @gluon.jit
 def red_lines_kernel(IDX, DKV, n_q, n_idx, stride_it, D: gl.constexpr, BLOCK_K: gl.constexpr):
     """Programs ``pid, pid + P, ...`` of the queries: each 64-key block's ``[BLOCK_K, D]`` float32 ones added to
-    ``DKV`` rows ``IDX[t, block]`` with ``red.global.add.v4.f32``, 8 lanes per 128-byte line of a row."""
+    ``DKV`` rows ``IDX[t, block]`` with relaxed vector atomics (``atom.global.gpu.relaxed.add.v4.f32`` in the
+    PTX), 8 lanes per 128-byte line of a row, 4 rows per warp instruction."""
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [gl.num_warps(), 1], [1, 0])
     offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, layout))
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
