@@ -269,3 +269,33 @@ def test_sm_share_occupier_leaves_no_room_for_the_sparse_mla_kernels():
     assert occupier.metadata.shared + smallest > SM_SHARED
     assert re.search(r"ld\.volatile\.global", occupier.asm["ptx"])
 
+
+
+def test_ring_forward_runs_its_softmax_under_p_v():
+    """``SOFTMAX_UNDER_PV`` (:func:`kernels.dsa.sparse_attention_gluon._consumer_under_pv`): the exponentials of
+    the softmax come between the ``wgmma`` wait that leaves one group in flight (``P V``) and the wait for it, where
+    the default consumer has none; ``P`` takes two buffers; the same ``Q K^T`` products, with no block's scores
+    recomputed (one ``P V`` more issue site, for the last block), and no more spills than the default consumer."""
+    import triton
+
+    from kernels.dsa.sm90 import SM_SHARED, compile_gluon_sparse_fwd, resources
+    from kernels.dsa.sparse_attention_gluon import GLUON_FWD_UNDER_PV
+
+    def exps_with_one_group_in_flight(ptx: str) -> int:
+        body = ptx.split("wgmma.wait_group.sync.aligned 1;", 1)[1].split("wgmma.wait_group.sync.aligned 0;", 1)[0]
+        return len(re.findall(r"ex2\.approx", body))
+
+    cfg = GLUON_FWD_UNDER_PV[0]
+    block_k = cfg.kwargs["BLOCK_K"]
+    plain = compile_gluon_sparse_fwd(64, 512, triton.Config(dict(cfg.kwargs, SOFTMAX_UNDER_PV=False),
+                                                            num_warps=cfg.num_warps, maxnreg=cfg.maxnreg))
+    under = compile_gluon_sparse_fwd(64, 512, cfg)
+    assert exps_with_one_group_in_flight(plain.asm["ptx"]) == 0
+    # each thread's share of a [64, BLOCK_K] tile over 8 warps
+    assert exps_with_one_group_in_flight(under.asm["ptx"]) >= 64 * block_k // 256
+    assert under.metadata.shared - plain.metadata.shared == 64 * block_k * 2
+    assert under.metadata.shared <= SM_SHARED
+    wgmma = {k: len(re.findall(r"wgmma\.mma_async", b.asm["ptx"])) for k, b in (("plain", plain), ("under", under))}
+    assert wgmma["plain"] == 2 * 512 // 16 + block_k // 16, wgmma
+    assert wgmma["under"] == 2 * 512 // 16 + 2 * block_k // 16, wgmma
+    assert resources(under, 12)["stack_bytes"] <= resources(plain, 12)["stack_bytes"]

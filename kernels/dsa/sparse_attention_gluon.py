@@ -313,6 +313,43 @@ def _drain_ring(q_bar, ready, empty, n_blocks, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _ring_softmax(scores, idx, m_i, l_i, l_block, scale_log2, ROW_SUM_AT_END: gl.constexpr):
+    """One key block's step of the online softmax (base 2): ``scores [64, BLOCK_K]`` float32 of ``Q K^T`` with
+    the block's indices ``idx [BLOCK_K]`` (``-1``: masked), the running row max ``m_i`` and denominator (``l_i``,
+    or ``l_block`` per element with ``ROW_SUM_AT_END``). Returns ``p`` (float32, unnormalized), ``alpha`` (the
+    factor the accumulated ``O`` takes: ``exp2(m_old - m_new)``, per row of ``scores``' layout) and the updated
+    ``m_i, l_i, l_block``. A row with no valid key so far keeps ``m = -inf`` and ``p = 0``."""
+    s = gl.where((idx >= 0)[None, :], scores * scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - m_safe[:, None])
+    alpha = gl.exp2(m_i - m_safe)
+    if ROW_SUM_AT_END:
+        l_block = l_block * alpha[:, None] + p
+    else:
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i, l_block
+
+
+@gluon.jit
+def _ring_store(OUT, LSE, out_row, stride_oh, lse_row, acc, m_i, l_i, l_block, ROW_SUM_AT_END: gl.constexpr):
+    """``O = acc / l`` (``acc [64, D]`` float32 in the ``wgmma`` layout) into ``OUT`` and its natural-log
+    log-sum-exp into ``LSE`` (``-inf`` and ``O = 0`` for a row with no valid key)."""
+    o_l: gl.constexpr = acc.type.layout
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    if ROW_SUM_AT_END:
+        l_i = gl.sum(l_block, axis=1)
+    has_any = l_i > 0
+    l_safe = gl.where(has_any, l_i, 1.0)
+    out = acc / gl.convert_layout(l_safe, rows_o)[:, None]
+    lse = gl.where(has_any, (m_i + gl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    offs_h = gl.arange(0, _BLOCK_H, layout=rows_o)
+    offs_v = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, o_l))
+    gl.store(OUT + out_row + offs_h[:, None] * stride_oh + offs_v[None, :], out.to(OUT.dtype.element_ty))
+    gl.store(LSE + lse_row + gl.arange(0, _BLOCK_H, layout=m_i.type.layout), lse)
+
+
+@gluon.jit
 def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row, n_idx,
               n_blocks, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
               ROW_SUM_AT_END: gl.constexpr):
@@ -342,16 +379,7 @@ def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_r
     scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
     for j in range(n_blocks):
         slot = j % STAGES
-        s = gl.where((idx >= 0)[None, :], scores * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_safe[:, None])
-        alpha = gl.exp2(m_i - m_safe)
-        if ROW_SUM_AT_END:
-            l_block = l_block * alpha[:, None] + p
-        else:
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i, l_block = _ring_softmax(scores, idx, m_i, l_i, l_block, scale_log2, ROW_SUM_AT_END)
         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
         p_smem.store(p.to(p_smem.dtype))
         # every consumer warp's part of P is in shared memory and visible to wgmma's (async) proxy
@@ -371,17 +399,66 @@ def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_r
         _cta_barrier()   # both warpgroups' P_j V_j: the slot and P are free
         mbarrier.arrive(empty.index(slot))
         scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+    _ring_store(OUT, LSE, out_row, stride_oh, lse_row, acc, m_i, l_i, l_block, ROW_SUM_AT_END)
 
-    if ROW_SUM_AT_END:
-        l_i = gl.sum(l_block, axis=1)
-    has_any = l_i > 0
-    l_safe = gl.where(has_any, l_i, 1.0)
-    out = acc / gl.convert_layout(l_safe, rows_o)[:, None]
-    lse = gl.where(has_any, (m_i + gl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
-    offs_h = gl.arange(0, _BLOCK_H, layout=rows_o)
-    offs_v = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
-    gl.store(OUT + out_row + offs_h[:, None] * stride_oh + offs_v[None, :], out.to(OUT.dtype.element_ty))
-    gl.store(LSE + lse_row + gl.arange(0, _BLOCK_H, layout=rows_s), lse)
+
+@gluon.jit
+def _consumer_under_pv(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row,
+                       n_idx, n_blocks, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                       ROW_SUM_AT_END: gl.constexpr):
+    """The default partition of ``SOFTMAX_UNDER_PV``: :func:`_consumer`'s arithmetic, with block ``j + 1``'s
+    softmax run while block ``j``'s ``P V`` is on the tensor cores (FlashAttention-3's intra-warpgroup pipelining,
+    Shah et al. 2024, section 3.2). Each iteration issues ``Q K_{j+1}^T``, then ``P_j V_j``; awaits the scores
+    only (``wgmma`` groups retire in order); forms ``P_{j+1}`` into the other half of the double-buffered
+    ``p_smem [2, 64, BLOCK_K]``; then awaits ``P_j V_j`` and rescales ``O`` by the new max. :func:`_consumer`
+    leaves the tensor cores idle through every softmax. The last block's ``P V`` runs after the loop, so no
+    block's scores are recomputed."""
+    gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
+    s_l: gl.constexpr = _wgmma_layout(BLOCK_K)
+    o_l: gl.constexpr = _wgmma_layout(D)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    m_i = gl.full([_BLOCK_H], float("-inf"), gl.float32, rows_s)
+    l_i = gl.zeros([_BLOCK_H], gl.float32, rows_s)
+    acc = gl.zeros([_BLOCK_H, D], gl.float32, o_l)
+    s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
+    l_block = s_init
+    offs_kb = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
+
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(ready.index(0), 0)
+    fence_async_shared()
+    s_tok = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), s_init, use_acc=False, is_async=True)
+    idx = gl.load(IDX + offs_kb, mask=offs_kb < n_idx, other=-1)
+    scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+    p, alpha, m_i, l_i, l_block = _ring_softmax(scores, idx, m_i, l_i, l_block, scale_log2, ROW_SUM_AT_END)
+    p_smem.index(0).store(p.to(p_smem.dtype))
+    idx = gl.load(IDX + BLOCK_K + offs_kb, mask=BLOCK_K + offs_kb < n_idx, other=-1)
+    for j in range(n_blocks - 1):
+        slot = j % STAGES
+        nxt = (j + 1) % STAGES
+        mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
+        # orders both block j + 1's cp.async rows and this thread's part of P_j (generic proxy) before wgmma's
+        # reads (async proxy); the barrier: every consumer warp's part of P_j is written
+        fence_async_shared()
+        _cta_barrier()
+        s_tok = warpgroup_mma(q_smem, kv_smem.index(nxt).permute((1, 0)), s_init, use_acc=False, is_async=True)
+        acc_tok = warpgroup_mma(p_smem.index(j % 2), kv_smem.index(slot), acc, is_async=True)
+        scores = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))   # P_j V_j may still run
+        p, alpha, m_i, l_i, l_block = _ring_softmax(scores, idx, m_i, l_i, l_block, scale_log2, ROW_SUM_AT_END)
+        p_smem.index((j + 1) % 2).store(p.to(p_smem.dtype))   # P_{j-1} V_{j-1}, its last reader, retired
+        offs_k = (j + 2) * BLOCK_K + offs_kb
+        idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+        _cta_barrier()   # both warpgroups' P_j V_j retired: slot j and P_j are free
+        mbarrier.arrive(empty.index(slot))
+        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+    last = n_blocks - 1
+    fence_async_shared()
+    _cta_barrier()
+    acc_tok = warpgroup_mma(p_smem.index(last % 2), kv_smem.index(last % STAGES), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+    _ring_store(OUT, LSE, out_row, stride_oh, lse_row, acc, m_i, l_i, l_block, ROW_SUM_AT_END)
 
 
 @triton.autotune(configs=GLUON_FWD_CONFIGS, key=["H", "D"])
@@ -396,7 +473,7 @@ def sparse_mla_fwd_gluon_kernel(
     n_idx, scale_log2,
     H: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATHER_ROWS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, INDICES_AHEAD: gl.constexpr = False, PRODUCTS: gl.constexpr = True,
-    ROW_SUM_AT_END: gl.constexpr = True,
+    ROW_SUM_AT_END: gl.constexpr = True, SOFTMAX_UNDER_PV: gl.constexpr = False,
 ):
     """One query ``t`` (program 0), heads ``[64 * pid_h, 64 * pid_h + 64)`` (program 1), batch ``b`` (program
     2): ``Q [B, T, H, D]`` (``stride(3) == 1``), ``KV [B, S, D]`` (``stride(2) == 1``), ``IDX [B, T, K]`` int32
@@ -404,7 +481,8 @@ def sparse_mla_fwd_gluon_kernel(
     :func:`kernels.dsa.sparse_attention_triton.sparse_mla_fwd_kernel` with ``d_v == Dqk == D``.
     ``PRODUCTS=False`` (benchmarks only; ``OUT`` and ``LSE`` left unwritten) runs the gathers alone;
     ``ROW_SUM_AT_END``: :func:`_consumer` (one H100, ``full`` shape, 64k, ``(64, 2)``: 40.5 ms with it against
-    42.1 without, same call)."""
+    42.1 without, same call); ``SOFTMAX_UNDER_PV``: :func:`_consumer_under_pv` (``P`` double-buffered, 8 KiB more
+    shared memory at ``BLOCK_K = 64``)."""
     gl.static_assert(BLOCK_K % GATHER_ROWS == 0)
     gl.static_assert(STAGES >= 2)   # the consumers wait for block j + 1 before they release block j
     q_row, lse_row, out_row, IDX, KV = _fwd_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
@@ -414,10 +492,18 @@ def sparse_mla_fwd_gluon_kernel(
     dtype: gl.constexpr = Q.dtype.element_ty
     q_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
     kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, D], _nvmma([BLOCK_K, D], dtype))
-    p_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, BLOCK_K], _nvmma([_BLOCK_H, BLOCK_K], dtype))
     q_bar, ready, empty = _ring_barriers(STAGES)
 
-    if PRODUCTS:
+    if PRODUCTS and SOFTMAX_UNDER_PV:
+        p_smem = gl.allocate_shared_memory(dtype, [2, _BLOCK_H, BLOCK_K], _nvmma([_BLOCK_H, BLOCK_K], dtype))
+        gl.warp_specialize([
+            (_consumer_under_pv, (IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh,
+                                  lse_row, n_idx, n_blocks, scale_log2, D, BLOCK_K, STAGES, ROW_SUM_AT_END)),
+            (_producer, (Q, Q, KV, IDX, q_smem, q_smem, kv_smem, q_bar, ready, empty, q_row, q_row, stride_qh,
+                         stride_kvs, n_idx, n_blocks, D, BLOCK_K, STAGES, GATHER_ROWS, False, INDICES_AHEAD)),
+        ], [_PRODUCER_WARPS], [PRODUCER_REGS])
+    elif PRODUCTS:
+        p_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, BLOCK_K], _nvmma([_BLOCK_H, BLOCK_K], dtype))
         gl.warp_specialize([
             (_consumer, (IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row,
                          n_idx, n_blocks, scale_log2, D, BLOCK_K, STAGES, ROW_SUM_AT_END)),
@@ -771,8 +857,12 @@ GLUON_FWD_ROW_SUM_FLIPPED = [triton.Config(dict(GLUON_FWD_CONFIGS[0].kwargs, ROW
                                             maxnreg=GLUON_FWD_CONFIGS[0].maxnreg)]
 """The ring forward's first configuration with the denominator summed per block (``ROW_SUM_AT_END=False``,
 :func:`_consumer`): timed and checked beside the others, not autotuned."""
-GLUON_FWD_TRIALS = {"ring": GLUON_FWD_CONFIGS + GLUON_FWD_AHEAD_FLIPPED + GLUON_FWD_ROW_SUM_FLIPPED,
-                    "pair": GLUON_FWD_PAIR_CONFIGS}
+GLUON_FWD_UNDER_PV = [triton.Config(dict(GLUON_FWD_CONFIGS[0].kwargs, SOFTMAX_UNDER_PV=True),
+                                     num_warps=GLUON_FWD_CONFIGS[0].num_warps, maxnreg=GLUON_FWD_CONFIGS[0].maxnreg)]
+"""The ring forward's first configuration with each block's softmax under the previous block's ``P V``
+(``SOFTMAX_UNDER_PV``, :func:`_consumer_under_pv`): timed and checked beside the others, not autotuned."""
+GLUON_FWD_TRIALS = {"ring": GLUON_FWD_CONFIGS + GLUON_FWD_AHEAD_FLIPPED + GLUON_FWD_ROW_SUM_FLIPPED
+                    + GLUON_FWD_UNDER_PV, "pair": GLUON_FWD_PAIR_CONFIGS}
 """The Gluon forwards by schedule, each with every configuration the benchmarks time and check: ``"ring"`` (both
 warpgroups on each key block, a ring of ``STAGES`` buffers; its autotuned configurations, then the same with the
 producer's ``INDICES_AHEAD`` the other way, and the first with its row sum per block) and ``"pair"`` (one warpgroup per block of a pair, FlashMLA's

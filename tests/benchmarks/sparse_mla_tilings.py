@@ -113,6 +113,8 @@ def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, c
     if args.dkv_only:
         kernels = [k for k in kernels if k[0].startswith("gluon dkv") and "indices ahead" not in k[0]
                    and not any(f"{a} atomics" in k[0] for a in sag.ATOMIC_LAYOUTS)]
+    if args.fwd_only:
+        kernels = []
     for name, flops, fn in kernels:
         row = {"config": name}
         try:
@@ -159,6 +161,8 @@ def main() -> None:
     parser.add_argument("--dkv-only", action="store_true",
                         help="with --gluon-only: only the Gluon latent gradient's rows (its launch, its column "
                              "pieces, with its atomics predicated off, without products)")
+    parser.add_argument("--fwd-only", action="store_true",
+                        help="with --gluon-only: only the forward rows (every schedule and configuration)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

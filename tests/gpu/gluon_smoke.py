@@ -45,11 +45,37 @@ def case(heads: int, n_q: int = 256, n_k: int = 1024, width: int = 200, dim: int
 
 def main() -> None:
     # the default kernels first, then again with the producer's INDICES_AHEAD the other way (and the forward with
-    # its row sum per block), then the pair schedule: a hang in a variant leaves the lines before it in the log
+    # its row sum per block, and with its softmax under P V), then the ring forwards at other numbers of key
+    # blocks, then the pair schedule: a hang in a variant leaves the lines before it in the log
     ok = ring_and_gradients(sag.GLUON_FWD_CONFIGS, indices_ahead=False)
-    ok &= ring_and_gradients(sag.GLUON_FWD_AHEAD_FLIPPED + sag.GLUON_FWD_ROW_SUM_FLIPPED, indices_ahead=True)
+    ok &= ring_and_gradients(sag.GLUON_FWD_AHEAD_FLIPPED + sag.GLUON_FWD_ROW_SUM_FLIPPED + sag.GLUON_FWD_UNDER_PV,
+                             indices_ahead=True)
+    ok &= ring_block_counts()
     ok &= pair_schedule()
     print(f"GLUON SMOKE OK: {ok}", flush=True)
+
+
+def ring_block_counts() -> bool:
+    """Every ring forward configuration at 64 heads with selections of one key block, exactly two, and two and one
+    slot (``width`` 50, 128, 129: the loops' first and last iterations meet), against float64."""
+    ok = True
+    for width in (50, 128, 129):
+        q, kv, idx = case(64, width=width, seed=width)
+        scale = 1 / math.sqrt(256)
+        ref_out, ref_lse = torch_sparse_mla_fwd(q.double(), kv.double(), idx, scale, q.shape[-1])
+        rows = torch.arange(q.shape[1], device="cuda") != 3
+        for cfg in sag.GLUON_FWD_TRIALS["ring"]:
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+            sag.launch_fwd(q, kv, idx, out, lse, scale, cfg)
+            torch.cuda.synchronize()
+            err = rel(out, ref_out)
+            lse_max = float((lse[:, rows].double() - ref_lse[:, rows]).abs().max())
+            good = err <= 1e-2 and lse_max <= 5e-2 and bool((out[:, 3] == 0).all())
+            ok &= good
+            print(f"fwd width {width} {cfg.kwargs}: rel {err:.2e} lse {lse_max:.1e} {'ok' if good else 'FAIL'}",
+                  flush=True)
+    return ok
 
 
 def ring_and_gradients(fwd_configs, indices_ahead: bool) -> bool:
