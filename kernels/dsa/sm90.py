@@ -114,11 +114,12 @@ def compile_gluon_sparse_dkv(heads: int, dim: int, config, index_dtype: str = "*
 def compile_gluon_sparse_dq(heads: int, dim: int, config, index_dtype: str = "*i32", schedule: str | None = None):
     """A sparse MLA query-gradient kernel (:data:`kernels.dsa.sparse_attention_gluon.DQ_KERNELS` ``[schedule]``,
     ``None``: the launcher's ``DQ_SCHEDULE``) compiled for sm_90 with ``config`` (one of that kernel's), ``heads`` x
-    ``dim`` bf16 queries, latent and gradients."""
+    ``dim`` bf16 queries, latent and gradients (and the forward's output, for a kernel that takes ``OUT``)."""
     sag = sparse_attention_gluon
-    pointers = dict(zip(["Q", "KV", "IDX", "DO", "LSE", "DELTA", "DQ"],
-                        ["*bf16", "*bf16", index_dtype, "*bf16", "*fp32", "*fp32", "*bf16"]))
-    return _compile_gluon_sparse(sag.DQ_KERNELS[schedule or sag.DQ_SCHEDULE], pointers,
+    kernel = sag.DQ_KERNELS[schedule or sag.DQ_SCHEDULE]
+    names = [n for n in ["Q", "KV", "IDX", "DO", "LSE", "DELTA", "DQ", "OUT"] if n in kernel.fn.arg_names]
+    pointers = dict(zip(names, ["*bf16", "*bf16", index_dtype, "*bf16", "*fp32", "*fp32", "*bf16", "*bf16"]))
+    return _compile_gluon_sparse(kernel, pointers,
                                  ("n_idx", "scale", "scale_log2"), heads, dim, config)
 
 

@@ -1307,21 +1307,47 @@ def _dq_split_scores(IDX, DQ, LSE, DELTA, q_smem, kv_smem, p_smem, ds_smem, q_ba
 
 
 @gluon.jit
-def _dq_split_grads(DQ, LSE, DELTA, do_smem, kv_smem, p_smem, ds_smem, q_bar, ready, empty, p_bar, ds_bar, ds_free,
-                    dq_row, stride_dqh, lse_row, n_blocks, scale, D: gl.constexpr, BLOCK_K: gl.constexpr,
-                    STAGES: gl.constexpr):
+def _rowsum_do_o(OUT, do_smem, do_row, s_l: gl.constexpr, D: gl.constexpr, q_bar):
+    """``delta = rowsum(dO O)`` (float32, ``[64]`` in ``s_l``'s row slice) of the program's 64 heads: ``O`` rows
+    ``do_row + h * D`` (bf16/fp16, ``[B, T, H, D]`` contiguous like ``dO``) loaded from global memory before the
+    wait for the producer's ``dO`` tile (``q_bar``), which is then read from shared memory; products summed in
+    float32, in 128-column chunks."""
+    CHUNK: gl.constexpr = 128
+    warps: gl.constexpr = gl.num_warps()
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [warps, 1], [1, 0])
+    offs_h = gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, layout))
+    offs_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
+    rows = OUT + do_row + offs_h[:, None].to(gl.int64) * D + offs_c[None, :]
+    o_first = gl.load(rows)
+    mbarrier.wait(q_bar, 0)
+    delta = gl.sum(do_smem.slice(0, CHUNK, dim=1).load(layout).to(gl.float32) * o_first.to(gl.float32), axis=1)
+    for c in gl.static_range(CHUNK, D, CHUNK):
+        o = gl.load(rows + c)
+        delta += gl.sum(do_smem.slice(c, CHUNK, dim=1).load(layout).to(gl.float32) * o.to(gl.float32), axis=1)
+    return gl.convert_layout(delta, gl.SliceLayout(1, s_l))
+
+
+@gluon.jit
+def _dq_split_grads(DQ, LSE, DELTA, OUT, do_smem, kv_smem, p_smem, ds_smem, q_bar, ready, empty, p_bar, ds_bar,
+                    ds_free, dq_row, stride_dqh, lse_row, n_blocks, scale, D: gl.constexpr, BLOCK_K: gl.constexpr,
+                    STAGES: gl.constexpr, FUSED_DELTA: gl.constexpr):
     """The second consumer warpgroup of :func:`sparse_mla_dq_split_kernel` (a worker partition): per key block
     ``dP = dO V^T`` over the whole block, ``dS = scale P (dP - delta)`` with the first warpgroup's ``P``
     (``p_bar``) to ``ds_smem`` (signal ``ds_bar``; the buffer's previous ``dS`` freed by the first's ``ds_free``),
-    then ``dq[:, D/2:] += dS K[:, D/2:]``."""
+    then ``dq[:, D/2:] += dS K[:, D/2:]``. With ``FUSED_DELTA`` it forms ``delta`` itself from ``OUT`` and the
+    ``dO`` tile (:func:`_rowsum_do_o`) and writes it to ``DELTA`` for the latent gradient; else it reads it."""
     HALF: gl.constexpr = D // 2
     s_l: gl.constexpr = _wg_layout(BLOCK_K)
     o_l: gl.constexpr = _wg_layout(HALF)
-    _, _, delta = _backward_rows(LSE, DELTA, lse_row, s_l)
+    if FUSED_DELTA:
+        delta = _rowsum_do_o(OUT, do_smem, dq_row, s_l, D, q_bar)
+        gl.store(DELTA + lse_row + gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, s_l)), delta)
+    else:
+        _, _, delta = _backward_rows(LSE, DELTA, lse_row, s_l)
+        mbarrier.wait(q_bar, 0)
     s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
     acc = gl.zeros([_BLOCK_H, HALF], gl.float32, o_l)
 
-    mbarrier.wait(q_bar, 0)
     for j in range(n_blocks):
         slot = j % STAGES
         buf = j % 2
@@ -1349,7 +1375,7 @@ def _dq_split_grads(DQ, LSE, DELTA, do_smem, kv_smem, p_smem, ds_smem, q_bar, re
 @triton.autotune(configs=GLUON_DQ_SPLIT_CONFIGS, key=["H", "D"])
 @gluon.jit
 def sparse_mla_dq_split_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, DQ,
+    Q, KV, IDX, DO, LSE, DELTA, DQ, OUT,
     stride_qb, stride_qt, stride_qh,
     stride_kvb, stride_kvs,
     stride_ib, stride_it,
@@ -1357,13 +1383,16 @@ def sparse_mla_dq_split_kernel(
     n_idx, scale, scale_log2,
     H: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATHER_ROWS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, INDICES_AHEAD: gl.constexpr = False,
+    FUSED_DELTA: gl.constexpr = False,
 ):
-    """The query gradient of :func:`sparse_mla_dq_gluon_kernel` (same arguments, same result) with the block's two
+    """The query gradient of :func:`sparse_mla_dq_gluon_kernel` (same arguments and ``OUT``, the forward's output
+    ``[B, T, H, D]``, read only with ``FUSED_DELTA``; same result) with the block's two
     score products split between the consumer warpgroups instead of its keys: the first runs ``S = Q K^T``, the
     second ``dP = dO V^T``, each over all ``BLOCK_K`` keys (``wgmma`` N = 32, not 16), so each reads one of ``q``
     and ``dO`` per block instead of both (shared-memory reads per 32-key block: 192 KiB for the two products,
     against 320 KiB); ``P`` (float32) passes to the second through shared memory, ``dS`` back to both, and each
-    accumulates half of ``dq``'s columns."""
+    accumulates half of ``dq``'s columns. With ``FUSED_DELTA`` the second also forms ``delta = rowsum(dO O)`` and
+    writes it to ``DELTA`` (``[B, T, H]`` float32) instead of reading it: no separate pass over ``dO`` and ``O``."""
     gl.static_assert(BLOCK_K % GATHER_ROWS == 0)
     gl.static_assert(STAGES >= 2)
     b, q_row, do_row, lse_row, IDX, KV = _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
@@ -1386,8 +1415,8 @@ def sparse_mla_dq_split_kernel(
     gl.warp_specialize([
         (_dq_split_scores, (IDX, DQ, LSE, DELTA, q_smem, kv_smem, p_smem, ds_smem, q_bar, ready, empty, p_bar, ds_bar,
                             ds_free, do_row, D, lse_row, n_idx, n_blocks, scale_log2, D, BLOCK_K, STAGES)),
-        (_dq_split_grads, (DQ, LSE, DELTA, do_smem, kv_smem, p_smem, ds_smem, q_bar, ready, empty, p_bar, ds_bar,
-                           ds_free, do_row, D, lse_row, n_blocks, scale, D, BLOCK_K, STAGES)),
+        (_dq_split_grads, (DQ, LSE, DELTA, OUT, do_smem, kv_smem, p_smem, ds_smem, q_bar, ready, empty, p_bar,
+                           ds_bar, ds_free, do_row, D, lse_row, n_blocks, scale, D, BLOCK_K, STAGES, FUSED_DELTA)),
         (_producer, (Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_row, do_row, stride_qh,
                      stride_kvs, n_idx, n_blocks, D, BLOCK_K, STAGES, GATHER_ROWS, True, INDICES_AHEAD)),
     ], [_WG_WARPS, _PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
@@ -1405,6 +1434,10 @@ runs ``S`` and ``dP`` over half of the keys, :func:`sparse_mla_dq_gluon_kernel`)
 ``S``, the other ``dP``, each over all of them, :func:`sparse_mla_dq_split_kernel`)."""
 DQ_SCHEDULE = "products"
 """The :data:`DQ_KERNELS` entry :func:`gluon_sparse_mla_dq` launches by default."""
+DQ_FUSED_DELTA = False
+"""Whether the training path's query gradient (the ``"products"`` schedule) forms ``rowsum(dO O)`` itself
+(``FUSED_DELTA``, :func:`_rowsum_do_o`) instead of after
+:func:`kernels.dsa.sparse_attention_triton.triton_sparse_mla_delta`'s own pass over ``dO`` and ``O``."""
 DQ_INDICES_AHEAD = {"keys": False, "products": True}
 """The producer's ``INDICES_AHEAD`` each query gradient launches with (one H100, ``full`` shape, 64k: ``"keys"``
 71.6 ms without, 72.1 with; ``"products"`` 57.2 ms without, 54.1 with)."""
@@ -1499,7 +1532,7 @@ def _backward_inputs(q, kv, indices, grad_out, lse, delta, what: str) -> tuple[t
 def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
                         lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float,
                         dq: torch.Tensor | None = None, indices_ahead: bool | None = None,
-                        schedule: str | None = None) -> torch.Tensor:
+                        schedule: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``dq [B, T, H, Dqk]`` (q.dtype) of :func:`kernels.dsa.sparse_attention.sparse_mla_attention`, from
     :func:`sparse_mla_dq_gluon_kernel`: every selected key of every query, 64 heads per program.
 
@@ -1507,31 +1540,47 @@ def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
         q: ``[B, T, H, Dqk]`` bf16/fp16, ``H`` a multiple of 64; kv: ``[B, S, Dqk]``, same dtype.
         indices: ``[B, T, K]`` int32/int64, ``-1`` skipped.
         grad_out: ``[B, T, H, d_v]`` (``d_v == Dqk``).
-        lse, delta: ``[B, T, H]`` float32: the forward's log-sum-exp and ``rowsum(dO * O)``.
+        lse, delta: ``[B, T, H]`` float32: the forward's log-sum-exp and ``rowsum(dO * O)`` (with ``out``: a
+            contiguous tensor the kernel writes ``rowsum(dO * O)`` into).
         dq: a contiguous ``[B, T, H, Dqk]`` tensor of ``q``'s dtype to write into (``None``: a new one).
         indices_ahead: the producer's ``INDICES_AHEAD`` (:func:`_producer`), or ``None``: the schedule's
             (:data:`DQ_INDICES_AHEAD`).
         schedule: one of :data:`DQ_KERNELS` (benchmarks and checks), or ``None``: :data:`DQ_SCHEDULE`.
+        out: the forward's output ``[B, T, H, d_v]``: the ``"products"`` kernel forms ``delta`` from it and
+            ``grad_out`` itself (``FUSED_DELTA``, :func:`_rowsum_do_o`) and writes it into ``delta``.
 
     Raises:
-        DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
-        ValueError: for an unknown ``schedule``.
+        DSAInputError: for inputs :func:`gluon_supported` rejects, ``K == 0``, or ``out`` not of
+            ``grad_out``'s shape and dtype, or ``delta`` not a contiguous float32 ``[B, T, H]`` with it.
+        ValueError: for an unknown ``schedule``, or ``out`` with a schedule other than ``"products"``.
     """
     schedule = schedule or DQ_SCHEDULE
     if schedule not in DQ_KERNELS:
         raise ValueError(f"schedule must be one of {sorted(DQ_KERNELS)}, got {schedule!r}")
+    if out is not None and schedule != "products":
+        raise ValueError(f"out (delta formed in the kernel) needs schedule 'products', got {schedule!r}")
+    if out is not None and (out.shape != grad_out.shape or out.dtype != grad_out.dtype):
+        raise DSAInputError(f"out must match grad_out ({tuple(grad_out.shape)}, {grad_out.dtype}), got "
+                            f"{tuple(out.shape)}, {out.dtype}")
+    if out is not None and (delta.dtype != torch.float32 or delta.shape != lse.shape or not delta.is_contiguous()
+                            or lse.stride() != delta.stride()):
+        raise DSAInputError(f"delta must be a contiguous float32 {tuple(lse.shape)} tensor like lse to write "
+                            f"rowsum(dO O) into, got {delta.dtype} {tuple(delta.shape)} strides {delta.stride()}")
     indices_ahead = DQ_INDICES_AHEAD[schedule] if indices_ahead is None else indices_ahead
     q, kv, indices, grad_out, lse, delta = _backward_inputs(q, kv, indices, grad_out, lse, delta, "query gradient")
     batch, n_q, heads, dqk = q.shape
     dq = torch.empty_like(q) if dq is None else dq
+    fused = {} if out is None else {"FUSED_DELTA": True}
+    # the "products" kernel's OUT, read only with FUSED_DELTA (delta, contiguous, is written in place)
+    out_arg = () if schedule != "products" else (grad_out if out is None else out.contiguous(),)
     DQ_KERNELS[schedule][(n_q, heads // BLOCK_H, batch)](
-        q, kv, indices, grad_out, lse, delta, dq,
+        q, kv, indices, grad_out, lse, delta, dq, *out_arg,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
         indices.stride(0), indices.stride(1),
         lse.stride(0), lse.stride(1),
         indices.shape[2], softmax_scale, softmax_scale * 1.4426950408889634,
-        H=heads, D=dqk, INDICES_AHEAD=indices_ahead,
+        H=heads, D=dqk, INDICES_AHEAD=indices_ahead, **fused,
     )
     return dq
 

@@ -602,7 +602,7 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     ``dkv_kernel="gluon"`` (``runs`` must be ``None``): every slot's ``dkv`` from
     :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dkv` (64 heads per program, Hopper), and ``dq``
     by ``dq_kernel``: ``"gluon"`` (:func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dq`, ``rowsum(dO *
-    O)`` from :func:`triton_sparse_mla_delta`) or ``"triton"`` (the ``dq`` pass, ``MODE`` 1, which also writes
+    O)`` from :func:`triton_sparse_mla_delta`, or formed by that kernel with ``DQ_FUSED_DELTA``) or ``"triton"`` (the ``dq`` pass, ``MODE`` 1, which also writes
     ``rowsum(dO * O)``). ``dq_kernel="auto"`` is ``"gluon"`` with the Gluon latent gradient and ``"triton"``
     otherwise: one H100, ``full`` shape, 64k tokens (``tests/benchmarks/sparse_mla_tilings.py``, anchor 781
     TF/s), the Gluon ``dq`` 74.6 ms against the ``dq`` pass's 94.6 ms, the backward 213.0 ms against 230.6 ms.
@@ -631,10 +631,14 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     # runs (mode 2), then the run pass; with the Gluon latent gradient, dq from the dq pass (mode 1) or
     # from Gluon (no pass). Each mode's autotuning zeroes dkv before anything else wrote it.
     if dq_kernel == "gluon":
-        from kernels.dsa.sparse_attention_gluon import gluon_sparse_mla_dq
+        from kernels.dsa import sparse_attention_gluon as sag
 
-        delta = triton_sparse_mla_delta(out, grad_out)
-        gluon_sparse_mla_dq(q, kv, indices, grad_out, lse, delta, softmax_scale, dq)
+        if sag.DQ_FUSED_DELTA and sag.DQ_SCHEDULE == "products":   # rowsum(dO O) formed by the query gradient
+            delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+            sag.gluon_sparse_mla_dq(q, kv, indices, grad_out, lse, delta, softmax_scale, dq, out=out)
+        else:
+            delta = triton_sparse_mla_delta(out, grad_out)
+            sag.gluon_sparse_mla_dq(q, kv, indices, grad_out, lse, delta, softmax_scale, dq)
         modes = ()
     elif gluon_dkv:
         run_ok = scatter = dkv   # unused by the dq pass

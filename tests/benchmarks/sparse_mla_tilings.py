@@ -70,7 +70,8 @@ def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, c
     alone without the products; then in each other of :data:`kernels.dsa.sparse_attention_gluon.ATOMIC_LAYOUTS`),
     one table."""
     t_fwd_auto, _ = timed(lambda: sat.triton_sparse_mla_fwd(q, kv, idx, scale, q.shape[-1]), args.reps)
-    rows = [] if args.dkv_only else gluon_forward_rows(q, kv, idx, scale, out_ref, lse_ref, fwd_flops, args.reps)
+    rows = ([] if args.dkv_only or args.dq_only
+            else gluon_forward_rows(q, kv, idx, scale, out_ref, lse_ref, fwd_flops, args.reps))
     out, lse = torch.empty_like(out_ref), torch.empty_like(lse_ref)
     kernels = [(f"gluon ring forward {' '.join(f'{k}={v}' for k, v in cfg.kwargs.items())}, gathers only", None,
                 lambda c=cfg: sag.launch_fwd(q, kv, idx, out, lse, scale, c, products=False))
@@ -93,6 +94,11 @@ def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, c
         kernels.append((f"gluon dq, {schedule} schedule", 3 * per_token,
                         lambda d=schedule: sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse_ref, delta, scale,
                                                                    schedule=d)))
+    # rowsum(dO O): its own pass (what the training path runs before the query gradient), or formed in the kernel
+    delta_out = torch.empty_like(delta)
+    kernels += [("rowsum(dO O) pass", None, lambda: sat.triton_sparse_mla_delta(out_ref, grad)),
+                ("gluon dq, rowsum(dO O) formed in the kernel", 3 * per_token,
+                 lambda: sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse_ref, delta_out, scale, out=out_ref))]
     # the gradient formed and added in column pieces, the next block's scores ahead of the last piece's atomics or not
     for pieces, ahead in [(n, a) for n in (1, 2, 4) for a in (False, True) if a <= (n > 1)
                           if (n, a) != (sag.DKV_PIECES, sag.DKV_SCORES_AHEAD)]:
@@ -115,6 +121,8 @@ def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, c
                    and not any(f"{a} atomics" in k[0] for a in sag.ATOMIC_LAYOUTS)]
     if args.fwd_only:
         kernels = []
+    if args.dq_only:
+        kernels = [k for k in kernels if k[0].startswith(("gluon dq", "rowsum"))]
     for name, flops, fn in kernels:
         row = {"config": name}
         try:
@@ -161,6 +169,8 @@ def main() -> None:
     parser.add_argument("--dkv-only", action="store_true",
                         help="with --gluon-only: only the Gluon latent gradient's rows (its launch, its column "
                              "pieces, with its atomics predicated off, without products)")
+    parser.add_argument("--dq-only", action="store_true",
+                        help="with --gluon-only: only the query gradients' rows and the rowsum(dO O) pass")
     parser.add_argument("--fwd-only", action="store_true",
                         help="with --gluon-only: only the forward rows (every schedule and configuration)")
     parser.add_argument("--reps", type=int, default=5)

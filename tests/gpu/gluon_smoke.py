@@ -131,6 +131,21 @@ def ring_and_gradients(fwd_configs, indices_ahead: bool) -> bool:
             print(f"dq {heads} heads, {schedule} schedule, indices ahead {indices_ahead}: rel {err:.2e}, empty query "
                   f"zero {bool((dq[:, 3] == 0).all())} {time.perf_counter() - t0:.1f}s {'ok' if good else 'FAIL'}",
                   flush=True)
+        # rowsum(dO O) formed in the "products" query gradient from the forward's output (bf16, as in training)
+        t0 = time.perf_counter()
+        out16 = ref_out.bfloat16()
+        delta_k = torch.full_like(delta, float("nan"))
+        dq = sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse, delta_k, scale, indices_ahead=indices_ahead,
+                                     schedule="products", out=out16)
+        torch.cuda.synchronize()
+        delta64 = (grad.double() * out16.double()).sum(-1)
+        d_err = float((delta_k.double() - delta64).abs().max() / delta64.abs().max())
+        err = rel(dq, dq64)
+        good = err <= 1e-2 and d_err <= 1e-5 and bool((dq[:, 3] == 0).all())
+        ok &= good
+        print(f"dq {heads} heads, products schedule, rowsum(dO O) in the kernel, indices ahead {indices_ahead}: rel "
+              f"{err:.2e}, delta rel {d_err:.1e} {time.perf_counter() - t0:.1f}s {'ok' if good else 'FAIL'}",
+              flush=True)
     return ok
 
 
