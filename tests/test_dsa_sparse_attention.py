@@ -158,8 +158,9 @@ def test_gluon_dq_needs_the_gluon_dkv():
 
 
 def test_gluon_latent_gradient_takes_the_gluon_dq_by_default(monkeypatch):
-    """``dq_kernel="auto"`` with the Gluon latent gradient is the Gluon ``dq`` fed by the ``rowsum(dO O)`` kernel;
-    ``dq_kernel="triton"`` keeps the ``dq`` pass (checked here up to its launch, which needs a GPU)."""
+    """``dq_kernel="auto"`` with the Gluon latent gradient is the Gluon ``dq`` fed by the ``rowsum(dO O)`` kernel
+    (or, with ``DQ_FUSED_DELTA``, given the forward's output to form it); ``dq_kernel="triton"`` keeps the ``dq``
+    pass (checked here up to its launch, which needs a GPU)."""
     pytest.importorskip("triton")
     import kernels.dsa.sparse_attention_gluon as sag
     import kernels.dsa.sparse_attention_triton as sat
@@ -177,6 +178,13 @@ def test_gluon_latent_gradient_takes_the_gluon_dq_by_default(monkeypatch):
     sat.triton_sparse_mla_bwd(q, kv, idx, out, lse, torch.ones_like(out), 1.0, 8, dkv_kernel="gluon",
                               dq_kernel="triton")
     assert calls == ["dq pass", "dkv"]
+    # with DQ_FUSED_DELTA the query gradient forms rowsum(dO O) from the forward's output: no pass of its own
+    calls.clear()
+    monkeypatch.setattr(sag, "DQ_FUSED_DELTA", True)
+    monkeypatch.setattr(sag, "gluon_sparse_mla_dq",
+                        lambda *a, out=None: calls.append(("dq", out is not None and out.shape == q.shape[:3] + (8,))))
+    sat.triton_sparse_mla_bwd(q, kv, idx, out, lse, torch.ones_like(out), 1.0, 8, dkv_kernel="gluon")
+    assert calls == [("dq", True), "dkv"]
 
 
 def test_gluon_forward_names_what_it_cannot_run():
@@ -206,6 +214,25 @@ def test_gluon_forward_names_what_it_cannot_run():
     lse = torch.zeros(1, 2, 64)
     with pytest.raises(DSAInputError, match="latent gradient needs a Hopper"):
         gluon_sparse_mla_dkv(q, kv, torch.zeros(1, 2, 16, dtype=torch.int32), q, lse, lse, 1.0, kv.float())
+
+
+def test_query_gradient_names_a_bad_output_for_rowsum():
+    """The query gradient that forms ``rowsum(dO O)`` itself names what is wrong with its ``out`` or ``delta``
+    before it launches anything (no GPU needed for these checks)."""
+    pytest.importorskip("triton")
+    from kernels.dsa.sparse_attention_gluon import gluon_sparse_mla_dq
+
+    q, kv = torch.zeros(1, 2, 64, 512, dtype=torch.bfloat16), torch.zeros(1, 4, 512, dtype=torch.bfloat16)
+    idx, lse = torch.zeros(1, 2, 16, dtype=torch.int32), torch.zeros(1, 2, 64)
+    with pytest.raises(ValueError, match="needs schedule 'products'"):
+        gluon_sparse_mla_dq(q, kv, idx, q, lse, lse.clone(), 1.0, schedule="keys", out=q)
+    with pytest.raises(DSAInputError, match="out must match grad_out"):
+        gluon_sparse_mla_dq(q, kv, idx, q, lse, lse.clone(), 1.0, schedule="products", out=q.float())
+    with pytest.raises(DSAInputError, match="delta must be a contiguous float32"):
+        gluon_sparse_mla_dq(q, kv, idx, q, lse, lse.double(), 1.0, schedule="products", out=q)
+    with pytest.raises(DSAInputError, match="delta must be a contiguous float32"):
+        gluon_sparse_mla_dq(q, kv, idx, q, lse, torch.zeros(1, 64, 2).transpose(1, 2), 1.0, schedule="products",
+                            out=q)
 
 
 @pytest.mark.parametrize("fwd, dkv, runs, why, expected", [
