@@ -1309,21 +1309,25 @@ def _dq_split_scores(IDX, DQ, LSE, DELTA, q_smem, kv_smem, p_smem, ds_smem, q_ba
 @gluon.jit
 def _rowsum_do_o(OUT, do_smem, do_row, s_l: gl.constexpr, D: gl.constexpr, q_bar):
     """``delta = rowsum(dO O)`` (float32, ``[64]`` in ``s_l``'s row slice) of the program's 64 heads: ``O`` rows
-    ``do_row + h * D`` (bf16/fp16, ``[B, T, H, D]`` contiguous like ``dO``) loaded from global memory before the
-    wait for the producer's ``dO`` tile (``q_bar``), which is then read from shared memory; products summed in
-    float32, in 128-column chunks."""
-    CHUNK: gl.constexpr = 128
+    ``do_row + h * D`` (bf16/fp16, ``[B, T, H, D]`` contiguous like ``dO``), all four column quarters loaded from
+    global memory before the wait for the producer's ``dO`` tile (``q_bar``; one round trip, under the producer's
+    gathers), then the tile read from shared memory; products summed in float32."""
+    gl.static_assert(D % 64 == 0)
+    CHUNK: gl.constexpr = D // 4
     warps: gl.constexpr = gl.num_warps()
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [warps, 1], [1, 0])
     offs_h = gl.arange(0, _BLOCK_H, layout=gl.SliceLayout(1, layout))
     offs_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
     rows = OUT + do_row + offs_h[:, None].to(gl.int64) * D + offs_c[None, :]
-    o_first = gl.load(rows)
+    o0 = gl.load(rows)
+    o1 = gl.load(rows + CHUNK)
+    o2 = gl.load(rows + 2 * CHUNK)
+    o3 = gl.load(rows + 3 * CHUNK)
     mbarrier.wait(q_bar, 0)
-    delta = gl.sum(do_smem.slice(0, CHUNK, dim=1).load(layout).to(gl.float32) * o_first.to(gl.float32), axis=1)
-    for c in gl.static_range(CHUNK, D, CHUNK):
-        o = gl.load(rows + c)
-        delta += gl.sum(do_smem.slice(c, CHUNK, dim=1).load(layout).to(gl.float32) * o.to(gl.float32), axis=1)
+    delta = gl.sum(do_smem.slice(0, CHUNK, dim=1).load(layout).to(gl.float32) * o0.to(gl.float32), axis=1)
+    delta += gl.sum(do_smem.slice(CHUNK, CHUNK, dim=1).load(layout).to(gl.float32) * o1.to(gl.float32), axis=1)
+    delta += gl.sum(do_smem.slice(2 * CHUNK, CHUNK, dim=1).load(layout).to(gl.float32) * o2.to(gl.float32), axis=1)
+    delta += gl.sum(do_smem.slice(3 * CHUNK, CHUNK, dim=1).load(layout).to(gl.float32) * o3.to(gl.float32), axis=1)
     return gl.convert_layout(delta, gl.SliceLayout(1, s_l))
 
 
