@@ -412,7 +412,9 @@ def _consumer_under_pv(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, emp
     only (``wgmma`` groups retire in order); forms ``P_{j+1}`` into the other half of the double-buffered
     ``p_smem [2, 64, BLOCK_K]``; then awaits ``P_j V_j`` and rescales ``O`` by the new max. :func:`_consumer`
     leaves the tensor cores idle through every softmax. The last block's ``P V`` runs after the loop, so no
-    block's scores are recomputed."""
+    block's scores are recomputed. With two ring slots it is slower (one H200: 42.3 ms against 40.9): ``P_j V_j``
+    now waits for block ``j + 1`` to land, whose gather starts only when block ``j - 1``'s slot is freed at the
+    end of the previous iteration; :func:`_consumer` waits for it under ``P_j V_j`` and its softmax."""
     gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
     s_l: gl.constexpr = _wgmma_layout(BLOCK_K)
     o_l: gl.constexpr = _wgmma_layout(D)
@@ -860,7 +862,8 @@ GLUON_FWD_ROW_SUM_FLIPPED = [triton.Config(dict(GLUON_FWD_CONFIGS[0].kwargs, ROW
 GLUON_FWD_UNDER_PV = [triton.Config(dict(GLUON_FWD_CONFIGS[0].kwargs, SOFTMAX_UNDER_PV=True),
                                      num_warps=GLUON_FWD_CONFIGS[0].num_warps, maxnreg=GLUON_FWD_CONFIGS[0].maxnreg)]
 """The ring forward's first configuration with each block's softmax under the previous block's ``P V``
-(``SOFTMAX_UNDER_PV``, :func:`_consumer_under_pv`): timed and checked beside the others, not autotuned."""
+(``SOFTMAX_UNDER_PV``, :func:`_consumer_under_pv`): timed and checked beside the others, not autotuned. Slower on
+one H200 (``full`` shape, 64k, same process): 42.3 ms against the default's 40.9 (``docs/dsa_kernels.md``)."""
 GLUON_FWD_TRIALS = {"ring": GLUON_FWD_CONFIGS + GLUON_FWD_AHEAD_FLIPPED + GLUON_FWD_ROW_SUM_FLIPPED
                     + GLUON_FWD_UNDER_PV, "pair": GLUON_FWD_PAIR_CONFIGS}
 """The Gluon forwards by schedule, each with every configuration the benchmarks time and check: ``"ring"`` (both
