@@ -350,25 +350,18 @@ def _ring_store(OUT, LSE, out_row, stride_oh, lse_row, acc, m_i, l_i, l_block, R
 
 
 @gluon.jit
-def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row, n_idx,
-              n_blocks, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-              ROW_SUM_AT_END: gl.constexpr):
-    """The default partition (two warpgroups): online softmax over the key blocks the producer delivers, ``O``
-    normalized and stored with its log-sum-exp. With ``ROW_SUM_AT_END`` the softmax's denominator is kept per
-    element (``[64, BLOCK_K]``, rescaled with ``O``) and summed over the keys once after the last block: one
-    reduction across the two warpgroups (through shared memory, with a barrier) per block instead of two."""
-    gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
+def _ring_start(IDX, q_smem, kv_smem, q_bar, ready, n_idx, D: gl.constexpr, BLOCK_K: gl.constexpr):
+    """The ring forward consumers' start: the running max ``m_i`` (``-inf``) and denominator ``l_i`` (and
+    ``l_block``, its per-element form) at zero, ``acc [64, D]`` and ``s_init [64, BLOCK_K]`` float32 zeros in the
+    ``wgmma`` layouts, the key offsets ``offs_kb`` of a block, and the first block's ``scores`` (``Q K_0^T``) with
+    its indices ``idx``."""
     s_l: gl.constexpr = _wgmma_layout(BLOCK_K)
-    o_l: gl.constexpr = _wgmma_layout(D)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
-    rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
     m_i = gl.full([_BLOCK_H], float("-inf"), gl.float32, rows_s)
     l_i = gl.zeros([_BLOCK_H], gl.float32, rows_s)
-    acc = gl.zeros([_BLOCK_H, D], gl.float32, o_l)
+    acc = gl.zeros([_BLOCK_H, D], gl.float32, _wgmma_layout(D))
     s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
-    l_block = s_init   # with ROW_SUM_AT_END: each key column's share of the denominator
     offs_kb = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
-
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(ready.index(0), 0)
     # cp.async writes through the generic proxy, wgmma reads through the async proxy: a proxy fence after each
@@ -377,6 +370,21 @@ def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_r
     s_tok = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), s_init, use_acc=False, is_async=True)
     idx = gl.load(IDX + offs_kb, mask=offs_kb < n_idx, other=-1)
     scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+    return m_i, l_i, s_init, acc, s_init, offs_kb, scores, idx
+
+
+@gluon.jit
+def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row, n_idx,
+              n_blocks, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+              ROW_SUM_AT_END: gl.constexpr):
+    """The default partition (two warpgroups): online softmax over the key blocks the producer delivers, ``O``
+    normalized and stored with its log-sum-exp. With ``ROW_SUM_AT_END`` the softmax's denominator is kept per
+    element (``[64, BLOCK_K]``, rescaled with ``O``) and summed over the keys once after the last block: one
+    reduction across the two warpgroups (through shared memory, with a barrier) per block instead of two."""
+    gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
+    rows_o: gl.constexpr = gl.SliceLayout(1, _wgmma_layout(D))
+    m_i, l_i, l_block, acc, s_init, offs_kb, scores, idx = _ring_start(IDX, q_smem, kv_smem, q_bar, ready, n_idx, D,
+                                                                       BLOCK_K)
     for j in range(n_blocks):
         slot = j % STAGES
         p, alpha, m_i, l_i, l_block = _ring_softmax(scores, idx, m_i, l_i, l_block, scale_log2, ROW_SUM_AT_END)
@@ -416,23 +424,9 @@ def _consumer_under_pv(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, emp
     now waits for block ``j + 1`` to land, whose gather starts only when block ``j - 1``'s slot is freed at the
     end of the previous iteration; :func:`_consumer` waits for it under ``P_j V_j`` and its softmax."""
     gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
-    s_l: gl.constexpr = _wgmma_layout(BLOCK_K)
-    o_l: gl.constexpr = _wgmma_layout(D)
-    rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
-    rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    m_i = gl.full([_BLOCK_H], float("-inf"), gl.float32, rows_s)
-    l_i = gl.zeros([_BLOCK_H], gl.float32, rows_s)
-    acc = gl.zeros([_BLOCK_H, D], gl.float32, o_l)
-    s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
-    l_block = s_init
-    offs_kb = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
-
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(ready.index(0), 0)
-    fence_async_shared()
-    s_tok = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), s_init, use_acc=False, is_async=True)
-    idx = gl.load(IDX + offs_kb, mask=offs_kb < n_idx, other=-1)
-    scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+    rows_o: gl.constexpr = gl.SliceLayout(1, _wgmma_layout(D))
+    m_i, l_i, l_block, acc, s_init, offs_kb, scores, idx = _ring_start(IDX, q_smem, kv_smem, q_bar, ready, n_idx, D,
+                                                                       BLOCK_K)
     p, alpha, m_i, l_i, l_block = _ring_softmax(scores, idx, m_i, l_i, l_block, scale_log2, ROW_SUM_AT_END)
     p_smem.index(0).store(p.to(p_smem.dtype))
     idx = gl.load(IDX + BLOCK_K + offs_kb, mask=BLOCK_K + offs_kb < n_idx, other=-1)
