@@ -158,14 +158,15 @@ def test_gluon_dq_needs_the_gluon_dkv():
 
 
 def test_gluon_latent_gradient_takes_the_gluon_dq_by_default(monkeypatch):
-    """``dq_kernel="auto"`` with the Gluon latent gradient is the Gluon ``dq`` fed by the ``rowsum(dO O)`` kernel
-    (or, with ``DQ_FUSED_DELTA``, given the forward's output to form it); ``dq_kernel="triton"`` keeps the ``dq``
-    pass (checked here up to its launch, which needs a GPU)."""
+    """``dq_kernel="auto"`` with the Gluon latent gradient is the Gluon ``dq``: given the forward's output to form
+    ``rowsum(dO O)`` itself with ``DQ_FUSED_DELTA`` (the default), fed by the ``rowsum(dO O)`` kernel without;
+    ``dq_kernel="triton"`` keeps the ``dq`` pass (checked here up to its launch, which needs a GPU)."""
     pytest.importorskip("triton")
     import kernels.dsa.sparse_attention_gluon as sag
     import kernels.dsa.sparse_attention_triton as sat
 
     calls = []
+    monkeypatch.setattr(sag, "DQ_FUSED_DELTA", False)
     monkeypatch.setattr(sat, "triton_sparse_mla_delta", lambda out, grad: calls.append("delta") or out.sum(-1).float())
     monkeypatch.setattr(sag, "gluon_sparse_mla_dq", lambda *a: calls.append("dq"))
     monkeypatch.setattr(sag, "gluon_sparse_mla_dkv", lambda *a: calls.append("dkv"))
@@ -178,9 +179,12 @@ def test_gluon_latent_gradient_takes_the_gluon_dq_by_default(monkeypatch):
     sat.triton_sparse_mla_bwd(q, kv, idx, out, lse, torch.ones_like(out), 1.0, 8, dkv_kernel="gluon",
                               dq_kernel="triton")
     assert calls == ["dq pass", "dkv"]
-    # with DQ_FUSED_DELTA the query gradient forms rowsum(dO O) from the forward's output: no pass of its own
+    # with DQ_FUSED_DELTA (the default) the query gradient forms rowsum(dO O) from the forward's output: no pass
     calls.clear()
-    monkeypatch.setattr(sag, "DQ_FUSED_DELTA", True)
+    monkeypatch.undo()
+    assert sag.DQ_FUSED_DELTA
+    monkeypatch.setattr(sat, "triton_sparse_mla_delta", lambda out, grad: calls.append("delta") or out.sum(-1).float())
+    monkeypatch.setattr(sag, "gluon_sparse_mla_dkv", lambda *a: calls.append("dkv"))
     monkeypatch.setattr(sag, "gluon_sparse_mla_dq",
                         lambda *a, out=None: calls.append(("dq", out is not None and out.shape == q.shape[:3] + (8,))))
     sat.triton_sparse_mla_bwd(q, kv, idx, out, lse, torch.ones_like(out), 1.0, 8, dkv_kernel="gluon")

@@ -601,9 +601,9 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     scattered per query like ``None`` (the result is the same either way).
     ``dkv_kernel="gluon"`` (``runs`` must be ``None``): every slot's ``dkv`` from
     :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dkv` (64 heads per program, Hopper), and ``dq``
-    by ``dq_kernel``: ``"gluon"`` (:func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dq`, ``rowsum(dO *
-    O)`` from :func:`triton_sparse_mla_delta`, or formed by that kernel with ``DQ_FUSED_DELTA``) or ``"triton"`` (the ``dq`` pass, ``MODE`` 1, which also writes
-    ``rowsum(dO * O)``). ``dq_kernel="auto"`` is ``"gluon"`` with the Gluon latent gradient and ``"triton"``
+    by ``dq_kernel``: ``"gluon"`` (:func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dq`, which forms
+    ``rowsum(dO * O)`` itself with ``DQ_FUSED_DELTA``, the default, or takes it from :func:`triton_sparse_mla_delta`)
+    or ``"triton"`` (the ``dq`` pass, ``MODE`` 1, which also writes ``rowsum(dO * O)``). ``dq_kernel="auto"`` is ``"gluon"`` with the Gluon latent gradient and ``"triton"``
     otherwise: one H100, ``full`` shape, 64k tokens (``tests/benchmarks/sparse_mla_tilings.py``, anchor 781
     TF/s), the Gluon ``dq`` 74.6 ms against the ``dq`` pass's 94.6 ms, the backward 213.0 ms against 230.6 ms.
 
