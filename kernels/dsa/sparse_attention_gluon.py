@@ -862,8 +862,8 @@ GLUON_FWD_TRIALS = {"ring": GLUON_FWD_CONFIGS + GLUON_FWD_AHEAD_FLIPPED + GLUON_
                     + GLUON_FWD_UNDER_PV, "pair": GLUON_FWD_PAIR_CONFIGS}
 """The Gluon forwards by schedule, each with every configuration the benchmarks time and check: ``"ring"`` (both
 warpgroups on each key block, a ring of ``STAGES`` buffers; its autotuned configurations, then the same with the
-producer's ``INDICES_AHEAD`` the other way, and the first with its row sum per block) and ``"pair"`` (one warpgroup per block of a pair, FlashMLA's
-schedule)."""
+producer's ``INDICES_AHEAD`` the other way, the first with its row sum per block, and the first with its softmax
+under ``P V``) and ``"pair"`` (one warpgroup per block of a pair, FlashMLA's schedule)."""
 FWD_SCHEDULE = "ring"
 """The schedule :func:`gluon_sparse_mla_fwd` runs (the training path's Gluon forward)."""
 
