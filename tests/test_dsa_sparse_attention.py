@@ -168,7 +168,7 @@ def test_gluon_latent_gradient_takes_the_gluon_dq_by_default(monkeypatch):
     calls = []
     monkeypatch.setattr(sag, "DQ_FUSED_DELTA", False)
     monkeypatch.setattr(sat, "triton_sparse_mla_delta", lambda out, grad: calls.append("delta") or out.sum(-1).float())
-    monkeypatch.setattr(sag, "gluon_sparse_mla_dq", lambda *a: calls.append("dq"))
+    monkeypatch.setattr(sag, "gluon_sparse_mla_dq", lambda *a, out: calls.append("dq" if out is None else "dq, out"))
     monkeypatch.setattr(sag, "gluon_sparse_mla_dkv", lambda *a: calls.append("dkv"))
     monkeypatch.setattr(sat.sparse_mla_bwd_kernel, "run", lambda *a, **k: calls.append("dq pass"))
     q, kv, idx = _case(1, 4, 8, 2, 8, 3, seed=9)

@@ -603,9 +603,10 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     :func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dkv` (64 heads per program, Hopper), and ``dq``
     by ``dq_kernel``: ``"gluon"`` (:func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_dq`, which forms
     ``rowsum(dO * O)`` itself with ``DQ_FUSED_DELTA``, the default, or takes it from :func:`triton_sparse_mla_delta`)
-    or ``"triton"`` (the ``dq`` pass, ``MODE`` 1, which also writes ``rowsum(dO * O)``). ``dq_kernel="auto"`` is ``"gluon"`` with the Gluon latent gradient and ``"triton"``
-    otherwise: one H100, ``full`` shape, 64k tokens (``tests/benchmarks/sparse_mla_tilings.py``, anchor 781
-    TF/s), the Gluon ``dq`` 74.6 ms against the ``dq`` pass's 94.6 ms, the backward 213.0 ms against 230.6 ms.
+    or ``"triton"`` (the ``dq`` pass, ``MODE`` 1, which also writes ``rowsum(dO * O)``). ``dq_kernel="auto"`` is
+    ``"gluon"`` with the Gluon latent gradient and ``"triton"`` otherwise: one H100, ``full`` shape, 64k tokens
+    (``tests/benchmarks/sparse_mla_tilings.py``, anchor 781 TF/s), the Gluon ``dq`` 74.6 ms against the ``dq``
+    pass's 94.6 ms, the backward 213.0 ms against 230.6 ms.
 
     Raises:
         DSAInputError: ``dq_kernel`` not ``"auto"``, ``"triton"`` or ``"gluon"``, ``"gluon"`` without the Gluon
@@ -633,12 +634,10 @@ def triton_sparse_mla_bwd(q, kv, indices, out, lse, grad_out, softmax_scale, d_v
     if dq_kernel == "gluon":
         from kernels.dsa import sparse_attention_gluon as sag
 
-        if sag.DQ_FUSED_DELTA and sag.DQ_SCHEDULE == "products":   # rowsum(dO O) formed by the query gradient
-            delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
-            sag.gluon_sparse_mla_dq(q, kv, indices, grad_out, lse, delta, softmax_scale, dq, out=out)
-        else:
-            delta = triton_sparse_mla_delta(out, grad_out)
-            sag.gluon_sparse_mla_dq(q, kv, indices, grad_out, lse, delta, softmax_scale, dq)
+        fused = sag.DQ_FUSED_DELTA and sag.DQ_SCHEDULE == "products"   # rowsum(dO O) formed by the query gradient
+        delta = (torch.empty(lse.shape, dtype=torch.float32, device=q.device) if fused
+                 else triton_sparse_mla_delta(out, grad_out))
+        sag.gluon_sparse_mla_dq(q, kv, indices, grad_out, lse, delta, softmax_scale, dq, out=out if fused else None)
         modes = ()
     elif gluon_dkv:
         run_ok = scatter = dkv   # unused by the dq pass

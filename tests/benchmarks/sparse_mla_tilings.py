@@ -102,7 +102,8 @@ def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, c
     # the gradient formed and added in column pieces, the next block's scores ahead of the last piece's atomics or not
     for pieces, ahead in [(n, a) for n in (1, 2, 4) for a in (False, True) if a <= (n > 1)
                           if (n, a) != (sag.DKV_PIECES, sag.DKV_SCORES_AHEAD)]:
-        kernels.append((f"gluon dkv, {pieces} column piece{'s' * (pieces > 1)}{', scores ahead' if ahead else ''}", 4 * per_token,
+        name = f"gluon dkv, {pieces} column piece{'s' * (pieces > 1)}{', scores ahead' if ahead else ''}"
+        kernels.append((name, 4 * per_token,
                         lambda n=pieces, a=ahead: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale,
                                                                            dkv, pieces=n, scores_ahead=a)))
     kernels.append(("gluon dkv, gathers and atomics only (no products)", None,

@@ -55,6 +55,20 @@ def main() -> None:
     print(f"GLUON SMOKE OK: {ok}", flush=True)
 
 
+def ring_forward_check(q, kv, idx, scale, ref_out, ref_lse, cfg) -> tuple[bool, dict]:
+    """One ring forward configuration against the float64 ``ref_out`` and ``ref_lse``: whether it passes, and its
+    errors (query 3, with no valid slot, must give ``O = 0`` and ``lse = -inf``)."""
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+    sag.launch_fwd(q, kv, idx, out, lse, scale, cfg)
+    torch.cuda.synchronize()
+    rows = torch.arange(q.shape[1], device="cuda") != 3   # the query with no valid slot apart
+    res = dict(out_rel=rel(out, ref_out),
+               lse_max=float((lse[:, rows].double() - ref_lse[:, rows]).abs().max()),
+               empty_ok=bool((out[:, 3] == 0).all() and torch.isneginf(lse[:, 3]).all()))
+    return res["out_rel"] <= 1e-2 and res["lse_max"] <= 5e-2 and res["empty_ok"], res
+
+
 def ring_block_counts() -> bool:
     """Every ring forward configuration at 64 heads with selections of one key block, exactly two, and two and one
     slot (``width`` 50, 128, 129: the loops' first and last iterations meet), against float64."""
@@ -63,18 +77,10 @@ def ring_block_counts() -> bool:
         q, kv, idx = case(64, width=width, seed=width)
         scale = 1 / math.sqrt(256)
         ref_out, ref_lse = torch_sparse_mla_fwd(q.double(), kv.double(), idx, scale, q.shape[-1])
-        rows = torch.arange(q.shape[1], device="cuda") != 3
         for cfg in sag.GLUON_FWD_TRIALS["ring"]:
-            out = torch.full_like(q, float("nan"))
-            lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-            sag.launch_fwd(q, kv, idx, out, lse, scale, cfg)
-            torch.cuda.synchronize()
-            err = rel(out, ref_out)
-            lse_max = float((lse[:, rows].double() - ref_lse[:, rows]).abs().max())
-            good = err <= 1e-2 and lse_max <= 5e-2 and bool((out[:, 3] == 0).all())
+            good, res = ring_forward_check(q, kv, idx, scale, ref_out, ref_lse, cfg)
             ok &= good
-            print(f"fwd width {width} {cfg.kwargs}: rel {err:.2e} lse {lse_max:.1e} {'ok' if good else 'FAIL'}",
-                  flush=True)
+            print(f"fwd width {width} {cfg.kwargs}: {res} {'ok' if good else 'FAIL'}", flush=True)
     return ok
 
 
@@ -88,16 +94,8 @@ def ring_and_gradients(fwd_configs, indices_ahead: bool) -> bool:
         scale = 1 / math.sqrt(256)
         ref_out, ref_lse = torch_sparse_mla_fwd(q.double(), kv.double(), idx, scale, dim)
         for cfg in fwd_configs:
-            out = torch.full_like(q, float("nan"))
-            lse = torch.full(q.shape[:3], float("nan"), device="cuda")
             t0 = time.perf_counter()
-            sag.launch_fwd(q, kv, idx, out, lse, scale, cfg)
-            torch.cuda.synchronize()
-            rows = torch.arange(q.shape[1], device="cuda") != 3   # the query with no valid slot apart
-            res = dict(out_rel=rel(out, ref_out),
-                       lse_max=float((lse[:, rows].double() - ref_lse[:, rows]).abs().max()),
-                       empty_ok=bool((out[:, 3] == 0).all() and torch.isneginf(lse[:, 3]).all()))
-            good = res["out_rel"] <= 1e-2 and res["lse_max"] <= 5e-2 and res["empty_ok"]
+            good, res = ring_forward_check(q, kv, idx, scale, ref_out, ref_lse, cfg)
             ok &= good
             print(f"fwd {heads} heads {cfg.kwargs}: {res} {time.perf_counter() - t0:.1f}s {'ok' if good else 'FAIL'}",
                   flush=True)
