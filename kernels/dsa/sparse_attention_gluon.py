@@ -331,6 +331,37 @@ def _ring_softmax(scores, idx, m_i, l_i, l_block, scale_log2, ROW_SUM_AT_END: gl
     return p, alpha, m_new, l_i, l_block
 
 
+RESCALE_SLACK = 8.0
+"""How far (base-2 logits) a row's max may rise above the max its ``P`` and ``O`` are held at before
+``LAZY_RESCALE`` rescales them: ``P`` stays at most ``2^8`` (exact in bf16's exponent range, its sum in float32
+far from overflow), and FlashAttention-4's conditional rescaling uses the same bound."""
+_RESCALE_SLACK = gl.constexpr(RESCALE_SLACK)
+
+
+@gluon.jit
+def _ring_softmax_lazy(scores, idx, m_i, l_block, acc, scale_log2):
+    """:func:`_ring_softmax` with ``ROW_SUM_AT_END`` and conditional rescaling (FlashAttention-4, Dao et al.
+    2025): ``P`` is taken against the running max ``m_i`` as long as no logit of the block exceeds it by more than
+    :data:`RESCALE_SLACK`; only when one does (the first block with a valid key, then rarely) is the row max formed
+    and ``acc`` (``[64, D]`` float32, the ``wgmma`` layout) and ``l_block`` rescaled to it. ``O = acc / l`` and
+    the log-sum-exp ``m_i + log2(l)`` are exact for any ``m_i`` the exponentials were taken against, so the skip
+    changes only rounding. The common path costs one CTA-wide test instead of the cross-warpgroup row max, and
+    drops ``acc``'s 128 multiplies per thread, which stood between the softmax and ``P V`` with the tensor cores
+    idle. ``P`` is formed against the old max first, so its exponentials need not wait for the test. Returns
+    ``(p, m_i, l_block, acc)``."""
+    s = gl.where((idx >= 0)[None, :], scores * scale_log2, float("-inf"))
+    # m_i = -inf (no valid key yet) + slack stays -inf: any valid logit of such a row takes the branch
+    rises = gl.where(s > (m_i + _RESCALE_SLACK)[:, None], 1, 0)
+    if gl.max(rises) > 0:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+        l_block = l_block * alpha[:, None]
+        m_i = m_new
+    p = gl.exp2(s - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+    return p, m_i, l_block + p, acc
+
+
 @gluon.jit
 def _ring_store(OUT, LSE, out_row, stride_oh, lse_row, acc, m_i, l_i, l_block, ROW_SUM_AT_END: gl.constexpr):
     """``O = acc / l`` (``acc [64, D]`` float32 in the ``wgmma`` layout) into ``OUT`` and its natural-log
@@ -376,19 +407,25 @@ def _ring_start(IDX, q_smem, kv_smem, q_bar, ready, n_idx, D: gl.constexpr, BLOC
 @gluon.jit
 def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row, n_idx,
               n_blocks, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-              ROW_SUM_AT_END: gl.constexpr):
+              ROW_SUM_AT_END: gl.constexpr, LAZY_RESCALE: gl.constexpr = False):
     """The default partition (two warpgroups): online softmax over the key blocks the producer delivers, ``O``
     normalized and stored with its log-sum-exp. With ``ROW_SUM_AT_END`` the softmax's denominator is kept per
     element (``[64, BLOCK_K]``, rescaled with ``O``) and summed over the keys once after the last block: one
-    reduction across the two warpgroups (through shared memory, with a barrier) per block instead of two."""
+    reduction across the two warpgroups (through shared memory, with a barrier) per block instead of two. With
+    ``LAZY_RESCALE`` (needs ``ROW_SUM_AT_END``) ``O`` is rescaled only when a row's max rises by more than
+    :data:`RESCALE_SLACK` (:func:`_ring_softmax_lazy`)."""
     gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
+    gl.static_assert(ROW_SUM_AT_END or not LAZY_RESCALE)
     rows_o: gl.constexpr = gl.SliceLayout(1, _wgmma_layout(D))
     m_i, l_i, l_block, acc, s_init, offs_kb, scores, idx = _ring_start(IDX, q_smem, kv_smem, q_bar, ready, n_idx, D,
                                                                        BLOCK_K)
     for j in range(n_blocks):
         slot = j % STAGES
-        p, alpha, m_i, l_i, l_block = _ring_softmax(scores, idx, m_i, l_i, l_block, scale_log2, ROW_SUM_AT_END)
-        acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+        if LAZY_RESCALE:
+            p, m_i, l_block, acc = _ring_softmax_lazy(scores, idx, m_i, l_block, acc, scale_log2)
+        else:
+            p, alpha, m_i, l_i, l_block = _ring_softmax(scores, idx, m_i, l_i, l_block, scale_log2, ROW_SUM_AT_END)
+            acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
         p_smem.store(p.to(p_smem.dtype))
         # every consumer warp's part of P is in shared memory and visible to wgmma's (async) proxy
         fence_async_shared()
@@ -469,7 +506,7 @@ def sparse_mla_fwd_gluon_kernel(
     n_idx, scale_log2,
     H: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GATHER_ROWS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, INDICES_AHEAD: gl.constexpr = False, PRODUCTS: gl.constexpr = True,
-    ROW_SUM_AT_END: gl.constexpr = True, SOFTMAX_UNDER_PV: gl.constexpr = False,
+    ROW_SUM_AT_END: gl.constexpr = True, SOFTMAX_UNDER_PV: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False,
 ):
     """One query ``t`` (program 0), heads ``[64 * pid_h, 64 * pid_h + 64)`` (program 1), batch ``b`` (program
     2): ``Q [B, T, H, D]`` (``stride(3) == 1``), ``KV [B, S, D]`` (``stride(2) == 1``), ``IDX [B, T, K]`` int32
@@ -478,7 +515,8 @@ def sparse_mla_fwd_gluon_kernel(
     ``PRODUCTS=False`` (benchmarks only; ``OUT`` and ``LSE`` left unwritten) runs the gathers alone;
     ``ROW_SUM_AT_END``: :func:`_consumer` (one H100, ``full`` shape, 64k, ``(64, 2)``: 40.5 ms with it against
     42.1 without, same call); ``SOFTMAX_UNDER_PV``: :func:`_consumer_under_pv` (``P`` double-buffered, 8 KiB more
-    shared memory at ``BLOCK_K = 64``)."""
+    shared memory at ``BLOCK_K = 64``); ``LAZY_RESCALE``: :func:`_consumer` rescales ``O`` only when a row's max
+    rises by more than :data:`RESCALE_SLACK` (:func:`_ring_softmax_lazy`)."""
     gl.static_assert(BLOCK_K % GATHER_ROWS == 0)
     gl.static_assert(STAGES >= 2)   # the consumers wait for block j + 1 before they release block j
     q_row, lse_row, out_row, IDX, KV = _fwd_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
@@ -502,7 +540,7 @@ def sparse_mla_fwd_gluon_kernel(
         p_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, BLOCK_K], _nvmma([_BLOCK_H, BLOCK_K], dtype))
         gl.warp_specialize([
             (_consumer, (IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row,
-                         n_idx, n_blocks, scale_log2, D, BLOCK_K, STAGES, ROW_SUM_AT_END)),
+                         n_idx, n_blocks, scale_log2, D, BLOCK_K, STAGES, ROW_SUM_AT_END, LAZY_RESCALE)),
             (_producer, (Q, Q, KV, IDX, q_smem, q_smem, kv_smem, q_bar, ready, empty, q_row, q_row, stride_qh,
                          stride_kvs, n_idx, n_blocks, D, BLOCK_K, STAGES, GATHER_ROWS, False, INDICES_AHEAD)),
         ], [_PRODUCER_WARPS], [PRODUCER_REGS])
@@ -858,8 +896,12 @@ GLUON_FWD_UNDER_PV = [triton.Config(dict(GLUON_FWD_CONFIGS[0].kwargs, SOFTMAX_UN
 """The ring forward's first configuration with each block's softmax under the previous block's ``P V``
 (``SOFTMAX_UNDER_PV``, :func:`_consumer_under_pv`): timed and checked beside the others, not autotuned. Slower on
 one H200 (``full`` shape, 64k, same process): 42.3 ms against the default's 40.9 (``docs/dsa_kernels.md``)."""
+GLUON_FWD_LAZY = [triton.Config(dict(GLUON_FWD_CONFIGS[0].kwargs, LAZY_RESCALE=True),
+                                 num_warps=GLUON_FWD_CONFIGS[0].num_warps, maxnreg=GLUON_FWD_CONFIGS[0].maxnreg)]
+"""The ring forward's first configuration with conditional rescaling (``LAZY_RESCALE``,
+:func:`_ring_softmax_lazy`): timed and checked beside the others, not autotuned."""
 GLUON_FWD_TRIALS = {"ring": GLUON_FWD_CONFIGS + GLUON_FWD_AHEAD_FLIPPED + GLUON_FWD_ROW_SUM_FLIPPED
-                    + GLUON_FWD_UNDER_PV, "pair": GLUON_FWD_PAIR_CONFIGS}
+                    + GLUON_FWD_UNDER_PV + GLUON_FWD_LAZY, "pair": GLUON_FWD_PAIR_CONFIGS}
 """The Gluon forwards by schedule, each with every configuration the benchmarks time and check: ``"ring"`` (both
 warpgroups on each key block, a ring of ``STAGES`` buffers; its autotuned configurations, then the same with the
 producer's ``INDICES_AHEAD`` the other way, the first with its row sum per block, and the first with its softmax

@@ -64,6 +64,40 @@ def gluon_forward_rows(q, kv, idx, scale, out_ref, lse_ref, fwd_flops, reps) -> 
     return rows
 
 
+def _forward_call(cfg):
+    """A ``--call`` of the ring forward at configuration ``cfg``, without the autotuner."""
+    return lambda q, kv, idx, grad, scale, out, lse: sag.launch_fwd(
+        q, kv, idx, torch.empty_like(out), torch.empty_like(lse), scale, cfg, "ring")
+
+
+CALLS = {
+    "fwd": _forward_call(sag.GLUON_FWD_CONFIGS[0]),
+    "fwd-lazy": _forward_call(sag.GLUON_FWD_LAZY[0]),
+    "dq": lambda q, kv, idx, grad, scale, out, lse: sag.gluon_sparse_mla_dq(
+        q, kv, idx, grad, lse, torch.empty_like(lse), scale, out=out),
+    "dkv": lambda q, kv, idx, grad, scale, out, lse: sag.gluon_sparse_mla_dkv(
+        q, kv, idx, grad, lse, (grad.float() * out.float()).sum(-1), scale,
+        torch.zeros(kv.shape, dtype=torch.float32, device="cuda")),
+}
+"""``--call``: the Gluon kernel each name launches with the training path's settings (the ring forward's first
+configuration, or with conditional rescaling; the query gradient forming ``rowsum(dO O)``; the latent gradient)."""
+
+
+def profiled_call(fn, *inputs) -> None:
+    """``fn(*inputs)`` once to compile and tune, then once between ``cudaProfilerStart`` and ``Stop`` (what
+    ``ncu --profile-from-start off`` profiles), timed."""
+    fn(*inputs)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.profiler.start()
+    start.record()
+    fn(*inputs)
+    end.record()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print(f"profiled call: {start.elapsed_time(end):.2f} ms", flush=True)
+
+
 def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, ceil, valid_keys) -> None:
     """``--gluon-only``: the autotuned Triton forward and every Gluon forward, each ring forward's gathers alone
     (``products=False``), then the Gluon query gradient and latent gradient (with its atomics, predicated off, and
@@ -174,6 +208,10 @@ def main() -> None:
                         help="with --gluon-only: only the query gradients' rows and the rowsum(dO O) pass")
     parser.add_argument("--fwd-only", action="store_true",
                         help="with --gluon-only: only the forward rows (every schedule and configuration)")
+    parser.add_argument("--call", default=None, choices=list(CALLS),
+                        help="one launch of this Gluon kernel (its default configuration) between "
+                             "cudaProfilerStart and Stop, after a warm launch: for Nsight Compute's "
+                             "--profile-from-start off (tests/gpu/ncu_indexer.sh); nothing else runs")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -196,6 +234,9 @@ def main() -> None:
     bwd_flops = 2 * t * h * WIDTH * 5 * dqk    # as dsa_bench counts the whole backward
 
     out_ref, lse_ref = sat.triton_sparse_mla_fwd(q, kv, idx, scale, dqk)
+    if args.call:
+        profiled_call(CALLS[args.call], q, kv, idx, grad, scale, out_ref, lse_ref)
+        return
     if args.gluon_only:
         _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, ceil, valid_keys)
         return

@@ -48,9 +48,10 @@ def main() -> None:
     # its row sum per block, and with its softmax under P V), then the ring forwards at other numbers of key
     # blocks, then the pair schedule: a hang in a variant leaves the lines before it in the log
     ok = ring_and_gradients(sag.GLUON_FWD_CONFIGS, indices_ahead=False)
-    ok &= ring_and_gradients(sag.GLUON_FWD_AHEAD_FLIPPED + sag.GLUON_FWD_ROW_SUM_FLIPPED + sag.GLUON_FWD_UNDER_PV,
-                             indices_ahead=True)
+    ok &= ring_and_gradients(sag.GLUON_FWD_AHEAD_FLIPPED + sag.GLUON_FWD_ROW_SUM_FLIPPED + sag.GLUON_FWD_UNDER_PV
+                             + sag.GLUON_FWD_LAZY, indices_ahead=True)
     ok &= ring_block_counts()
+    ok &= ring_rising_max()
     ok &= pair_schedule()
     print(f"GLUON SMOKE OK: {ok}", flush=True)
 
@@ -81,6 +82,27 @@ def ring_block_counts() -> bool:
             good, res = ring_forward_check(q, kv, idx, scale, ref_out, ref_lse, cfg)
             ok &= good
             print(f"fwd width {width} {cfg.kwargs}: {res} {'ok' if good else 'FAIL'}", flush=True)
+    return ok
+
+
+def ring_rising_max() -> bool:
+    """Every ring forward configuration where a row's max rises far after the first key block: the latent rows
+    of the 2nd and 4th 64-slot blocks of each selection scaled by 3 and 6 (row maxima about 10 and 25 base-2
+    units above the first block's, past the rescaling slack of 8), so the conditional rescaling
+    (``LAZY_RESCALE``) must rescale mid-row, and the 5th block's (scaled by 1/4) must not; against float64."""
+    q, kv, idx = case(64, width=300, seed=7)
+    kv = kv.clone()
+    for block, factor in ((1, 3.0), (3, 6.0), (4, 0.25)):
+        rows = idx[0, :, 64 * block:64 * (block + 1)].reshape(-1)
+        rows = rows[rows >= 0].unique()
+        kv[0, rows] = (kv[0, rows].float() * factor).bfloat16()   # a row in two blocks takes the later factor
+    scale = 1 / math.sqrt(256)
+    ref_out, ref_lse = torch_sparse_mla_fwd(q.double(), kv.double(), idx, scale, q.shape[-1])
+    ok = True
+    for cfg in sag.GLUON_FWD_TRIALS["ring"]:
+        good, res = ring_forward_check(q, kv, idx, scale, ref_out, ref_lse, cfg)
+        ok &= good
+        print(f"fwd rising max {cfg.kwargs}: {res} {'ok' if good else 'FAIL'}", flush=True)
     return ok
 
 
