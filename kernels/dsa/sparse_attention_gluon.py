@@ -593,17 +593,28 @@ def _pair_softmax(scores, valid, m_prev, m_ref, l_i, acc, scale_log2, rows_o: gl
 
 
 @gluon.jit
-def _pair_scores(q_smem, kv_smem, ready, first: gl.constexpr, second: gl.constexpr, phase, s_init):
+def _opaque_zero(i, bound):
+    """``0`` for a loop counter ``i <= bound`` (the caller's loop guarantees it), in a form the compiler cannot
+    fold. Shared-memory buffers indexed with it are addressed anew in each iteration, so LLVM does not hoist
+    their ``wgmma`` descriptors out of the loop: in :func:`sparse_mla_fwd_pair_kernel`, whose buffers are the
+    same every pair, it hoisted ~64 64-bit descriptors per consumer warpgroup, which ptxas kept in local memory
+    and reloaded before each ``wgmma`` (1,156 bytes spilled per thread, offline sm_90 build, Triton 3.6; 196 with
+    it, none of them descriptors)."""
+    return (i > bound).to(gl.int32)
+
+
+@gluon.jit
+def _pair_scores(q_smem, kv_smem, ready, first: gl.constexpr, second: gl.constexpr, phase, s_init, z=0):
     """``S = Q K^T`` of one key block held as two ``[BLOCK_K, D / 2]`` halves (``kv_smem`` slots ``first`` and
     ``second``, each awaited on its ``ready`` barrier in that order, so the product over the first half runs while
-    the second lands): ``[64, BLOCK_K]`` float32."""
+    the second lands): ``[64, BLOCK_K]`` float32. ``z``: the loop's :func:`_opaque_zero`."""
     mbarrier.wait(ready.index(first), phase)
     fence_async_shared()
-    tok = warpgroup_mma(q_smem.index(first % 2), kv_smem.index(first).permute((1, 0)), s_init, use_acc=False,
+    tok = warpgroup_mma(q_smem.index(first % 2 + z), kv_smem.index(first + z).permute((1, 0)), s_init, use_acc=False,
                         is_async=True)
     mbarrier.wait(ready.index(second), phase)
     fence_async_shared()
-    tok = warpgroup_mma(q_smem.index(second % 2), kv_smem.index(second).permute((1, 0)), tok, is_async=True)
+    tok = warpgroup_mma(q_smem.index(second % 2 + z), kv_smem.index(second + z).permute((1, 0)), tok, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=(tok,))
 
 
@@ -656,6 +667,7 @@ def _pair_first(IDX, OUT, LSE, q_smem, kv_smem, s_smem, m_smem, l_smem, q_bar, r
     scores = _pair_scores(q_smem, kv_smem, ready, 0, 1, 0, s_init)
     for i in range(n_pairs):
         phase = i & 1
+        z = _opaque_zero(i, n_idx + n_pairs)
         _cta_barrier()
         mbarrier.arrive(empty.index(1))   # K_{2i}'s upper half: this warpgroup's product over it has retired
         valid = _pair_valid(IDX, 2 * i, n_idx, s_l)
@@ -663,7 +675,7 @@ def _pair_first(IDX, OUT, LSE, q_smem, kv_smem, s_smem, m_smem, l_smem, q_bar, r
         m_smem.index(0).store(m_own)
         _cta_barrier()
         mbarrier.arrive(m_bar.index(0))
-        acc_tok = warpgroup_mma(gl.convert_layout(p.to(s_smem.dtype), p_op), kv_smem.index(0), acc, is_async=True)
+        acc_tok = warpgroup_mma(gl.convert_layout(p.to(s_smem.dtype), p_op), kv_smem.index(0 + z), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
         _cta_barrier()
         mbarrier.arrive(empty.index(0))   # K_{2i}'s lower half: the QK and PV products over it have retired
@@ -671,7 +683,7 @@ def _pair_first(IDX, OUT, LSE, q_smem, kv_smem, s_smem, m_smem, l_smem, q_bar, r
         m_i = m_smem.index(1).load(rows_s)
         # the pair's max is >= this block's; a row with no valid key yet has P_0 = 0 and nothing to rescale
         fac = gl.where(m_own == float("-inf"), 0.0, gl.exp2(m_own - m_i))
-        s_smem.index(0).store((p * fac[:, None]).to(s_smem.dtype))
+        s_smem.index(0 + z).store((p * fac[:, None]).to(s_smem.dtype))
         fence_async_shared()
         _cta_barrier()
         mbarrier.arrive(s_bar.index(0))
@@ -680,19 +692,19 @@ def _pair_first(IDX, OUT, LSE, q_smem, kv_smem, s_smem, m_smem, l_smem, q_bar, r
         mbarrier.wait(s_bar.index(1), phase)
         mbarrier.wait(ready.index(2), phase)   # passed already (the second warpgroup's Q K^T awaited it)
         fence_async_shared()
-        acc_tok = warpgroup_mma(s_smem.index(1), kv_smem.index(2), acc, is_async=True)
+        acc_tok = warpgroup_mma(s_smem.index(1 + z), kv_smem.index(2 + z), acc, is_async=True)
         if i + 1 < n_pairs:
             # the next pair's product over K_{2i+2}'s lower half runs while P_1 V retires
             mbarrier.wait(ready.index(0), phase ^ 1)
             fence_async_shared()
-            s_tok = warpgroup_mma(q_smem.index(0), kv_smem.index(0).permute((1, 0)), s_init, use_acc=False,
+            s_tok = warpgroup_mma(q_smem.index(0 + z), kv_smem.index(0 + z).permute((1, 0)), s_init, use_acc=False,
                                   is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc_tok,))
             _cta_barrier()
             mbarrier.arrive(empty.index(2))   # K_{2i+1}'s lower half: P_1 V over it has retired
             mbarrier.wait(ready.index(1), phase ^ 1)
             fence_async_shared()
-            s_tok = warpgroup_mma(q_smem.index(1), kv_smem.index(1).permute((1, 0)), s_tok, is_async=True)
+            s_tok = warpgroup_mma(q_smem.index(1 + z), kv_smem.index(1 + z).permute((1, 0)), s_tok, is_async=True)
             scores = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
         else:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
@@ -725,7 +737,8 @@ def _pair_second(IDX, OUT, LSE, q_smem, kv_smem, s_smem, m_smem, l_smem, q_bar, 
     mbarrier.wait(q_bar, 0)
     for i in range(n_pairs):
         phase = i & 1
-        scores = _pair_scores(q_smem, kv_smem, ready, 3, 2, phase, s_init)
+        z = _opaque_zero(i, n_idx + n_pairs)
+        scores = _pair_scores(q_smem, kv_smem, ready, 3, 2, phase, s_init, z)
         _cta_barrier()
         mbarrier.arrive(empty.index(2))   # K_{2i+1}'s lower half: this warpgroup's product over it has retired
         valid = _pair_valid(IDX, 2 * i + 1, n_idx, s_l)
@@ -734,17 +747,17 @@ def _pair_second(IDX, OUT, LSE, q_smem, kv_smem, s_smem, m_smem, l_smem, q_bar, 
         p, m_i, l_i, acc = _pair_softmax(scores, valid, m_i, m_ref, l_i, acc, scale_log2, gl.SliceLayout(1, o_l))
         m_smem.index(1).store(m_i)
         p16 = p.to(s_smem.dtype)
-        s_smem.index(1).store(p16)
+        s_smem.index(1 + z).store(p16)
         fence_async_shared()
         _cta_barrier()
         mbarrier.arrive(m_bar.index(1))
         mbarrier.arrive(s_bar.index(1))
         p_reg = gl.convert_layout(p16, p_op)
-        acc_tok = warpgroup_mma(p_reg, kv_smem.index(3), acc, is_async=True)
+        acc_tok = warpgroup_mma(p_reg, kv_smem.index(3 + z), acc, is_async=True)
         mbarrier.wait(s_bar.index(0), phase)
         mbarrier.wait(ready.index(1), phase)   # passed already (the first warpgroup's Q K^T awaited it)
         fence_async_shared()
-        acc_tok = warpgroup_mma(s_smem.index(0), kv_smem.index(1), acc_tok, is_async=True)
+        acc_tok = warpgroup_mma(s_smem.index(0 + z), kv_smem.index(1 + z), acc_tok, is_async=True)
         warpgroup_mma_wait(num_outstanding=1, deps=(p_reg,))   # the older group, P_1 V, has retired
         _cta_barrier()
         mbarrier.arrive(empty.index(3))   # K_{2i+1}'s upper half: P_1 V over it has retired

@@ -64,15 +64,16 @@ def gluon_forward_rows(q, kv, idx, scale, out_ref, lse_ref, fwd_flops, reps) -> 
     return rows
 
 
-def _forward_call(cfg):
-    """A ``--call`` of the ring forward at configuration ``cfg``, without the autotuner."""
+def _forward_call(cfg, schedule: str = "ring"):
+    """A ``--call`` of the Gluon forward of ``schedule`` at configuration ``cfg``, without the autotuner."""
     return lambda q, kv, idx, grad, scale, out, lse: sag.launch_fwd(
-        q, kv, idx, torch.empty_like(out), torch.empty_like(lse), scale, cfg, "ring")
+        q, kv, idx, torch.empty_like(out), torch.empty_like(lse), scale, cfg, schedule)
 
 
 CALLS = {
     "fwd": _forward_call(sag.GLUON_FWD_CONFIGS[0]),
     "fwd-lazy": _forward_call(sag.GLUON_FWD_LAZY[0]),
+    "fwd-pair": _forward_call(sag.GLUON_FWD_PAIR_CONFIGS[0], "pair"),
     "dq": lambda q, kv, idx, grad, scale, out, lse: sag.gluon_sparse_mla_dq(
         q, kv, idx, grad, lse, torch.empty_like(lse), scale, out=out),
     "dkv": lambda q, kv, idx, grad, scale, out, lse: sag.gluon_sparse_mla_dkv(
@@ -80,7 +81,8 @@ CALLS = {
         torch.zeros(kv.shape, dtype=torch.float32, device="cuda")),
 }
 """``--call``: the Gluon kernel each name launches with the training path's settings (the ring forward's first
-configuration, or with conditional rescaling; the query gradient forming ``rowsum(dO O)``; the latent gradient)."""
+configuration, or with conditional rescaling; the paired-block forward; the query gradient forming
+``rowsum(dO O)``; the latent gradient)."""
 
 
 def profiled_call(fn, *inputs) -> None:
