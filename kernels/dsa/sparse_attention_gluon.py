@@ -347,8 +347,8 @@ def _ring_softmax_lazy(scores, idx, m_i, l_block, acc, scale_log2):
     the log-sum-exp ``m_i + log2(l)`` are exact for any ``m_i`` the exponentials were taken against, so the skip
     changes only rounding. The common path costs one CTA-wide test instead of the cross-warpgroup row max, and
     drops ``acc``'s 128 multiplies per thread, which stood between the softmax and ``P V`` with the tensor cores
-    idle. ``P`` is formed against the old max first, so its exponentials need not wait for the test. Returns
-    ``(p, m_i, l_block, acc)``."""
+    idle. A row's largest ``P`` is no longer exactly 1, so where one key dominates a row its bf16 rounding
+    (relative ``2^-9``, that of ``O``'s own store) reaches ``O``. Returns ``(p, m_i, l_block, acc)``."""
     s = gl.where((idx >= 0)[None, :], scores * scale_log2, float("-inf"))
     # m_i = -inf (no valid key yet) + slack stays -inf: any valid logit of such a row takes the branch
     rises = gl.where(s > (m_i + _RESCALE_SLACK)[:, None], 1, 0)
@@ -405,7 +405,7 @@ def _ring_start(IDX, q_smem, kv_smem, q_bar, ready, n_idx, D: gl.constexpr, BLOC
 
 
 @gluon.jit
-def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row, n_idx,
+def _consumer(IDX, OUT, LSE, q_all, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row, n_idx,
               n_blocks, scale_log2, D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
               ROW_SUM_AT_END: gl.constexpr, LAZY_RESCALE: gl.constexpr = False):
     """The default partition (two warpgroups): online softmax over the key blocks the producer delivers, ``O``
@@ -413,14 +413,20 @@ def _consumer(IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_r
     element (``[64, BLOCK_K]``, rescaled with ``O``) and summed over the keys once after the last block: one
     reduction across the two warpgroups (through shared memory, with a barrier) per block instead of two. With
     ``LAZY_RESCALE`` (needs ``ROW_SUM_AT_END``) ``O`` is rescaled only when a row's max rises by more than
-    :data:`RESCALE_SLACK` (:func:`_ring_softmax_lazy`)."""
+    :data:`RESCALE_SLACK` (:func:`_ring_softmax_lazy`). ``q_all``: the query tile as ``[1, 64, D]``."""
     gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
     gl.static_assert(ROW_SUM_AT_END or not LAZY_RESCALE)
     rows_o: gl.constexpr = gl.SliceLayout(1, _wgmma_layout(D))
-    m_i, l_i, l_block, acc, s_init, offs_kb, scores, idx = _ring_start(IDX, q_smem, kv_smem, q_bar, ready, n_idx, D,
-                                                                       BLOCK_K)
+    m_i, l_i, l_block, acc, s_init, offs_kb, scores, idx = _ring_start(IDX, q_all.index(0), kv_smem, q_bar, ready,
+                                                                       n_idx, D, BLOCK_K)
     for j in range(n_blocks):
         slot = j % STAGES
+        if LAZY_RESCALE:
+            # the lazy branch leaves too few uniform registers for q's 32 hoisted wgmma descriptors (ptxas spilled
+            # them, 192 bytes, reloaded every block): addressed anew in each iteration they stay in the loop
+            q_smem = q_all.index(_opaque_zero(j, n_idx + n_blocks))
+        else:
+            q_smem = q_all.index(0)
         if LAZY_RESCALE:
             p, m_i, l_block, acc = _ring_softmax_lazy(scores, idx, m_i, l_block, acc, scale_log2)
         else:
@@ -524,7 +530,8 @@ def sparse_mla_fwd_gluon_kernel(
     n_blocks = gl.cdiv(n_idx, BLOCK_K)
 
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
+    q_all = gl.allocate_shared_memory(dtype, [1, _BLOCK_H, D], _nvmma([_BLOCK_H, D], dtype))
+    q_smem = q_all.index(0)
     kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, D], _nvmma([BLOCK_K, D], dtype))
     q_bar, ready, empty = _ring_barriers(STAGES)
 
@@ -539,7 +546,7 @@ def sparse_mla_fwd_gluon_kernel(
     elif PRODUCTS:
         p_smem = gl.allocate_shared_memory(dtype, [_BLOCK_H, BLOCK_K], _nvmma([_BLOCK_H, BLOCK_K], dtype))
         gl.warp_specialize([
-            (_consumer, (IDX, OUT, LSE, q_smem, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row,
+            (_consumer, (IDX, OUT, LSE, q_all, kv_smem, p_smem, q_bar, ready, empty, out_row, stride_oh, lse_row,
                          n_idx, n_blocks, scale_log2, D, BLOCK_K, STAGES, ROW_SUM_AT_END, LAZY_RESCALE)),
             (_producer, (Q, Q, KV, IDX, q_smem, q_smem, kv_smem, q_bar, ready, empty, q_row, q_row, stride_qh,
                          stride_kvs, n_idx, n_blocks, D, BLOCK_K, STAGES, GATHER_ROWS, False, INDICES_AHEAD)),
