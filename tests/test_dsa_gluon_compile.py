@@ -299,3 +299,57 @@ def test_ring_forward_runs_its_softmax_under_p_v():
     assert wgmma["plain"] == 2 * 512 // 16 + block_k // 16, wgmma
     assert wgmma["under"] == 2 * 512 // 16 + 2 * block_k // 16, wgmma
     assert resources(under, 12)["stack_bytes"] <= resources(plain, 12)["stack_bytes"]
+
+
+def _basic_blocks(ptx: str) -> list[list[str]]:
+    """The PTX of a kernel cut at its basic-block labels (``$L__BB..:``), in text order."""
+    out, cur = [], []
+    for line in ptx.splitlines():
+        if re.match(r"^\$L__BB\d+_\d+:", line):
+            out.append(cur)
+            cur = []
+        cur.append(line)
+    return out + [cur]
+
+
+def test_ring_forward_lazy_rescale_puts_the_rescale_of_o_behind_a_branch():
+    """``LAZY_RESCALE`` (:func:`kernels.dsa.sparse_attention_gluon._ring_softmax_lazy`): the basic block with the
+    most float32 multiplies is ``O``'s rescale (each thread's ``64 * 512 / 256 = 128`` accumulators). In the
+    default consumer it runs straight into ``P V`` (one block with the ``m64n256k16`` products); with lazy
+    rescaling it is a block of its own, entered through a conditional branch. The same products, and no more
+    stack than the default."""
+    import triton
+
+    from kernels.dsa.sm90 import compile_gluon_sparse_fwd, resources
+    from kernels.dsa.sparse_attention_gluon import GLUON_FWD_LAZY
+
+    cfg = GLUON_FWD_LAZY[0]
+    builds = {lazy: compile_gluon_sparse_fwd(64, 512, triton.Config(dict(cfg.kwargs, LAZY_RESCALE=lazy),
+                                                                    num_warps=cfg.num_warps, maxnreg=cfg.maxnreg))
+              for lazy in (False, True)}
+    rescale = {}
+    for lazy, build in builds.items():
+        bbs = _basic_blocks(build.asm["ptx"])
+        muls = [sum(bool(re.search(r"\bmul(\.rn)?\.f32", line)) for line in bb) for bb in bbs]
+        i = max(range(len(bbs)), key=muls.__getitem__)
+        assert muls[i] >= 64 * 512 // 256, muls[i]
+        code = [line.strip() for line in bbs[i - 1] if line.strip() and not line.strip().startswith(("$", "//"))]
+        rescale[lazy] = (any("m64n256k16" in line for line in bbs[i]), re.match(r"@!?%p\d+ bra", code[-1]))
+    assert rescale[False][0] and not rescale[False][1], rescale
+    assert not rescale[True][0] and rescale[True][1], rescale
+    wgmma = {k: len(re.findall(r"wgmma\.mma_async", b.asm["ptx"])) for k, b in builds.items()}
+    assert wgmma[True] == wgmma[False], wgmma
+    assert resources(builds[True], 12)["stack_bytes"] <= resources(builds[False], 12)["stack_bytes"]
+
+
+def test_pair_forward_keeps_its_wgmma_descriptors_in_the_loop():
+    """The paired-block forward's consumers address their buffers through
+    :func:`kernels.dsa.sparse_attention_gluon._opaque_zero`, so the compiler does not hoist the ``wgmma``
+    shared-memory descriptors out of the pair loop into local memory: the stack holds fewer bytes than one
+    warpgroup's ``Q K^T`` descriptors alone (``512 / 16`` 64-bit descriptors; it held over 1 KB before)."""
+    from kernels.dsa.sm90 import compile_gluon_sparse_fwd_pair, resources
+    from kernels.dsa.sparse_attention_gluon import GLUON_FWD_PAIR_CONFIGS
+
+    for cfg in GLUON_FWD_PAIR_CONFIGS:
+        stack = resources(compile_gluon_sparse_fwd_pair(64, 512, cfg), 12)["stack_bytes"]
+        assert stack < 512 // 16 * 8, (cfg.kwargs, stack)
