@@ -1,6 +1,7 @@
 """Benchmarks of the DSA kernels, one command per question (``kernels/dsa/README.md`` has the numbers):
 
     python tests/benchmarks/dsa_bench.py [table] [--seq-lens 65536 262144 1048576] [--no-torch-indexer] [--out f.json]
+        [--gluon-forward default|ring-lazy|pair]      # which Gluon sparse MLA forward the training path runs
     python tests/benchmarks/dsa_bench.py indexer [--score-kernels triton gluon] [--rounds 3] [--profile] [--out f.json]
     python tests/benchmarks/dsa_bench.py stages [--seq-len 1048576] [--out f.json]
     python tests/benchmarks/dsa_bench.py call --shape small --seq-len 262144     # one indexer call, for ncu
@@ -282,13 +283,30 @@ def bench_sdpa(seq_len: int, shape: dict, ceil: dict, reps: int) -> list[dict]:
     ]
 
 
+def _ring_lazy() -> None:
+    from kernels.dsa import sparse_attention_gluon as sag
+    sag.sparse_mla_fwd_gluon_kernel.configs = list(sag.GLUON_FWD_LAZY)
+
+
+def _pair() -> None:
+    from kernels.dsa import sparse_attention_gluon as sag
+    sag.FWD_SCHEDULE = "pair"
+
+
+GLUON_FORWARDS = {"default": lambda: None, "ring-lazy": _ring_lazy, "pair": _pair}
+"""``table --gluon-forward``: how each choice sets the Gluon forward the training path runs
+(:func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_fwd`) for this process: as shipped, the ring kernel
+autotuned over its conditional-rescaling configuration only, or the paired-block schedule."""
+
+
 def table(args) -> None:
     from kernels.dsa.indexer_triton import resolve_score_kernel
 
+    GLUON_FORWARDS[args.gluon_forward]()
     ceil = ceilings()
     probe = torch.empty(1, 1, 2, 1, device="cuda", dtype=torch.bfloat16)
     score_kernel = resolve_score_kernel("auto", probe)
-    print(json.dumps(dict(ceilings=ceil, score_kernel=score_kernel)), flush=True)
+    print(json.dumps(dict(ceilings=ceil, score_kernel=score_kernel, gluon_forward=args.gluon_forward)), flush=True)
     table = []
     for name in args.shapes:
         shape = SHAPES[name]
@@ -312,7 +330,8 @@ def table(args) -> None:
               f"| {r['peak_gib']:.1f} | {r['tflops']:.0f} |")
     tuned = autotuned()
     print(json.dumps(dict(autotuned=tuned), indent=1), flush=True)
-    write(args.out, dict(ceilings=ceil, score_kernel=score_kernel, rows=table, autotuned=tuned))
+    write(args.out, dict(ceilings=ceil, score_kernel=score_kernel, gluon_forward=args.gluon_forward, rows=table,
+                         autotuned=tuned))
 
 
 def autotuned() -> dict:
@@ -521,6 +540,9 @@ def main() -> None:
     p.add_argument("--seq-lens", **lengths)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--no-torch-indexer", action="store_true", help="skip the torch blockwise indexer rows")
+    p.add_argument("--gluon-forward", default="default", choices=list(GLUON_FORWARDS),
+                   help="the Gluon sparse MLA forward the training path runs for the table (64-head shapes): as "
+                        "shipped, the ring with conditional rescaling, or the paired-block schedule")
     p.add_argument("--out", default=None)
     p = commands.add_parser("indexer", help="the lightning indexer end to end, score kernel by score kernel")
     p.add_argument("--seq-lens", **lengths)
