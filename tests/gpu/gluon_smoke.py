@@ -1,6 +1,7 @@
 """First contact of the Gluon sparse MLA kernels with a GPU: small, fast, float64-checked. Run on an H100/H200:
 
     python tests/gpu/gluon_smoke.py            # session part gluonsmoke (150 s: every variant compiles cold)
+    python tests/gpu/gluon_smoke.py --forward-only   # the forwards alone
 
 At 256 queries, 64 and 128 heads, a 512-wide latent and 200 index slots per query (not a multiple of any
 ``BLOCK_K``; random keys with ``-1`` holes, one query with none valid), each configuration of
@@ -45,23 +46,26 @@ def case(heads: int, n_q: int = 256, n_k: int = 1024, width: int = 200, dim: int
 
 def main() -> None:
     # the default kernels first, then again with the producer's INDICES_AHEAD the other way (and the forward with
-    # its row sum per block, and with its softmax under P V), then the ring forwards at other numbers of key
-    # blocks, then the pair schedule: a hang in a variant leaves the lines before it in the log
-    ok = ring_and_gradients(sag.GLUON_FWD_CONFIGS, indices_ahead=False)
+    # its row sum per block, with its softmax under P V, and with lazy rescaling), then the ring forwards at other
+    # numbers of key blocks, every forward with a rising row max, then the pair schedule: a hang in a variant
+    # leaves the lines before it in the log. --forward-only: the forwards alone (no gradient kernels to compile)
+    forward_only = "--forward-only" in sys.argv[1:]
+    ok = ring_and_gradients(sag.GLUON_FWD_CONFIGS, indices_ahead=False, gradients=not forward_only)
     ok &= ring_and_gradients(sag.GLUON_FWD_AHEAD_FLIPPED + sag.GLUON_FWD_ROW_SUM_FLIPPED + sag.GLUON_FWD_UNDER_PV
-                             + sag.GLUON_FWD_LAZY, indices_ahead=True)
+                             + sag.GLUON_FWD_LAZY, indices_ahead=True, gradients=not forward_only)
     ok &= ring_block_counts()
-    ok &= ring_rising_max()
+    ok &= rising_max()
     ok &= pair_schedule()
     print(f"GLUON SMOKE OK: {ok}", flush=True)
 
 
-def ring_forward_check(q, kv, idx, scale, ref_out, ref_lse, cfg) -> tuple[bool, dict]:
-    """One ring forward configuration against the float64 ``ref_out`` and ``ref_lse``: whether it passes, and its
-    errors (query 3, with no valid slot, must give ``O = 0`` and ``lse = -inf``)."""
+def ring_forward_check(q, kv, idx, scale, ref_out, ref_lse, cfg, schedule: str = "ring") -> tuple[bool, dict]:
+    """One forward configuration (of the ring schedule, or ``schedule``) against the float64 ``ref_out`` and
+    ``ref_lse``: whether it passes, and its errors (query 3, with no valid slot, must give ``O = 0`` and
+    ``lse = -inf``)."""
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-    sag.launch_fwd(q, kv, idx, out, lse, scale, cfg)
+    sag.launch_fwd(q, kv, idx, out, lse, scale, cfg, schedule)
     torch.cuda.synchronize()
     rows = torch.arange(q.shape[1], device="cuda") != 3   # the query with no valid slot apart
     res = dict(out_rel=rel(out, ref_out),
@@ -85,8 +89,9 @@ def ring_block_counts() -> bool:
     return ok
 
 
-def ring_rising_max() -> bool:
-    """Every ring forward configuration where a row's max rises far after the first key block: the latent rows
+def rising_max() -> bool:
+    """Every forward configuration of every schedule where a row's max rises far after the first key block: the
+    latent rows
     of the 2nd and 4th 64-slot blocks of each selection scaled by 3 and 6 (row maxima about 10 and 25 base-2
     units above the first block's, past the rescaling slack of 8), so the conditional rescaling
     (``LAZY_RESCALE``) must rescale mid-row, and the 5th block's (scaled by 1/4) must not; against float64."""
@@ -99,16 +104,18 @@ def ring_rising_max() -> bool:
     scale = 1 / math.sqrt(256)
     ref_out, ref_lse = torch_sparse_mla_fwd(q.double(), kv.double(), idx, scale, q.shape[-1])
     ok = True
-    for cfg in sag.GLUON_FWD_TRIALS["ring"]:
-        good, res = ring_forward_check(q, kv, idx, scale, ref_out, ref_lse, cfg)
-        ok &= good
-        print(f"fwd rising max {cfg.kwargs}: {res} {'ok' if good else 'FAIL'}", flush=True)
+    for schedule, configs in sag.GLUON_FWD_TRIALS.items():
+        for cfg in configs:
+            good, res = ring_forward_check(q, kv, idx, scale, ref_out, ref_lse, cfg, schedule)
+            ok &= good
+            print(f"fwd {schedule} rising max {cfg.kwargs}: {res} {'ok' if good else 'FAIL'}", flush=True)
     return ok
 
 
-def ring_and_gradients(fwd_configs, indices_ahead: bool) -> bool:
-    """Each of ``fwd_configs`` of the ring forward, then the latent gradient and the query gradient with the
-    producer's ``INDICES_AHEAD`` set to ``indices_ahead``, against float64, at 64 and 128 heads."""
+def ring_and_gradients(fwd_configs, indices_ahead: bool, gradients: bool = True) -> bool:
+    """Each of ``fwd_configs`` of the ring forward, then (with ``gradients``) the latent gradient and the query
+    gradient with the producer's ``INDICES_AHEAD`` set to ``indices_ahead``, against float64, at 64 and 128
+    heads."""
     ok = True
     for heads in (64, 128):
         q, kv, idx = case(heads)
@@ -121,6 +128,8 @@ def ring_and_gradients(fwd_configs, indices_ahead: bool) -> bool:
             ok &= good
             print(f"fwd {heads} heads {cfg.kwargs}: {res} {time.perf_counter() - t0:.1f}s {'ok' if good else 'FAIL'}",
                   flush=True)
+        if not gradients:
+            continue
         grad = torch.randn(q.shape, device="cuda").bfloat16()
         dq64, dkv64 = torch_sparse_mla_bwd(q.double(), kv.double(), idx, ref_out, ref_lse, grad.double(), scale, dim)
         lse = ref_lse.float()
