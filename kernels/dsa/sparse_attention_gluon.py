@@ -848,10 +848,10 @@ def sparse_mla_fwd_pair_kernel(
     soon as the products that read it retire: ``K_{2i}``'s lower half after the first warpgroup's ``P_0 V``, its
     upper half after the second's ``P_0 V``; ``K_{2i+1}`` the other way round.
 
-    Shared memory: ``q`` 64 KiB, four half blocks 128 KiB, two ``P`` tiles 16 KiB (at ``D`` 512). Opt-in
-    (``schedule="pair"``): on one H100 (``full`` shape, 64k) it runs 55.4 ms against the ring kernel's 42.5 ms. It
-    holds one pair of blocks, and the next pair's gather waits for most of this pair's products
-    (``docs/dsa_kernels.md``)."""
+    Shared memory: ``q`` 64 KiB, four half blocks 128 KiB, two ``P`` tiles 16 KiB (at ``D`` 512). The training
+    path's forward (:data:`FWD_SCHEDULE`): on one H100 (``full`` shape, 64k) 38.2 ms against the ring kernel's
+    40.3. Its buffers are indexed through :func:`_opaque_zero`; before, with 1.1 KB of hoisted ``wgmma``
+    descriptors spilled and reloaded before every ``wgmma``, it ran 55.4 ms (``docs/dsa_kernels.md``)."""
     gl.static_assert(64 % GATHER_ROWS == 0)
     gl.static_assert(gl.num_warps() == _WG_WARPS)
     q_row, lse_row, out_row, IDX, KV = _fwd_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
@@ -926,8 +926,11 @@ GLUON_FWD_TRIALS = {"ring": GLUON_FWD_CONFIGS + GLUON_FWD_AHEAD_FLIPPED + GLUON_
 warpgroups on each key block, a ring of ``STAGES`` buffers; its autotuned configurations, then the same with the
 producer's ``INDICES_AHEAD`` the other way, the first with its row sum per block, and the first with its softmax
 under ``P V``) and ``"pair"`` (one warpgroup per block of a pair, FlashMLA's schedule)."""
-FWD_SCHEDULE = "ring"
-"""The schedule :func:`gluon_sparse_mla_fwd` runs (the training path's Gluon forward)."""
+FWD_SCHEDULE = "pair"
+"""The schedule :func:`gluon_sparse_mla_fwd` runs (the training path's Gluon forward). One H100, ``full`` shape,
+64k, same process (``sparse_mla_tilings.py --gluon-only --fwd-only``): ``"pair"`` 38.2 ms (464 TF/s), the ring
+40.3 ms (440), the ring with conditional rescaling 38.5 ms (460); the op's fwd+bwd (``dsa_bench.py table``,
+separate processes) 203.3 ms with the pair forward, 205.9 with the ring."""
 
 
 GLUON_DKV_CONFIGS = [

@@ -1,7 +1,7 @@
 """Benchmarks of the DSA kernels, one command per question (``kernels/dsa/README.md`` has the numbers):
 
     python tests/benchmarks/dsa_bench.py [table] [--seq-lens 65536 262144 1048576] [--no-torch-indexer] [--out f.json]
-        [--gluon-forward default|ring-lazy|pair]      # which Gluon sparse MLA forward the training path runs
+        [--gluon-forward default|ring|ring-lazy|pair]   # which Gluon sparse MLA forward the training path runs
     python tests/benchmarks/dsa_bench.py indexer [--score-kernels triton gluon] [--rounds 3] [--profile] [--out f.json]
     python tests/benchmarks/dsa_bench.py stages [--seq-len 1048576] [--out f.json]
     python tests/benchmarks/dsa_bench.py call --shape small --seq-len 262144     # one indexer call, for ncu
@@ -283,20 +283,22 @@ def bench_sdpa(seq_len: int, shape: dict, ceil: dict, reps: int) -> list[dict]:
     ]
 
 
-def _ring_lazy() -> None:
-    from kernels.dsa import sparse_attention_gluon as sag
-    sag.sparse_mla_fwd_gluon_kernel.configs = list(sag.GLUON_FWD_LAZY)
+def _gluon_forward(schedule: str, lazy: bool = False):
+    """A ``table --gluon-forward`` setting: the training path's Gluon forward set to ``schedule``, the ring kernel
+    autotuned over its conditional-rescaling configuration alone with ``lazy``."""
+    def apply() -> None:
+        from kernels.dsa import sparse_attention_gluon as sag
+        sag.FWD_SCHEDULE = schedule
+        if lazy:
+            sag.sparse_mla_fwd_gluon_kernel.configs = list(sag.GLUON_FWD_LAZY)
+    return apply
 
 
-def _pair() -> None:
-    from kernels.dsa import sparse_attention_gluon as sag
-    sag.FWD_SCHEDULE = "pair"
-
-
-GLUON_FORWARDS = {"default": lambda: None, "ring-lazy": _ring_lazy, "pair": _pair}
+GLUON_FORWARDS = {"default": lambda: None, "ring": _gluon_forward("ring"),
+                  "ring-lazy": _gluon_forward("ring", lazy=True), "pair": _gluon_forward("pair")}
 """``table --gluon-forward``: how each choice sets the Gluon forward the training path runs
 (:func:`kernels.dsa.sparse_attention_gluon.gluon_sparse_mla_fwd`) for this process: as shipped, the ring kernel
-autotuned over its conditional-rescaling configuration only, or the paired-block schedule."""
+(autotuned over its configurations, or over its conditional-rescaling one alone), or the paired-block schedule."""
 
 
 def table(args) -> None:
@@ -542,7 +544,7 @@ def main() -> None:
     p.add_argument("--no-torch-indexer", action="store_true", help="skip the torch blockwise indexer rows")
     p.add_argument("--gluon-forward", default="default", choices=list(GLUON_FORWARDS),
                    help="the Gluon sparse MLA forward the training path runs for the table (64-head shapes): as "
-                        "shipped, the ring with conditional rescaling, or the paired-block schedule")
+                        "shipped, the ring (with conditional rescaling), or the paired-block schedule")
     p.add_argument("--out", default=None)
     p = commands.add_parser("indexer", help="the lightning indexer end to end, score kernel by score kernel")
     p.add_argument("--seq-lens", **lengths)

@@ -71,7 +71,8 @@ def _forward_call(cfg, schedule: str = "ring"):
 
 
 CALLS = {
-    "fwd": _forward_call(sag.GLUON_FWD_CONFIGS[0]),
+    "fwd": _forward_call(sag.GLUON_FWD_TRIALS[sag.FWD_SCHEDULE][0], sag.FWD_SCHEDULE),
+    "fwd-ring": _forward_call(sag.GLUON_FWD_CONFIGS[0]),
     "fwd-lazy": _forward_call(sag.GLUON_FWD_LAZY[0]),
     "fwd-pair": _forward_call(sag.GLUON_FWD_PAIR_CONFIGS[0], "pair"),
     "dq": lambda q, kv, idx, grad, scale, out, lse: sag.gluon_sparse_mla_dq(
@@ -80,7 +81,8 @@ CALLS = {
         q, kv, idx, grad, lse, (grad.float() * out.float()).sum(-1), scale,
         torch.zeros(kv.shape, dtype=torch.float32, device="cuda")),
 }
-"""``--call``: the Gluon kernel each name launches with the training path's settings (the ring forward's first
+"""``--call``: the Gluon kernel each name launches with the training path's settings (the forward of
+:data:`kernels.dsa.sparse_attention_gluon.FWD_SCHEDULE` at its first configuration; the ring forward's first
 configuration, or with conditional rescaling; the paired-block forward; the query gradient forming
 ``rowsum(dO O)``; the latent gradient)."""
 
