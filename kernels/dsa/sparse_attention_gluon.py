@@ -26,6 +26,11 @@ tilings one by one"). Here the three overlap, as in FlashMLA's sparse prefill ke
   issue (an asynchronous product inside a branch has no value on the other path): ``1 / n_blocks`` of the
   ``QK`` products wasted, 3% at 2,063 selected tokens and ``BLOCK_K`` 64 (33 blocks), 1.5% of all products.
 
+That is the ring schedule (:func:`sparse_mla_fwd_gluon_kernel`). Its softmax runs between the products with both
+warpgroups in lock step, the tensor cores idle (Nsight Compute, one H200: the tensor pipe active 47% of cycles).
+The training path runs the paired-block schedule instead (:func:`sparse_mla_fwd_pair_kernel`, :data:`FWD_SCHEDULE`):
+each consumer warpgroup takes a whole key block of each pair, so one's softmax runs under the other's products.
+
 Same contract as :func:`kernels.dsa.sparse_attention_triton.triton_sparse_mla_fwd`: ``out`` in ``q.dtype``,
 ``lse`` float32 natural log, ``-inf`` and a zero row for a query without a valid index. Needs bf16/fp16, a head
 count that is a multiple of 64 (one ``wgmma`` tile of rows per program), ``d_v == Dqk`` a multiple of 64 up to
@@ -75,8 +80,8 @@ Registers: 12 warps, ``maxnreg`` :data:`MAXNREG` (``12 * 32 * 168 <= 65,536``), 
 ``PRODUCER_REGS``, the consumers what is left (``(12 * 168 - 4 * PRODUCER_REGS) / 8``).
 
 Timed beside the defaults by ``tests/benchmarks/sparse_mla_tilings.py --gluon-only`` and checked by
-``tests/gpu/gluon_smoke.py``: :func:`sparse_mla_fwd_pair_kernel` (opt-in, ``schedule="pair"``, FlashMLA's
-one-block-per-warpgroup schedule; slower on an H100, 55.4 ms against the ring's 42.5) and the producer's
+``tests/gpu/gluon_smoke.py``: the ring forward (``schedule="ring"``; 40.3 ms on an H100 against the pair
+schedule's 38.2, and 38.5 with conditional rescaling, ``GLUON_FWD_LAZY``) and the producer's
 ``INDICES_AHEAD`` (:func:`_producer`; on in the ring forward's ``(64, 2)`` configuration, 46.6 -> 42.5 ms, and in
 the ``"products"`` query gradient, 57.2 -> 54.1 ms; off in the ``"keys"`` one and the latent gradient, where it
 changed nothing: 72.3 -> 72.0 and 135.4 -> 135.6 ms). With ``products=False`` the ring forward runs its gathers
@@ -425,11 +430,9 @@ def _consumer(IDX, OUT, LSE, q_all, kv_smem, p_smem, q_bar, ready, empty, out_ro
             # the lazy branch leaves too few uniform registers for q's 32 hoisted wgmma descriptors (ptxas spilled
             # them, 192 bytes, reloaded every block): addressed anew in each iteration they stay in the loop
             q_smem = q_all.index(_opaque_zero(j, n_idx + n_blocks))
-        else:
-            q_smem = q_all.index(0)
-        if LAZY_RESCALE:
             p, m_i, l_block, acc = _ring_softmax_lazy(scores, idx, m_i, l_block, acc, scale_log2)
         else:
+            q_smem = q_all.index(0)
             p, alpha, m_i, l_i, l_block = _ring_softmax(scores, idx, m_i, l_i, l_block, scale_log2, ROW_SUM_AT_END)
             acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
         p_smem.store(p.to(p_smem.dtype))
