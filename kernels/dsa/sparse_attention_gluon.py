@@ -37,9 +37,8 @@ count that is a multiple of 64 (one ``wgmma`` tile of rows per program), ``d_v =
 512, and CUDA capability 9.x; :func:`gluon_sparse_mla_fwd` raises :class:`kernels.dsa.errors.DSAInputError`
 otherwise. It is the forward wherever it runs (``fwd_kernel="auto"``, :func:`kernels.dsa.sparse_attention.choose_kernels`):
 checked by ``tests/gpu/gluon_smoke.py`` and ``tests/gpu/dsa_check.py`` and timed by
-``tests/benchmarks/sparse_mla_tilings.py`` on an H100 (437 TF/s at the ``full`` shape, 64k tokens, with the
-producer's indices ahead, each block's indices loaded under the previous block's ``P V`` and the softmax's
-denominator summed once at the end, against the Triton forward's 252; anchor 787).
+``tests/benchmarks/sparse_mla_tilings.py`` on an H100 (at the ``full`` shape, 64k tokens: the pair schedule 464
+TF/s, the ring 440, the Triton forward 252; anchors 777-779).
 
 The latent gradient (:func:`sparse_mla_dkv_gluon_kernel`, ``dkv_kernel="auto"`` or ``"gluon"``) exists because
 Triton's per-query backward cannot take 64 heads in one program: it holds ``q`` and ``dO`` twice each, once per
