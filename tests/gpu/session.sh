@@ -93,8 +93,8 @@ part fused "${T_FUSED:-150}" python3 tests/gpu/fused_check.py --tokens "${FUSED_
 part hcproj "${T_HCPROJ:-150}" python3 tests/gpu/hc_projection_check.py --out "$OUT/hc_projection.json"
 # hcdiag (tests/gpu/hc_projection_diag.py: the projection's forward per rows, weight dtype and stages, where hcproj fails).
 part hcdiag "${T_HCDIAG:-150}" python3 tests/gpu/hc_projection_diag.py
-# gluonsmoke (tests/gpu/gluon_smoke.py ${GLUONSMOKE_ARGS}, e.g. --forward-only: the Gluon sparse MLA kernels at a small size vs
-# float64, each compiled cold; a hang costs its limit).
+# gluonsmoke (tests/gpu/gluon_smoke.py ${GLUONSMOKE_ARGS}, e.g. --forward-only: the Gluon sparse MLA kernels at a
+# small size vs float64, each compiled cold; a hang costs its limit).
 part gluonsmoke "${T_GLUONSMOKE:-150}" python3 tests/gpu/gluon_smoke.py ${GLUONSMOKE_ARGS:-}
 # smshare (tests/benchmarks/sparse_mla_sm_share.py: the Gluon dq and dkv kernels with SMs held away, $SMSHARE_ARGS).
 part smshare "${T_SMSHARE:-240}" python3 tests/benchmarks/sparse_mla_sm_share.py ${SMSHARE_ARGS:-} --out "$OUT/sm_share.json"
