@@ -2,6 +2,7 @@
 
     python tests/benchmarks/dsa_bench.py [table] [--seq-lens 65536 262144 1048576] [--no-torch-indexer] [--out f.json]
         [--gluon-forward default|ring|ring-lazy|pair]   # which Gluon sparse MLA forward the training path runs
+        [--ops indexer attention sdpa indexer-loss] [--dkv query pool]   # which rows (default: all)
     python tests/benchmarks/dsa_bench.py indexer [--score-kernels triton gluon] [--rounds 3] [--profile] [--out f.json]
     python tests/benchmarks/dsa_bench.py stages [--seq-len 1048576] [--out f.json]
     python tests/benchmarks/dsa_bench.py call --shape small --seq-len 262144     # one indexer call, for ncu
@@ -180,8 +181,14 @@ def pool_indices(seq_len: int, n_q: int, device: str = "cuda", layout: str = "wi
     return expand_selection(pools, kpool_grid(seq_len, KPOOL, None, device), n_q, seq_len - n_q, TOPK, True)
 
 
-def bench_attention(seq_len: int, shape: dict, ceil: dict, reps: int) -> list[dict]:
-    """Sparse MLA forward, and forward + backward with ``dkv`` per query (atomics) and per k-pool run."""
+DKV_FORMS = {"query": None, "pool": KPOOL}
+"""``table --dkv``: the latent gradient's forms timed after the forward, by name: per query (float32 atomics,
+the training path's) and per k-pool run (``runs=KPOOL``)."""
+
+
+def bench_attention(seq_len: int, shape: dict, ceil: dict, reps: int, dkv_forms=tuple(DKV_FORMS)) -> list[dict]:
+    """Sparse MLA forward, and forward + backward with ``dkv`` in each of ``dkv_forms`` (:data:`DKV_FORMS`); with
+    both forms, the relative norm difference of their gradients is printed."""
     h, dqk = shape["heads"], shape["dqk"]
     n_q, factor, note = seq_len, 1, ""
     if h * seq_len * dqk * 2 > 32 * 2**30:
@@ -219,12 +226,15 @@ def bench_attention(seq_len: int, shape: dict, ceil: dict, reps: int) -> list[di
     rows = [dict(op="sparse MLA fwd" + note, seconds=t_f * factor, predicted=pred_f * factor, peak_gib=peak_f,
                  tflops=fwd_flops / t_f / 1e12)]
     grads = {}
-    for runs, label, pred in [(None, "dkv per query", pred_b), (KPOOL, "dkv per pool", pred_r)]:
+    for form in dkv_forms:
+        runs, pred = DKV_FORMS[form], dict(query=pred_b, pool=pred_r)[form]
+        label = f"dkv per {form}"
         t_b, peak_b = timed(lambda: fwd_bwd(runs), reps)
         rows.append(dict(op=f"sparse MLA fwd+bwd, {label}" + note, seconds=t_b * factor, predicted=pred * factor,
                          peak_gib=peak_b, tflops=(fwd_flops + bwd_flops) / t_b / 1e12))
-        grads[runs] = tuple(g.float() for g in fwd_bwd(runs))
-    for name, a, b in zip(("dq", "dkv"), grads[None], grads[KPOOL]):
+        if len(dkv_forms) > 1:   # float32 copies for the comparison: 32 GiB of dq alone at 256k, full shape
+            grads[runs] = tuple(g.float() for g in fwd_bwd(runs))
+    for name, a, b in zip(("dq", "dkv"), grads.get(None, ()), grads.get(KPOOL, ())):
         err = ((a - b).norm() / b.norm()).item()
         print(f"  {n_q // 1024}k x {h} heads: {name} per pool vs per query, relative norm difference {err:.2e}",
               flush=True)
@@ -301,6 +311,11 @@ GLUON_FORWARDS = {"default": lambda: None, "ring": _gluon_forward("ring"),
 (autotuned over its configurations, or over its conditional-rescaling one alone), or the paired-block schedule."""
 
 
+TABLE_OPS = {"indexer": "lightning indexer + top-k", "attention": "sparse MLA fwd and fwd+bwd",
+             "sdpa": "the dense causal SDPA anchor (up to 256k)", "indexer-loss": "indexer KL loss (up to 256k)"}
+"""``table --ops``: the row groups of the table, each timed for every shape and length."""
+
+
 def table(args) -> None:
     from kernels.dsa.indexer_triton import resolve_score_kernel
 
@@ -308,18 +323,23 @@ def table(args) -> None:
     ceil = ceilings()
     probe = torch.empty(1, 1, 2, 1, device="cuda", dtype=torch.bfloat16)
     score_kernel = resolve_score_kernel("auto", probe)
-    print(json.dumps(dict(ceilings=ceil, score_kernel=score_kernel, gluon_forward=args.gluon_forward)), flush=True)
+    print(json.dumps(dict(ceilings=ceil, score_kernel=score_kernel, gluon_forward=args.gluon_forward, ops=args.ops,
+                          dkv=args.dkv)), flush=True)
     table = []
     for name in args.shapes:
         shape = SHAPES[name]
         for seq_len in args.seq_lens:
             reps = 3 if seq_len <= 65536 else 1
-            rows = bench_indexer(seq_len, shape, ceil, reps, torch_path=seq_len <= 262144 and not args.no_torch_indexer,
-                                 profile=seq_len == max(args.seq_lens), score_kernel=score_kernel)
-            rows += bench_attention(seq_len, shape, ceil, reps)
-            if seq_len <= 262144:
+            rows = []
+            if "indexer" in args.ops:
+                rows += bench_indexer(seq_len, shape, ceil, reps,
+                                      torch_path=seq_len <= 262144 and not args.no_torch_indexer,
+                                      profile=seq_len == max(args.seq_lens), score_kernel=score_kernel)
+            if "attention" in args.ops:
+                rows += bench_attention(seq_len, shape, ceil, reps, args.dkv)
+            if "sdpa" in args.ops and seq_len <= 262144:
                 rows += bench_sdpa(seq_len, shape, ceil, reps)
-            if seq_len <= 262144:
+            if "indexer-loss" in args.ops and seq_len <= 262144:
                 rows += bench_indexer_loss(seq_len, shape, ceil, reps)
             for row in rows:
                 row.update(shape=name, seq_len=seq_len)
@@ -332,8 +352,8 @@ def table(args) -> None:
               f"| {r['peak_gib']:.1f} | {r['tflops']:.0f} |")
     tuned = autotuned()
     print(json.dumps(dict(autotuned=tuned), indent=1), flush=True)
-    write(args.out, dict(ceilings=ceil, score_kernel=score_kernel, gluon_forward=args.gluon_forward, rows=table,
-                         autotuned=tuned))
+    write(args.out, dict(ceilings=ceil, score_kernel=score_kernel, gluon_forward=args.gluon_forward, ops=args.ops,
+                         dkv=args.dkv, rows=table, autotuned=tuned))
 
 
 def autotuned() -> dict:
@@ -545,6 +565,11 @@ def main() -> None:
     p.add_argument("--gluon-forward", default="default", choices=list(GLUON_FORWARDS),
                    help="the Gluon sparse MLA forward the training path runs for the table (64-head shapes): as "
                         "shipped, the ring (with conditional rescaling), or the paired-block schedule")
+    p.add_argument("--ops", nargs="+", default=list(TABLE_OPS), choices=list(TABLE_OPS),
+                   help="which rows to time: " + "; ".join(f"{k}: {v}" for k, v in TABLE_OPS.items()))
+    p.add_argument("--dkv", nargs="+", default=list(DKV_FORMS), choices=list(DKV_FORMS),
+                   help="the latent gradient's forms in the attention rows; with one, no float32 copies of the "
+                        "gradients are kept for comparing the two (32 GiB of dq at 256k, full shape)")
     p.add_argument("--out", default=None)
     p = commands.add_parser("indexer", help="the lightning indexer end to end, score kernel by score kernel")
     p.add_argument("--seq-lens", **lengths)
