@@ -225,12 +225,11 @@ def bench_attention(seq_len: int, shape: dict, ceil: dict, reps: int, dkv_forms=
     t_f, peak_f = timed(fwd, reps)
     rows = [dict(op="sparse MLA fwd" + note, seconds=t_f * factor, predicted=pred_f * factor, peak_gib=peak_f,
                  tflops=fwd_flops / t_f / 1e12)]
-    grads = {}
+    grads, predicted = {}, dict(query=pred_b, pool=pred_r)
     for form in dkv_forms:
-        runs, pred = DKV_FORMS[form], dict(query=pred_b, pool=pred_r)[form]
-        label = f"dkv per {form}"
+        runs, pred = DKV_FORMS[form], predicted[form]
         t_b, peak_b = timed(lambda: fwd_bwd(runs), reps)
-        rows.append(dict(op=f"sparse MLA fwd+bwd, {label}" + note, seconds=t_b * factor, predicted=pred * factor,
+        rows.append(dict(op=f"sparse MLA fwd+bwd, dkv per {form}" + note, seconds=t_b * factor, predicted=pred * factor,
                          peak_gib=peak_b, tflops=(fwd_flops + bwd_flops) / t_b / 1e12))
         if len(dkv_forms) > 1:   # float32 copies for the comparison: 32 GiB of dq alone at 256k, full shape
             grads[runs] = tuple(g.float() for g in fwd_bwd(runs))
