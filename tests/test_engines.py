@@ -260,3 +260,28 @@ def test_a_gpu_inference_task_spreads_vllm_over_every_gpu_it_requests(monkeypatc
         assert serving_kwargs(preset.engine, gpus) == expected, preset.name
     assert serving_kwargs("vllm", 8) == {"llm_kwargs": {"tensor_parallel_size": 8}}
     assert serving_kwargs("transformers", 8) == {}
+
+
+def test_vllm_start_drops_only_the_tokenizerless_chat_template_warning(engines):
+    """vLLM's chat-template warmup fails at every start for want of the tokenizer DNA runs never load; that one
+    traceback is dropped, and any other warning of vLLM's renderer (or that message with another cause) is kept."""
+    import logging
+
+    logger = logging.getLogger("vllm.renderers.base")  # the filter is on it once an engine has started (engines)
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(f"{record.getMessage()} / {record.exc_info[1] if record.exc_info else ''}")
+    logger.addHandler(handler)
+    try:
+        for cause in (ValueError("Tokenizer not available when `skip_tokenizer_init=True`"),
+                      ValueError("template syntax error"), RuntimeError("skip_tokenizer_init")):
+            try:
+                raise cause
+            except Exception:
+                logger.warning("Chat template warmup failed", exc_info=True)
+        logger.warning("Using None for EOS token id because tokenizer is not initialized")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["Chat template warmup failed / template syntax error",
+                    "Chat template warmup failed / skip_tokenizer_init",
+                    "Using None for EOS token id because tokenizer is not initialized / "]
