@@ -525,6 +525,9 @@ class SFTRun:
 
     def validate(self) -> bool:
         """Validation loss at this step; returns whether it is the best so far."""
+        if self.is_main:  # a minute without a line on CPU otherwise
+            log.info("sft step %d: validation loss on %d windows of %d tokens", self.step, self.cfg.eval_windows,
+                     self.cfg.eval_seq_len)
         loss = self.validator.validate(self.module)
         improved = self.best_eval is None or loss < self.best_eval
         self.best_eval = loss if improved else self.best_eval
