@@ -43,10 +43,14 @@ def host_memory_limit_bytes() -> int:
 
 
 def device_table(rows: list[tuple[str, int]], device_total: int, device_limit: int, width: int) -> list[str]:
-    """Lines of a plan's table: one per ``(part, bytes)`` row in GiB, then the device total against its limit."""
+    """Lines of a plan's table: one per ``(part, bytes)`` row, then the device total against its limit.
+
+    Rows are in GiB, or in MiB when the whole plan is under 1 GiB (a laptop's tiny model: its weights would read
+    0.00 GiB); the limit stays in GiB."""
     g = 1 << 30
-    lines = [f"  {name:<{width}s}{v / g:10.2f} GiB" for name, v in rows]
-    lines.append(f"  {'= per device':<{width}s}{device_total / g:10.2f} GiB of {device_limit / g:.2f} GiB")
+    scale, unit = (g, "GiB") if device_total >= g else (1 << 20, "MiB")
+    lines = [f"  {name:<{width}s}{v / scale:10.2f} {unit}" for name, v in rows]
+    lines.append(f"  {'= per device':<{width}s}{device_total / scale:10.2f} {unit} of {device_limit / g:.2f} GiB")
     return lines
 
 
