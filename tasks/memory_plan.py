@@ -42,15 +42,19 @@ def host_memory_limit_bytes() -> int:
     return min(limits)
 
 
-def device_table(rows: list[tuple[str, int]], device_total: int, device_limit: int, width: int) -> list[str]:
-    """Lines of a plan's table: one per ``(part, bytes)`` row, then the device total against its limit.
+def gib_or_mib(nbytes: int) -> str:
+    """``nbytes`` as ``"  12.34 GiB"``, or in MiB when it is under 0.01 GiB and not zero (a tiny model's weights
+    would otherwise read 0.00 GiB beside gigabytes of activations); 10 characters before the unit."""
+    if 0 < nbytes < (1 << 30) / 100:
+        return f"{nbytes / 2**20:10.2f} MiB"
+    return f"{nbytes / 2**30:10.2f} GiB"
 
-    Rows are in GiB, or in MiB when the whole plan is under 1 GiB (a laptop's tiny model: its weights would read
-    0.00 GiB); the limit stays in GiB."""
-    g = 1 << 30
-    scale, unit = (g, "GiB") if device_total >= g else (1 << 20, "MiB")
-    lines = [f"  {name:<{width}s}{v / scale:10.2f} {unit}" for name, v in rows]
-    lines.append(f"  {'= per device':<{width}s}{device_total / scale:10.2f} {unit} of {device_limit / g:.2f} GiB")
+
+def device_table(rows: list[tuple[str, int]], device_total: int, device_limit: int, width: int) -> list[str]:
+    """Lines of a plan's table: one per ``(part, bytes)`` row (:func:`gib_or_mib`), then the device total against
+    its limit."""
+    lines = [f"  {name:<{width}s}{gib_or_mib(v)}" for name, v in rows]
+    lines.append(f"  {'= per device':<{width}s}{gib_or_mib(device_total)} of {device_limit / 2**30:.2f} GiB")
     return lines
 
 
@@ -71,15 +75,14 @@ class MemoryPlan:
     host_limit: int
 
     def table(self) -> str:
-        g = 1 << 30
         lines = device_table([("weights", self.weights), ("grad buffers", self.grads),
                               ("optimizer (master+Adam)", self.optimizer),
                               ("activations kept on device", self.activations),
                               ("workspace (backward in flight)", self.workspace),
                               (f"allocator reserve ({ALLOCATOR_RESERVE:.0%})", self.reserve)],
                              self.device_total, self.device_limit, 36)
-        lines.append(f"  {'pinned host (offloaded activations)':<36s}{self.pinned_host / g:10.2f} GiB per device")
-        lines.append(f"  {'host total for this node':<36s}{self.host_total / g:10.2f} GiB of {self.host_limit / g:.2f} GiB")
+        lines.append(f"  {'pinned host (offloaded activations)':<36s}{gib_or_mib(self.pinned_host)} per device")
+        lines.append(f"  {'host total for this node':<36s}{gib_or_mib(self.host_total)} of {self.host_limit / 2**30:.2f} GiB")
         return "\n".join(lines)
 
 

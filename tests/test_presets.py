@@ -94,12 +94,14 @@ def test_verify_trainer_leg_of_the_full_model_on_one_node_is_refused_before_laun
                             device_limit=DEVICE_MEMORY_BYTES[p.infer_resources.accelerator], on_gpu=True)
 
 
-def test_memory_table_reads_a_tiny_plan_in_mib_and_a_gpu_plan_in_gib():
-    """A laptop plan's parts are megabytes: its table prints them in MiB instead of rows of 0.00 GiB."""
+def test_memory_table_reads_a_tiny_part_in_mib_beside_gigabytes():
+    """A laptop plan's weights are megabytes beside gigabytes of activations: that row reads in MiB, not 0.00 GiB;
+    a zero stays 0.00 GiB."""
     from tasks.memory_plan import device_table
 
-    tiny = device_table([("weights", 3 * 2**20), ("activations", 5 * 2**19)], 11 * 2**19, 24 * 2**30, 12)
-    assert [line.split()[-2:] for line in tiny[:2]] == [["3.00", "MiB"], ["2.50", "MiB"]]
-    assert tiny[2].split()[-5:] == ["5.50", "MiB", "of", "24.00", "GiB"]
-    gpu = device_table([("weights", 3 * 2**30)], 2**30 * 9 // 2, 80 * 2**30, 12)
-    assert gpu[0].split()[-2:] == ["3.00", "GiB"] and gpu[1].split()[-5:] == ["4.50", "GiB", "of", "80.00", "GiB"]
+    lines = device_table([("weights", 3 * 2**20), ("activations", 2 * 2**30), ("offload", 0)],
+                         2 * 2**30 + 3 * 2**20, 24 * 2**30, 12)
+    assert [line.split()[-2:] for line in lines[:3]] == [["3.00", "MiB"], ["2.00", "GiB"], ["0.00", "GiB"]]
+    assert lines[3].split()[-5:] == ["2.00", "GiB", "of", "24.00", "GiB"]
+    tiny = device_table([("weights", 5 * 2**19)], 5 * 2**19, 24 * 2**30, 12)
+    assert tiny[1].split()[-5:] == ["2.50", "MiB", "of", "24.00", "GiB"]
