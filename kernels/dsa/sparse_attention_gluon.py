@@ -932,7 +932,9 @@ FWD_SCHEDULE = "pair"
 """The schedule :func:`gluon_sparse_mla_fwd` runs (the training path's Gluon forward). One H100, ``full`` shape,
 64k, same process (``sparse_mla_tilings.py --gluon-only --fwd-only``): ``"pair"`` 38.2 ms (464 TF/s), the ring
 40.3 ms (440), the ring with conditional rescaling 38.5 ms (460); the op's fwd+bwd (``dsa_bench.py table``,
-separate processes) 203.3 ms with the pair forward, 205.9 with the ring."""
+separate processes) 203.3 ms with the pair forward, 205.9 with the ring. With the pair forward shipped, one
+H100, ``dsa_bench.py table --ops attention --dkv query`` (anchor 786 TF/s): forward 37.2 ms (477 TF/s) at 64k and
+149.9 ms (473) at 256k; fwd+bwd 202.4 ms (306) and 822.7 ms (302)."""
 
 
 GLUON_DKV_CONFIGS = [
