@@ -43,8 +43,8 @@ def host_memory_limit_bytes() -> int:
 
 
 def gib_or_mib(nbytes: int) -> str:
-    """``nbytes`` as ``"  12.34 GiB"``, or in MiB when it is under 0.01 GiB and not zero (a tiny model's weights
-    would otherwise read 0.00 GiB beside gigabytes of activations); 10 characters before the unit."""
+    """``nbytes`` in GiB, or in MiB when it is under 0.01 GiB and not zero (a tiny model's weights would otherwise
+    read 0.00 GiB beside gigabytes of activations): the number right-aligned in 10 characters, then the unit."""
     if 0 < nbytes < (1 << 30) / 100:
         return f"{nbytes / 2**20:10.2f} MiB"
     return f"{nbytes / 2**30:10.2f} GiB"
