@@ -1566,6 +1566,11 @@ def gluon_sparse_mla_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     return out, lse
 
 
+def _tuning(config: triton.Config | None) -> dict:
+    """The launch arguments of ``config`` for a kernel's ``.fn`` (outside its autotuner); none for ``None``."""
+    return {} if config is None else dict(config.kwargs, num_warps=config.num_warps, maxnreg=config.maxnreg)
+
+
 def launch_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                softmax_scale: float, config: triton.Config | None = None, schedule: str = "ring",
                products: bool = True) -> None:
@@ -1582,7 +1587,6 @@ def launch_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: to
         raise ValueError(f"products=False needs schedule 'ring', got {schedule!r}")
     batch, n_q, heads, dqk = q.shape
     kernel = _FWD_KERNELS[schedule] if config is None else _FWD_KERNELS[schedule].fn
-    tuning = {} if config is None else dict(config.kwargs, num_warps=config.num_warps, maxnreg=config.maxnreg)
     kernel[(n_q, heads // BLOCK_H, batch)](
         q, kv, indices, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
@@ -1591,7 +1595,7 @@ def launch_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, out: to
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         indices.shape[2], softmax_scale * 1.4426950408889634,
-        H=heads, D=dqk, **tuning, **({} if products else {"PRODUCTS": False}),
+        H=heads, D=dqk, **_tuning(config), **({} if products else {"PRODUCTS": False}),
     )
 
 
@@ -1604,7 +1608,8 @@ def _backward_inputs(q, kv, indices, grad_out, lse, delta, what: str) -> tuple[t
 def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
                         lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float,
                         dq: torch.Tensor | None = None, indices_ahead: bool | None = None,
-                        schedule: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                        schedule: str | None = None, out: torch.Tensor | None = None,
+                        config: triton.Config | None = None) -> torch.Tensor:
     """``dq [B, T, H, Dqk]`` (q.dtype) of :func:`kernels.dsa.sparse_attention.sparse_mla_attention`, from
     :func:`sparse_mla_dq_gluon_kernel`: every selected key of every query, 64 heads per program.
 
@@ -1620,6 +1625,8 @@ def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
         schedule: one of :data:`DQ_KERNELS` (benchmarks and checks), or ``None``: :data:`DQ_SCHEDULE`.
         out: the forward's output ``[B, T, H, d_v]``: the ``"products"`` kernel forms ``delta`` from it and
             ``grad_out`` itself (``FUSED_DELTA``, :func:`_rowsum_do_o`) and writes it into ``delta``.
+        config: a configuration of the schedule's kernel launched outside the autotuner (benchmarks: any
+            ``BLOCK_K``, ``STAGES``, ``GATHER_ROWS``, register split), or ``None``: autotuned.
 
     Raises:
         DSAInputError: for inputs :func:`gluon_supported` rejects, ``K == 0``, or ``out`` not of
@@ -1645,14 +1652,15 @@ def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
     fused = {} if out is None else {"FUSED_DELTA": True}
     # the "products" kernel's OUT, read only with FUSED_DELTA (delta, contiguous, is written in place)
     out_arg = () if schedule != "products" else (grad_out if out is None else out.contiguous(),)
-    DQ_KERNELS[schedule][(n_q, heads // BLOCK_H, batch)](
+    kernel = DQ_KERNELS[schedule] if config is None else DQ_KERNELS[schedule].fn
+    kernel[(n_q, heads // BLOCK_H, batch)](
         q, kv, indices, grad_out, lse, delta, dq, *out_arg,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
         indices.stride(0), indices.stride(1),
         lse.stride(0), lse.stride(1),
         indices.shape[2], softmax_scale, softmax_scale * 1.4426950408889634,
-        H=heads, D=dqk, INDICES_AHEAD=indices_ahead, **fused,
+        H=heads, D=dqk, INDICES_AHEAD=indices_ahead, **fused, **_tuning(config),
     )
     return dq
 
@@ -1661,7 +1669,7 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
                          lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float, dkv: torch.Tensor,
                          atomics: bool = True, indices_ahead: bool = False, products: bool = True,
                          atomic_layout: str | None = None, pieces: int | None = None,
-                         scores_ahead: bool | None = None) -> None:
+                         scores_ahead: bool | None = None, config: triton.Config | None = None) -> None:
     """Add the latent's gradient of :func:`kernels.dsa.sparse_attention.sparse_mla_attention` to ``dkv``, from
     :func:`sparse_mla_dkv_gluon_kernel`: every selected key of every query, 64 heads per program.
 
@@ -1681,6 +1689,8 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
             ``None``: :data:`DKV_PIECES`.
         scores_ahead: the next block's score products under the last piece's atomics (:func:`_dkv_consumer_ahead`;
             needs ``pieces >= 2``), or ``None``: :data:`DKV_SCORES_AHEAD`.
+        config: a configuration launched outside the autotuner (benchmarks: ``GATHER_ROWS``, the register split),
+            or ``None``: autotuned over :data:`GLUON_DKV_CONFIGS`.
 
     Raises:
         DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
@@ -1692,7 +1702,8 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         raise DSAInputError(f"pieces={pieces}, scores_ahead={scores_ahead}: pieces is 1, 2 or 4, and 2 or 4 with "
                             "scores_ahead")
     batch, n_q, heads, dqk = q.shape
-    sparse_mla_dkv_gluon_kernel[(n_q, heads // BLOCK_H, batch)](
+    kernel = sparse_mla_dkv_gluon_kernel if config is None else sparse_mla_dkv_gluon_kernel.fn
+    kernel[(n_q, heads // BLOCK_H, batch)](
         q, kv, indices, grad_out, lse, delta, dkv,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
@@ -1702,5 +1713,5 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         indices.shape[2], softmax_scale, softmax_scale * 1.4426950408889634,
         H=heads, D=dqk, ATOMICS=atomics, INDICES_AHEAD=indices_ahead, PRODUCTS=products,
         ATOMIC_LAYOUT=ATOMIC_LAYOUTS.index(atomic_layout or DKV_ATOMIC_LAYOUT), PIECES=pieces,
-        SCORES_AHEAD=scores_ahead,
+        SCORES_AHEAD=scores_ahead, **_tuning(config),
     )

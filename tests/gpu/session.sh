@@ -18,7 +18,7 @@
 # launches, $NCU_CASES), profile (tests/benchmarks/sft_profile.py: whole-step profile of $PROFILE_CONFIGS,
 # default 64k, with $PROFILE_ARGS; profile_base: the same from a carried earlier tree), layerbench (tests/benchmarks/layer_bench.py: one full-width layer of each kind as
 # one b200-64 rank at 256k and 1M, projected to 64 B200, with $LAYERBENCH_ARGS), hcproj (the mHC projection's
-# Triton kernels vs float64, and their time), hcdiag, gluonsmoke, atomics, tilings, smshare, coldstart, refresh (see their lines below). The DSA parts need no wheels: with no .whl folder the install is skipped.
+# Triton kernels vs float64, and their time), hcdiag, gluonsmoke, atomics, tilings, bwdconfigs, smshare, coldstart, refresh (see their lines below). The DSA parts need no wheels: with no .whl folder the install is skipped.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -102,6 +102,10 @@ part smshare "${T_SMSHARE:-240}" python3 tests/benchmarks/sparse_mla_sm_share.py
 part atomics "${T_ATOMICS:-240}" python3 tests/benchmarks/sparse_mla_atomics.py ${ATOMICS_ARGS:-} --out "$OUT/atomics.json"
 # tilings (tests/benchmarks/sparse_mla_tilings.py: sparse MLA tilings one by one outside the autotuner, $TILINGS_ARGS).
 part tilings "${T_TILINGS:-300}" python3 tests/benchmarks/sparse_mla_tilings.py ${TILINGS_ARGS:-} --out "$OUT/tilings.json"
+# bwdconfigs (tests/benchmarks/sparse_mla_backward_configs.py: the Gluon dq and dkv launch configurations on this GPU,
+# then the op with the shipped and the fastest ones, $BWDCONFIGS_ARGS).
+part bwdconfigs "${T_BWDCONFIGS:-300}" python3 tests/benchmarks/sparse_mla_backward_configs.py ${BWDCONFIGS_ARGS:-} \
+  --out "$OUT/backward_configs.json"
 # paths (tests/gpu/glue_paths_check.py: fla's KDA short conv and the gather MoE permutation vs the paths they replace).
 part paths "${T_PATHS:-120}" python3 tests/gpu/glue_paths_check.py --tokens "${FUSED_TOKENS:-65536}" --out "$OUT/glue_paths.json"
 # profile_base: the same profile run from $BASE_TREE (default .base: `git archive <rev> | tar -x -C .base`, carried),
