@@ -934,7 +934,8 @@ FWD_SCHEDULE = "pair"
 40.3 ms (440), the ring with conditional rescaling 38.5 ms (460); the op's fwd+bwd (``dsa_bench.py table``,
 separate processes) 203.3 ms with the pair forward, 205.9 with the ring. With the pair forward shipped, one
 H100, ``dsa_bench.py table --ops attention --dkv query`` (anchor 786 TF/s): forward 37.2 ms (477 TF/s) at 64k and
-149.9 ms (473) at 256k; fwd+bwd 202.4 ms (306) and 822.7 ms (302)."""
+149.9 ms (473) at 256k; fwd+bwd 202.4 ms (306) and 822.7 ms (302). One H200, the same command (anchor 789): forward
+37.8 ms (469) and 153.3 ms (462), fwd+bwd 207.1 ms (299.5) and 832.0 ms (298.2)."""
 
 
 GLUON_DKV_CONFIGS = [
