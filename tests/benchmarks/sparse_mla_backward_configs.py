@@ -32,7 +32,7 @@ from dsa_bench import SHAPES, WIDTH, bench_attention, ceilings, pool_indices, ti
 from kernels.dsa import sparse_attention_gluon as sag  # noqa: E402
 from kernels.dsa import sparse_attention_triton as sat  # noqa: E402
 
-DKV_TRIALS = ["GATHER_ROWS=8", "GATHER_ROWS=32", "PRODUCER_REGS=40", "INDICES_AHEAD=1",
+DKV_TRIALS = ["GATHER_ROWS=8", "GATHER_ROWS=32", "GATHER_ROWS=64", "PRODUCER_REGS=40", "INDICES_AHEAD=1",
               "GATHER_ROWS=32,INDICES_AHEAD=1"]
 """Latent-gradient trials over the shipped configuration (``KEY=V,...``; ``INDICES_AHEAD`` is the launch's)."""
 DQ_TRIALS = ["GATHER_ROWS=8", "GATHER_ROWS=32", "PRODUCER_REGS=40,CONSUMER_REGS=232", "INDICES_AHEAD=0"]
