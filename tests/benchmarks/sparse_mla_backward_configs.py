@@ -28,9 +28,8 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from dsa_bench import SHAPES, WIDTH, bench_attention, ceilings, pool_indices, timed  # noqa: E402
+from dsa_bench import SHAPES, WIDTH, backward_inputs, bench_attention, ceilings, timed  # noqa: E402
 from kernels.dsa import sparse_attention_gluon as sag  # noqa: E402
-from kernels.dsa import sparse_attention_triton as sat  # noqa: E402
 
 DKV_TRIALS = ["GATHER_ROWS=8", "GATHER_ROWS=32", "GATHER_ROWS=64", "PRODUCER_REGS=40", "INDICES_AHEAD=1",
               "GATHER_ROWS=32,INDICES_AHEAD=1"]
@@ -63,14 +62,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def sweep(seq_len: int, shape: dict, reps: int, dkv_trials, dq_trials) -> tuple[list[dict], dict]:
     """Each configuration's time and difference from the shipped one; returns the rows and the fastest
     ``{"dkv": (config, ahead), "dq": (config, ahead)}`` (the shipped one where nothing beat it)."""
+    x = backward_inputs(seq_len, shape)
+    q, kv, idx, grad, scale, out, lse = (x[k] for k in ("q", "kv", "idx", "grad", "scale", "out", "lse"))
     h, dqk = shape["heads"], shape["dqk"]
-    torch.manual_seed(0)
-    q = torch.randn(1, seq_len, h, dqk, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(1, seq_len, dqk, device="cuda", dtype=torch.bfloat16)
-    idx = pool_indices(seq_len, seq_len).contiguous()
-    grad = torch.randn(1, seq_len, h, dqk, device="cuda", dtype=torch.bfloat16)
-    scale = shape["qk_head"] ** -0.5
-    out, lse = sat.triton_sparse_mla_fwd(q, kv, idx, scale, dqk)
     delta = (grad.float() * out.float()).sum(-1)
     per_token = 2 * seq_len * h * WIDTH * dqk
 

@@ -37,7 +37,7 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from dsa_bench import SHAPES, WIDTH, ceilings, pool_indices  # noqa: E402
+from dsa_bench import SHAPES, WIDTH, backward_inputs, ceilings  # noqa: E402
 from kernels.dsa import sparse_attention_gluon as sag  # noqa: E402
 from kernels.dsa import sparse_attention_triton as sat  # noqa: E402
 
@@ -107,13 +107,8 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ceil = ceilings()
     print(f"{torch.cuda.get_device_name()}, {sms} SMs; matmul anchor {ceil['matmul_tflops']:.0f} TF/s", flush=True)
-    torch.manual_seed(0)
-    q = torch.randn(1, t, h, dqk, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(1, t, dqk, device="cuda", dtype=torch.bfloat16)
-    idx = pool_indices(t, t).contiguous()
-    grad = torch.randn(1, t, h, dqk, device="cuda", dtype=torch.bfloat16)
-    scale = shape["qk_head"] ** -0.5
-    out, lse = sat.triton_sparse_mla_fwd(q, kv, idx, scale, dqk)
+    x = backward_inputs(t, shape)
+    q, kv, idx, grad, scale, out, lse = (x[k] for k in ("q", "kv", "idx", "grad", "scale", "out", "lse"))
     delta = sat.triton_sparse_mla_delta(out, grad)
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
