@@ -944,6 +944,9 @@ GLUON_DKV_CONFIGS = [
 ]
 """Configurations of :func:`sparse_mla_dkv_gluon_kernel`: one 64-key buffer (``q`` and ``dO`` take 128 KiB of
 the SM's shared memory), released as soon as ``Q K^T`` and ``dO V^T`` of its block retire."""
+DKV_INDICES_AHEAD = False
+"""The producer's ``INDICES_AHEAD`` (:func:`_producer`) :func:`gluon_sparse_mla_dkv` launches with (one H100,
+``full`` shape, 64k: 135.4 ms without, 135.6 with)."""
 DKV_ATOMIC_LAYOUT = "lines"
 """The :data:`ATOMIC_LAYOUTS` entry :func:`gluon_sparse_mla_dkv` launches with. One H100, ``full`` shape, 64k:
 116.5 ms in 128-byte lines against 135.6 in the ``wgmma`` fragments and 138.1 in ``v4``: the number of requests
@@ -1668,7 +1671,7 @@ def gluon_sparse_mla_dq(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
 
 def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, grad_out: torch.Tensor,
                          lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float, dkv: torch.Tensor,
-                         atomics: bool = True, indices_ahead: bool = False, products: bool = True,
+                         atomics: bool = True, indices_ahead: bool | None = None, products: bool = True,
                          atomic_layout: str | None = None, pieces: int | None = None,
                          scores_ahead: bool | None = None, config: triton.Config | None = None) -> None:
     """Add the latent's gradient of :func:`kernels.dsa.sparse_attention.sparse_mla_attention` to ``dkv``, from
@@ -1684,7 +1687,7 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
             is, the kernel's time without their memory traffic.
         products: ``False`` for benchmarks only: no products, a constant added to ``dkv``'s selected rows; the
             time of the gathers and the atomics alone.
-        indices_ahead: the producer's ``INDICES_AHEAD`` (:func:`_producer`; benchmarks: no faster here on an H100).
+        indices_ahead: the producer's ``INDICES_AHEAD`` (:func:`_producer`), or ``None``: :data:`DKV_INDICES_AHEAD`.
         atomic_layout: one of :data:`ATOMIC_LAYOUTS` (benchmarks and checks), or ``None``: :data:`DKV_ATOMIC_LAYOUT`.
         pieces: column pieces of the gradient products and atomics (1, 2 or 4; benchmarks and checks), or
             ``None``: :data:`DKV_PIECES`.
@@ -1698,6 +1701,7 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     """
     q, kv, indices, grad_out, lse, delta = _backward_inputs(q, kv, indices, grad_out, lse, delta, "latent gradient")
     pieces = DKV_PIECES if pieces is None else pieces
+    indices_ahead = DKV_INDICES_AHEAD if indices_ahead is None else indices_ahead
     scores_ahead = DKV_SCORES_AHEAD if scores_ahead is None else scores_ahead
     if pieces not in (1, 2, 4) or (scores_ahead and pieces < 2):
         raise DSAInputError(f"pieces={pieces}, scores_ahead={scores_ahead}: pieces is 1, 2 or 4, and 2 or 4 with "

@@ -181,9 +181,9 @@ def pool_indices(seq_len: int, n_q: int, device: str = "cuda", layout: str = "wi
     return expand_selection(pools, kpool_grid(seq_len, KPOOL, None, device), n_q, seq_len - n_q, TOPK, True)
 
 
-def backward_inputs(seq_len: int, shape: dict, layout: str = "window") -> dict:
-    """Random inputs of the sparse MLA backward kernels at ``seq_len`` queries and keys of a DSA ``shape``, seeded:
-    ``q [1, T, H, Dqk]``, ``kv [1, T, Dqk]``, ``grad`` (like ``q``) bf16, ``idx`` (:func:`pool_indices` in
+def backward_inputs(seq_len: int, shape: dict, layout: str = "window") -> tuple:
+    """Random inputs of the sparse MLA backward kernels at ``seq_len`` queries and keys of a DSA ``shape``, seeded,
+    as ``(q, kv, idx, grad, scale, out, lse)``: ``q [1, T, H, Dqk]``, ``kv [1, T, Dqk]``, ``grad`` (like ``q``) bf16, ``idx`` (:func:`pool_indices` in
     ``layout``), ``scale``, and the Triton forward's ``out`` and ``lse`` (float32 ``[1, T, H]``)."""
     from kernels.dsa.sparse_attention_triton import triton_sparse_mla_fwd
 
@@ -195,7 +195,7 @@ def backward_inputs(seq_len: int, shape: dict, layout: str = "window") -> dict:
     grad = torch.randn(1, seq_len, h, dqk, device="cuda", dtype=torch.bfloat16)
     scale = shape["qk_head"] ** -0.5
     out, lse = triton_sparse_mla_fwd(q, kv, idx, scale, dqk)
-    return dict(q=q, kv=kv, idx=idx, grad=grad, scale=scale, out=out, lse=lse)
+    return q, kv, idx, grad, scale, out, lse
 
 
 DKV_FORMS = {"query": None, "pool": KPOOL}

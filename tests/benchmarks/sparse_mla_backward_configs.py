@@ -27,8 +27,10 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "gpu"))   # dsa_check
 
 from dsa_bench import SHAPES, WIDTH, backward_inputs, bench_attention, ceilings, timed  # noqa: E402
+from dsa_check import rel_err  # noqa: E402
 from kernels.dsa import sparse_attention_gluon as sag  # noqa: E402
 
 DKV_TRIALS = ["GATHER_ROWS=8", "GATHER_ROWS=32", "GATHER_ROWS=64", "PRODUCER_REGS=40", "INDICES_AHEAD=1",
@@ -55,15 +57,10 @@ def parse_trial(text: str, base: triton.Config, ahead: bool) -> tuple[triton.Con
     return triton.Config(kwargs, num_warps=base.num_warps, maxnreg=maxnreg), ahead
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def sweep(seq_len: int, shape: dict, reps: int, dkv_trials, dq_trials) -> tuple[list[dict], dict]:
     """Each configuration's time and difference from the shipped one; returns the rows and the fastest
-    ``{"dkv": (config, ahead), "dq": (config, ahead)}`` (the shipped one where nothing beat it)."""
-    x = backward_inputs(seq_len, shape)
-    q, kv, idx, grad, scale, out, lse = (x[k] for k in ("q", "kv", "idx", "grad", "scale", "out", "lse"))
+    ``{"dkv": (config, ahead, trial), "dq": (config, ahead, trial)}`` (the shipped one where nothing beat it)."""
+    q, kv, idx, grad, scale, out, lse = backward_inputs(seq_len, shape)
     h, dqk = shape["heads"], shape["dqk"]
     delta = (grad.float() * out.float()).sum(-1)
     per_token = 2 * seq_len * h * WIDTH * dqk
@@ -77,7 +74,7 @@ def sweep(seq_len: int, shape: dict, reps: int, dkv_trials, dq_trials) -> tuple[
         return sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse, torch.empty_like(lse), scale, out=out,
                                        indices_ahead=ahead, config=cfg)
 
-    shipped = {"dkv": (sag.GLUON_DKV_CONFIGS[0], False),
+    shipped = {"dkv": (sag.GLUON_DKV_CONFIGS[0], sag.DKV_INDICES_AHEAD),
                "dq": (sag.GLUON_DQ_SPLIT_CONFIGS[0], sag.DQ_INDICES_AHEAD["products"])}
     kinds = {"dkv": (run_dkv, dkv_trials, 4 * per_token), "dq": (run_dq, dq_trials, 3 * per_token)}
     rows, best = [], {}
@@ -92,7 +89,7 @@ def sweep(seq_len: int, shape: dict, reps: int, dkv_trials, dq_trials) -> tuple[
             try:
                 row["seconds"], _ = timed(lambda: fn(cfg, ahead), reps)
                 row["tflops"] = flops / row["seconds"] / 1e12
-                row["rel_diff"] = _rel(fn(cfg, ahead), reference)
+                row["rel_diff"] = rel_err(fn(cfg, ahead), reference)
                 if best_s is None or row["seconds"] < best_s:
                     best_s, best[kind] = row["seconds"], (cfg, ahead, row["trial"])
             except Exception as exc:   # a configuration that does not compile or fit: its row says why
@@ -103,24 +100,16 @@ def sweep(seq_len: int, shape: dict, reps: int, dkv_trials, dq_trials) -> tuple[
 
 
 def with_configs(best: dict):
-    """Set the two kernels' single configurations (and the query gradient's ``INDICES_AHEAD``) to ``best``'s for
-    this process; returns the function that puts the shipped ones back. The latent gradient's
-    ``INDICES_AHEAD`` is its launch's default argument, so a pick with it on is applied by wrapping the launch."""
+    """Set the two kernels' single configurations and the producers' ``INDICES_AHEAD`` to ``best``'s for this
+    process; returns the function that puts the shipped ones back."""
     saved = (sag.sparse_mla_dkv_gluon_kernel.configs, sag.sparse_mla_dq_split_kernel.configs,
-             dict(sag.DQ_INDICES_AHEAD), sag.gluon_sparse_mla_dkv)
-    dkv_cfg, dkv_ahead, _ = best["dkv"]
-    dq_cfg, dq_ahead, _ = best["dq"]
-    sag.sparse_mla_dkv_gluon_kernel.configs = [dkv_cfg]
-    sag.sparse_mla_dq_split_kernel.configs = [dq_cfg]
-    sag.DQ_INDICES_AHEAD["products"] = dq_ahead
-    launch = saved[3]
-    sag.gluon_sparse_mla_dkv = lambda *a, **k: launch(*a, **{"indices_ahead": dkv_ahead, **k})
+             sag.DKV_INDICES_AHEAD, sag.DQ_INDICES_AHEAD["products"])
+    sag.sparse_mla_dkv_gluon_kernel.configs, sag.DKV_INDICES_AHEAD = [best["dkv"][0]], best["dkv"][1]
+    sag.sparse_mla_dq_split_kernel.configs, sag.DQ_INDICES_AHEAD["products"] = [best["dq"][0]], best["dq"][1]
 
     def restore() -> None:
-        (sag.sparse_mla_dkv_gluon_kernel.configs, sag.sparse_mla_dq_split_kernel.configs, ahead,
-         sag.gluon_sparse_mla_dkv) = saved
-        sag.DQ_INDICES_AHEAD.clear()
-        sag.DQ_INDICES_AHEAD.update(ahead)
+        (sag.sparse_mla_dkv_gluon_kernel.configs, sag.sparse_mla_dq_split_kernel.configs, sag.DKV_INDICES_AHEAD,
+         sag.DQ_INDICES_AHEAD["products"]) = saved
     return restore
 
 

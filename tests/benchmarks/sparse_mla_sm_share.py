@@ -107,8 +107,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ceil = ceilings()
     print(f"{torch.cuda.get_device_name()}, {sms} SMs; matmul anchor {ceil['matmul_tflops']:.0f} TF/s", flush=True)
-    x = backward_inputs(t, shape)
-    q, kv, idx, grad, scale, out, lse = (x[k] for k in ("q", "kv", "idx", "grad", "scale", "out", "lse"))
+    q, kv, idx, grad, scale, out, lse = backward_inputs(t, shape)
     delta = sat.triton_sparse_mla_delta(out, grad)
     dq = torch.empty_like(q)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
