@@ -182,6 +182,36 @@ def test_gluon_sparse_dkv_column_pieces_issue_products_before_the_atomics(pieces
     assert not re.search(r"C75[01]\d", ptxas_report(split))
 
 
+def test_gluon_sparse_dkv_atomics_partition_takes_the_atomics_off_the_consumers():
+    """The latent gradient with its atomics in a partition of their own (``ATOMIC_WARPS=4``): the consumers issue
+    no atomics and stage each of the 8 ``[64, 64]`` float32 pieces of a key block in 16 KiB of shared memory; the
+    atomics warpgroup adds a block's 64 x 512 floats in ``v4`` atomics, 128 threads' share each; 16 warps fit
+    the SM's registers at launch (128 each) and ``setmaxnreg`` moves them to the consumers."""
+    import triton
+
+    from kernels.dsa.sm90 import SM_REGISTERS, SM_SHARED, compile_gluon_sparse_dkv, ptxas_report
+    from kernels.dsa.sparse_attention_gluon import DKV_STAGED_PIECES, GLUON_DKV_STAGED_CONFIG
+
+    cfg = GLUON_DKV_STAGED_CONFIG
+    kw = dict(cfg.kwargs, PIECES=DKV_STAGED_PIECES, SCORES_AHEAD=True, ATOMIC_WARPS=4)
+    compiled = compile_gluon_sparse_dkv(64, 512, triton.Config(kw, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg))
+    ptx = compiled.asm["ptx"]
+    assert re.search(r"\.reqntid 512\b", ptx) and 16 * 32 * cfg.maxnreg <= SM_REGISTERS
+    expected_smem = (2 * 64 * 512 + 64 * 512 + 2 * 64 * 64) * 2 + 64 * 64 * 4
+    assert expected_smem <= compiled.metadata.shared <= SM_SHARED
+    atomics = re.findall(r"\b(?:red|atom)\.global\.[\w.]*add\.(v[24])\.f32", ptx)
+    assert atomics == ["v4"] * (64 * 512 // 128 // 4), atomics[:4]
+    regs = [int(r) for r in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)]
+    assert cfg.kwargs["PRODUCER_REGS"] in regs and cfg.kwargs["ATOMIC_REGS"] in regs
+    consumers = (16 * cfg.maxnreg - 4 * cfg.kwargs["PRODUCER_REGS"] - 4 * cfg.kwargs["ATOMIC_REGS"]) // 8 // 8 * 8
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{consumers}\b", ptx)
+    # S and dP over K = 512 (issued before the loop and inside it), then 2 products over the 64 heads per piece:
+    # all in N = 32 per warpgroup (a 64-key block's scores, a 64-column piece)
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx)
+    assert wgmma == ["32"] * (2 * 2 * 512 // 16 + 2 * 4 * DKV_STAGED_PIECES), len(wgmma)
+    assert not re.search(r"C75[01]\d", ptxas_report(compiled))
+
+
 def test_gluon_sparse_dq_gathers_q_do_and_a_two_deep_ring():
     """The sparse MLA query-gradient kernel at 64 heads x 512: ``q`` and ``dO`` once each, two 32-key latent
     buffers and the ``dS`` tile in shared memory (one CTA per SM); per key block ``Q K^T`` and ``dO V^T`` over

@@ -952,6 +952,19 @@ DKV_ATOMIC_LAYOUT = "lines"
 116.5 ms in 128-byte lines against 135.6 in the ``wgmma`` fragments and 138.1 in ``v4``: the number of requests
 each SM issues bounds the atomics, not the instructions; the conversion through shared memory costs ~10 ms of it."""
 
+DKV_ATOMIC_WARPS = 0
+"""Warps of the latent gradient's own atomics partition (``ATOMIC_WARPS``, :func:`_dkv_atomics`; 0: the consumers
+issue the atomics). With 4 it launches :data:`GLUON_DKV_STAGED_CONFIG` in :data:`DKV_STAGED_PIECES` pieces."""
+DKV_STAGED_PIECES = 8
+"""Column pieces with an atomics partition: ``[64, 64]`` float32, the 16 KiB stage left beside ``q``, ``dO``, the
+latent buffer and ``P^T`` / ``dS^T`` (208 KiB)."""
+GLUON_DKV_STAGED_CONFIG = triton.Config(
+    {"BLOCK_K": 64, "GATHER_ROWS": 16, "PRODUCER_REGS": 56, "ATOMIC_REGS": 72}, num_warps=CONSUMER_WARPS, maxnreg=128)
+"""The latent gradient with an atomics partition: 16 warps (``16 * 32 * 128 = 65,536`` registers at launch), then
+``setmaxnreg`` gives the producer 56, the atomics 72 (a piece is 32 floats per thread) and the consumers 192.
+Offline sm_90 compile (Triton 3.6): 224 KiB of shared memory, the consumers spill 160 bytes (per-piece operand
+descriptors, one reload per piece)."""
+
 DKV_SCORES_AHEAD = True
 """Whether :func:`gluon_sparse_mla_dkv` issues the next key block's score products before the last piece's
 atomics (:func:`_dkv_consumer_ahead`; with :data:`DKV_PIECES` >= 2)."""
@@ -1111,17 +1124,22 @@ def _dkv_consumer(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_s
 def _dkv_consumer_ahead(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready, empty,
                         lse_row, stride_dks, n_idx, n_blocks, scale, scale_log2, D: gl.constexpr,
                         BLOCK_K: gl.constexpr, ATOMICS: gl.constexpr, ATOMIC_LAYOUT: gl.constexpr,
-                        PIECES: gl.constexpr):
+                        PIECES: gl.constexpr, stage=None, full=None, free=None, STAGED: gl.constexpr = False):
     """:func:`_dkv_consumer` in ``PIECES >= 2`` column pieces with the next key block's ``S = Q K^T`` and ``dP =
     dO V^T`` issued before the last piece's atomics (``SCORES_AHEAD``), so that those products also run while
     atomics issue. The next block's gather has had all but the last piece's atomics to land. The last block
     recomputes its own scores instead of branching around the issue (an asynchronous product inside a branch has
-    no value on the other path): ``1 / n_blocks`` of the score products wasted, as in the forward."""
+    no value on the other path): ``1 / n_blocks`` of the score products wasted, as in the forward. ``STAGED``:
+    each finished piece goes to ``stage`` for the atomics partition (:func:`_stage_piece`, :func:`_dkv_atomics`)
+    instead of being added here."""
     gl.static_assert(gl.num_warps() == _CONSUMER_WARPS)
     gl.static_assert(PIECES >= 2)
     s_l: gl.constexpr = _wgmma_layout(BLOCK_K)
     PIECE: gl.constexpr = D // PIECES
-    pa_l: gl.constexpr = _atomic_layout(BLOCK_K, PIECE, ATOMIC_LAYOUT)
+    if not STAGED:
+        pa_l: gl.constexpr = _atomic_layout(BLOCK_K, PIECE, ATOMIC_LAYOUT)
+    else:
+        pa_l: gl.constexpr = _wgmma_layout(PIECE)   # unused: the atomics partition has its own
     lse2, row_ok, delta = _backward_rows(LSE, DELTA, lse_row, s_l)
     s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
     p_init = gl.zeros([BLOCK_K, PIECE], gl.float32, _wgmma_layout(PIECE))
@@ -1141,7 +1159,10 @@ def _dkv_consumer_ahead(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem,
         for c in gl.static_range(PIECES):
             if c + 1 < PIECES:
                 acc, piece = _dkv_next_piece(acc, dst_smem, pt_smem, q_smem, do_smem, p_init, (c + 1) * PIECE)
-                _add_rows(DKV, stride_dks, rows, c * PIECE, gl.convert_layout(piece, pa_l), ATOMICS)
+                if STAGED:
+                    _stage_piece(stage, full, free, piece, j * PIECES + c)
+                else:
+                    _add_rows(DKV, stride_dks, rows, c * PIECE, gl.convert_layout(piece, pa_l), ATOMICS)
             else:
                 nb = gl.minimum(j + 1, n_blocks - 1)   # the last block's own buffer, unchanged: its scores again
                 mbarrier.wait(ready.index(0), nb & 1)
@@ -1152,8 +1173,52 @@ def _dkv_consumer_ahead(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem,
                 offs_k = nb * BLOCK_K + offs_kb
                 idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
                 piece = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))   # S and dP may run on
-                _add_rows(DKV, stride_dks, rows, c * PIECE, gl.convert_layout(piece, pa_l), ATOMICS)
+                if STAGED:
+                    _stage_piece(stage, full, free, piece, j * PIECES + c)
+                else:
+                    _add_rows(DKV, stride_dks, rows, c * PIECE, gl.convert_layout(piece, pa_l), ATOMICS)
                 scores, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dp_tok))
+
+
+STAGE_LAYOUT = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+"""Shared layout of the latent gradient's staged ``[64, PIECE]`` float32 piece (``ATOMIC_WARPS``): 16-byte
+vectors XOR-swizzled over 8 rows, so that the ``wgmma`` fragments' 8-byte stores (8 rows of 32 bytes per warp
+instruction) spread over all banks, while the atomics partition's loads stay 128-byte row segments."""
+
+
+@gluon.jit
+def _stage_piece(stage, full, free, piece, i):
+    """Hand finished piece ``i`` (a ``[64, PIECE]`` float32 ``wgmma`` result over the consumer warpgroups) to the
+    atomics partition: wait until it has taken piece ``i - 1`` out of ``stage`` (``free``), store, signal
+    ``full`` once every consumer warp's part is in shared memory."""
+    mbarrier.wait(free, (i & 1) ^ 1)   # a new barrier passes parity 1 at once
+    stage.store(piece)
+    _cta_barrier()
+    mbarrier.arrive(full)
+
+
+@gluon.jit
+def _dkv_atomics(IDX, DKV, stage, full, free, stride_dks, n_idx, n_blocks, BLOCK_K: gl.constexpr,
+                 PIECES: gl.constexpr, ATOMICS: gl.constexpr):
+    """The atomics partition of :func:`sparse_mla_dkv_gluon_kernel` (``ATOMIC_WARPS``): for each key block's
+    ``PIECES`` column pieces in order, take the piece out of ``stage`` (``[BLOCK_K, PIECE]`` float32, once
+    ``full``), release it (``free``) and add it to ``DKV``'s rows ``IDX[block]`` with relaxed float32 atomics,
+    8 lanes per 128-byte line of a row (the ``lines`` requests). The consumers never stall on the memory system's
+    atomic queue: their products run on while these warps wait for it."""
+    warps: gl.constexpr = gl.num_warps()
+    PIECE: gl.constexpr = stage.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [warps, 1], [1, 0])
+    offs_r = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, layout))
+    for j in range(n_blocks):
+        rows_k = j * BLOCK_K + offs_r
+        rows = gl.load(IDX + rows_k, mask=rows_k < n_idx, other=-1).to(gl.int64)
+        for c in gl.static_range(PIECES):
+            i = j * PIECES + c
+            mbarrier.wait(full, i & 1)
+            piece = stage.load(layout)
+            _cta_barrier()   # every atomics warp holds its part before the consumers overwrite it
+            mbarrier.arrive(free)
+            _add_rows(DKV, stride_dks, rows, c * PIECE, piece, ATOMICS)
 
 
 @triton.autotune(configs=GLUON_DKV_CONFIGS, key=["H", "D"], reset_to_zero=["DKV"])
@@ -1169,6 +1234,7 @@ def sparse_mla_dkv_gluon_kernel(
     H: gl.constexpr, D: gl.constexpr, BLOCK_K: gl.constexpr, GATHER_ROWS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     ATOMICS: gl.constexpr = True, INDICES_AHEAD: gl.constexpr = False, PRODUCTS: gl.constexpr = True,
     ATOMIC_LAYOUT: gl.constexpr = 0, PIECES: gl.constexpr = 1, SCORES_AHEAD: gl.constexpr = False,
+    ATOMIC_WARPS: gl.constexpr = 0, ATOMIC_REGS: gl.constexpr = 72,
 ):
     """The latent's gradient of one query ``t`` (program 0) and heads ``[64 * pid_h, 64 * pid_h + 64)`` (program
     1), batch ``b`` (program 2), added to ``DKV [B, S, D]`` float32 with atomics: ``sum_h scale * dS[h, k] q[h]
@@ -1184,7 +1250,10 @@ def sparse_mla_dkv_gluon_kernel(
     are spread over the threads for their atomics. ``PIECES`` (1, 2 or 4) column pieces of each block's gradient,
     each piece's products issued before the previous piece's atomics (:func:`_dkv_consumer`); ``SCORES_AHEAD``
     (with ``PIECES >= 2`` and the products) also the next block's score products before the last piece's atomics
-    (:func:`_dkv_consumer_ahead`)."""
+    (:func:`_dkv_consumer_ahead`). ``ATOMIC_WARPS`` (4; with ``SCORES_AHEAD`` and ``PIECES`` 8) moves the atomics
+    to a partition of their own (:func:`_dkv_atomics`, ``ATOMIC_REGS`` registers): each finished ``[64, 64]``
+    piece goes through a 16 KiB shared ``stage`` (in place of the ``lines`` conversion's scratch), so that the
+    consumer warps, which no longer issue atomics, never wait for the atomic queue; 16 warps, ``maxnreg`` 128."""
     gl.static_assert(BLOCK_K == 64)   # the M of the dkv products: one wgmma tile of rows per warpgroup
     gl.static_assert(BLOCK_K % GATHER_ROWS == 0)
     b, q_row, do_row, lse_row, IDX, KV = _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
@@ -1198,7 +1267,25 @@ def sparse_mla_dkv_gluon_kernel(
     dst_smem = gl.allocate_shared_memory(dtype, [BLOCK_K, _BLOCK_H], _nvmma([BLOCK_K, _BLOCK_H], dtype))
     q_bar, ready, empty = _ring_barriers(1)
 
-    if SCORES_AHEAD and PRODUCTS:
+    if ATOMIC_WARPS > 0:
+        gl.static_assert(SCORES_AHEAD and PRODUCTS)
+        gl.static_assert(D // PIECES == 64)   # a 16 KiB stage: q, dO, the latent buffer, P^T and dS^T take 208
+        stage = gl.allocate_shared_memory(gl.float32, [BLOCK_K, D // PIECES], STAGE_LAYOUT)
+        full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(full, count=1)
+        mbarrier.init(free, count=1)
+        gl.warp_specialize([
+            (_dkv_consumer_ahead, (IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready,
+                                   empty, lse_row, stride_dks, n_idx, n_blocks, scale, scale_log2, D, BLOCK_K, ATOMICS,
+                                   ATOMIC_LAYOUT, PIECES, stage, full, free, True)),
+            (_producer, (Q, DO, KV, IDX, q_smem, do_smem, kv_smem, q_bar, ready, empty, q_row, do_row, stride_qh,
+                         stride_kvs, n_idx, n_blocks, D, BLOCK_K, 1, GATHER_ROWS, True, INDICES_AHEAD)),
+            (_dkv_atomics, (IDX, DKV, stage, full, free, stride_dks, n_idx, n_blocks, BLOCK_K, PIECES, ATOMICS)),
+        ], [_PRODUCER_WARPS, ATOMIC_WARPS], [PRODUCER_REGS, ATOMIC_REGS])
+        mbarrier.invalidate(full)
+        mbarrier.invalidate(free)
+    elif SCORES_AHEAD and PRODUCTS:
         gl.warp_specialize([
             (_dkv_consumer_ahead, (IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem, dst_smem, q_bar, ready,
                                    empty, lse_row, stride_dks, n_idx, n_blocks, scale, scale_log2, D, BLOCK_K, ATOMICS,
@@ -1673,7 +1760,8 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
                          lse: torch.Tensor, delta: torch.Tensor, softmax_scale: float, dkv: torch.Tensor,
                          atomics: bool = True, indices_ahead: bool | None = None, products: bool = True,
                          atomic_layout: str | None = None, pieces: int | None = None,
-                         scores_ahead: bool | None = None, config: triton.Config | None = None) -> None:
+                         scores_ahead: bool | None = None, config: triton.Config | None = None,
+                         atomic_warps: int | None = None) -> None:
     """Add the latent's gradient of :func:`kernels.dsa.sparse_attention.sparse_mla_attention` to ``dkv``, from
     :func:`sparse_mla_dkv_gluon_kernel`: every selected key of every query, 64 heads per program.
 
@@ -1694,19 +1782,33 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         scores_ahead: the next block's score products under the last piece's atomics (:func:`_dkv_consumer_ahead`;
             needs ``pieces >= 2``), or ``None``: :data:`DKV_SCORES_AHEAD`.
         config: a configuration launched outside the autotuner (benchmarks: ``GATHER_ROWS``, the register split),
-            or ``None``: autotuned over :data:`GLUON_DKV_CONFIGS`.
+            or ``None``: autotuned over :data:`GLUON_DKV_CONFIGS` (with an atomics partition:
+            :data:`GLUON_DKV_STAGED_CONFIG`).
+        atomic_warps: 4 for the atomics in their own partition (:func:`_dkv_atomics`; ``pieces`` then
+            :data:`DKV_STAGED_PIECES` and ``scores_ahead`` on), 0 for the consumers' own, or ``None``:
+            :data:`DKV_ATOMIC_WARPS`.
 
     Raises:
         DSAInputError: for inputs :func:`gluon_supported` rejects, or ``K == 0``.
+        ValueError: for ``pieces`` / ``scores_ahead`` / ``atomic_warps`` the kernel has no build for, or
+            ``products=False`` with an atomics partition.
     """
     q, kv, indices, grad_out, lse, delta = _backward_inputs(q, kv, indices, grad_out, lse, delta, "latent gradient")
-    pieces = DKV_PIECES if pieces is None else pieces
+    atomic_warps = DKV_ATOMIC_WARPS if atomic_warps is None else atomic_warps
+    staged = atomic_warps > 0
+    pieces = (DKV_STAGED_PIECES if staged else DKV_PIECES) if pieces is None else pieces
     indices_ahead = DKV_INDICES_AHEAD if indices_ahead is None else indices_ahead
     scores_ahead = DKV_SCORES_AHEAD if scores_ahead is None else scores_ahead
-    if pieces not in (1, 2, 4) or (scores_ahead and pieces < 2):
-        raise DSAInputError(f"pieces={pieces}, scores_ahead={scores_ahead}: pieces is 1, 2 or 4, and 2 or 4 with "
-                            "scores_ahead")
+    if atomic_warps not in (0, 4):
+        raise ValueError(f"atomic_warps must be 0 or 4 (one warpgroup), got {atomic_warps}")
+    if staged and (pieces != DKV_STAGED_PIECES or not scores_ahead or not products):
+        raise ValueError(f"an atomics partition takes pieces={DKV_STAGED_PIECES} with scores_ahead and the products, "
+                         f"got pieces={pieces}, scores_ahead={scores_ahead}, products={products}")
+    if not staged and (pieces not in (1, 2, 4) or (scores_ahead and pieces < 2)):
+        raise ValueError(f"pieces={pieces}, scores_ahead={scores_ahead}: pieces is 1, 2 or 4, and 2 or 4 with "
+                         "scores_ahead")
     batch, n_q, heads, dqk = q.shape
+    config = GLUON_DKV_STAGED_CONFIG if staged and config is None else config
     kernel = sparse_mla_dkv_gluon_kernel if config is None else sparse_mla_dkv_gluon_kernel.fn
     kernel[(n_q, heads // BLOCK_H, batch)](
         q, kv, indices, grad_out, lse, delta, dkv,
@@ -1718,5 +1820,5 @@ def gluon_sparse_mla_dkv(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         indices.shape[2], softmax_scale, softmax_scale * 1.4426950408889634,
         H=heads, D=dqk, ATOMICS=atomics, INDICES_AHEAD=indices_ahead, PRODUCTS=products,
         ATOMIC_LAYOUT=ATOMIC_LAYOUTS.index(atomic_layout or DKV_ATOMIC_LAYOUT), PIECES=pieces,
-        SCORES_AHEAD=scores_ahead, **_tuning(config),
+        SCORES_AHEAD=scores_ahead, ATOMIC_WARPS=atomic_warps, **_tuning(config),
     )

@@ -144,6 +144,20 @@ def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, c
         kernels.append((name, 4 * per_token,
                         lambda n=pieces, a=ahead: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale,
                                                                            dkv, pieces=n, scores_ahead=a)))
+    # the atomics in a partition of their own, the consumers' pieces through a shared stage (indices ahead or not)
+    for ahead in (False, True):
+        kernels += [
+            (f"gluon dkv, atomics partition{', INDICES_AHEAD' if ahead else ''}", 4 * per_token,
+             lambda a=ahead: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, atomic_warps=4,
+                                                      indices_ahead=a)),
+            (f"gluon dkv, atomics partition, atomics predicated off{', INDICES_AHEAD' if ahead else ''}",
+             4 * per_token,
+             lambda a=ahead: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, atomic_warps=4,
+                                                      atomics=False, indices_ahead=a)),
+        ]
+    kernels.append(("gluon dkv, INDICES_AHEAD on", 4 * per_token,
+                    lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv,
+                                                     indices_ahead=True)))
     kernels.append(("gluon dkv, gathers and atomics only (no products)", None,
                     lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, products=False)))
     # the same atomic rows in other L2 requests

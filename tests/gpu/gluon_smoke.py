@@ -140,19 +140,21 @@ def ring_and_gradients(fwd_configs, indices_ahead: bool, gradients: bool = True)
         delta = (grad.float() * ref_out.float()).sum(-1)
         # the same gradient in each atomic layout, then in column pieces (the launcher's among them)
         # (with the next block's scores ahead of the last piece's atomics or not)
-        for layout, pieces, ahead in ([(a, 1, False) for a in sag.ATOMIC_LAYOUTS]
-                                      + [(sag.DKV_ATOMIC_LAYOUT, n, a) for n in (2, 4) for a in (False, True)]):
+        # and with the atomics in their own partition (8 pieces, scores ahead)
+        for layout, pieces, ahead, warps in ([(a, 1, False, 0) for a in sag.ATOMIC_LAYOUTS]
+                                             + [(sag.DKV_ATOMIC_LAYOUT, n, a, 0) for n in (2, 4) for a in (False, True)]
+                                             + [(sag.DKV_ATOMIC_LAYOUT, sag.DKV_STAGED_PIECES, True, 4)]):
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
             t0 = time.perf_counter()
             sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse, delta, scale, dkv, indices_ahead=indices_ahead,
-                                     atomic_layout=layout, pieces=pieces, scores_ahead=ahead)
+                                     atomic_layout=layout, pieces=pieces, scores_ahead=ahead, atomic_warps=warps)
             torch.cuda.synchronize()
             err = rel(dkv, dkv64)
             good = err <= 1e-2
             ok &= good
-            print(f"dkv {heads} heads, {layout} atomics, {pieces} pieces, scores ahead {ahead}, indices ahead "
-                  f"{indices_ahead}: rel {err:.2e} {time.perf_counter() - t0:.1f}s {'ok' if good else 'FAIL'}",
-                  flush=True)
+            print(f"dkv {heads} heads, {layout} atomics, {pieces} pieces, scores ahead {ahead}, atomics warps {warps}, "
+                  f"indices ahead {indices_ahead}: rel {err:.2e} {time.perf_counter() - t0:.1f}s "
+                  f"{'ok' if good else 'FAIL'}", flush=True)
         for schedule in sag.DQ_KERNELS:   # each query gradient, the launcher's among them
             t0 = time.perf_counter()
             dq = sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse, delta, scale, indices_ahead=indices_ahead,
