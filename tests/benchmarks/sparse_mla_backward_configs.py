@@ -34,18 +34,29 @@ from dsa_check import rel_err  # noqa: E402
 from kernels.dsa import sparse_attention_gluon as sag  # noqa: E402
 
 DKV_TRIALS = ["GATHER_ROWS=8", "GATHER_ROWS=32", "GATHER_ROWS=64", "PRODUCER_REGS=40", "INDICES_AHEAD=1",
-              "GATHER_ROWS=32,INDICES_AHEAD=1"]
-"""Latent-gradient trials over the shipped configuration (``KEY=V,...``; ``INDICES_AHEAD`` is the launch's)."""
+              "GATHER_ROWS=32,INDICES_AHEAD=1", "ATOMIC_WARPS=4", "ATOMIC_WARPS=4,INDICES_AHEAD=1",
+              "ATOMIC_WARPS=4,ATOMIC_REGS=56,INDICES_AHEAD=1"]
+"""Latent-gradient trials over the shipped configuration (``KEY=V,...``; ``INDICES_AHEAD`` is the launch's;
+``ATOMIC_WARPS=4`` the atomics partition, over :data:`kernels.dsa.sparse_attention_gluon.GLUON_DKV_STAGED_CONFIG`)."""
 DQ_TRIALS = ["GATHER_ROWS=8", "GATHER_ROWS=32", "PRODUCER_REGS=40,CONSUMER_REGS=232", "INDICES_AHEAD=0"]
 """Query-gradient trials over the shipped ``"products"`` configuration (its launch has ``INDICES_AHEAD`` on)."""
 
 
-def parse_trial(text: str, base: triton.Config, ahead: bool) -> tuple[triton.Config, bool]:
-    """``base`` with the ``KEY=V`` items of ``text`` replaced (``maxnreg`` too), and ``INDICES_AHEAD`` (``ahead``
-    unless ``text`` sets it). Raises ValueError for a key ``base`` does not have."""
+def parse_trial(text: str, base: triton.Config, ahead: bool,
+                staged: triton.Config | None = None) -> tuple[triton.Config, bool, int]:
+    """``base`` with the ``KEY=V`` items of ``text`` replaced (``maxnreg`` too), ``INDICES_AHEAD`` (``ahead``
+    unless ``text`` sets it) and ``ATOMIC_WARPS`` (0 unless ``text`` sets it; then over ``staged``, the latent
+    gradient's configuration with an atomics partition). Raises ValueError for a key the configuration does not
+    have, or ``ATOMIC_WARPS`` without ``staged``."""
+    items = [item.split("=") for item in filter(None, text.split(","))]
+    warps = next((int(v) for k, v in items if k == "ATOMIC_WARPS"), 0)
+    if warps and staged is None:
+        raise ValueError(f"{text!r}: ATOMIC_WARPS is the latent gradient's")
+    base = staged if warps else base
     kwargs, maxnreg = dict(base.kwargs), base.maxnreg
-    for item in filter(None, text.split(",")):
-        key, value = item.split("=")
+    for key, value in items:
+        if key == "ATOMIC_WARPS":
+            continue
         if key == "INDICES_AHEAD":
             ahead = bool(int(value))
         elif key == "maxnreg":
@@ -53,45 +64,52 @@ def parse_trial(text: str, base: triton.Config, ahead: bool) -> tuple[triton.Con
         elif key in kwargs:
             kwargs[key] = int(value)
         else:
-            raise ValueError(f"{text!r}: {key} is not one of {sorted(kwargs)}, INDICES_AHEAD, maxnreg")
-    return triton.Config(kwargs, num_warps=base.num_warps, maxnreg=maxnreg), ahead
+            raise ValueError(f"{text!r}: {key} is not one of {sorted(kwargs)}, INDICES_AHEAD, ATOMIC_WARPS, maxnreg")
+    return triton.Config(kwargs, num_warps=base.num_warps, maxnreg=maxnreg), ahead, warps
 
 
 def sweep(seq_len: int, shape: dict, reps: int, dkv_trials, dq_trials) -> tuple[list[dict], dict]:
     """Each configuration's time and difference from the shipped one; returns the rows and the fastest
-    ``{"dkv": (config, ahead, trial), "dq": (config, ahead, trial)}`` (the shipped one where nothing beat it)."""
+    ``{"dkv": (config, ahead, warps, trial), "dq": (config, ahead, 0, trial)}`` (the shipped one where nothing beat
+    it; ``warps`` the latent gradient's ``ATOMIC_WARPS``)."""
     q, kv, idx, grad, scale, out, lse = backward_inputs(seq_len, shape)
     h, dqk = shape["heads"], shape["dqk"]
     delta = (grad.float() * out.float()).sum(-1)
     per_token = 2 * seq_len * h * WIDTH * dqk
 
-    def run_dkv(cfg, ahead):
+    def run_dkv(cfg, ahead, warps):
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
-        sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse, delta, scale, dkv, indices_ahead=ahead, config=cfg)
+        sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse, delta, scale, dkv, indices_ahead=ahead, config=cfg,
+                                 atomic_warps=warps)
         return dkv
 
-    def run_dq(cfg, ahead):
+    def run_dq(cfg, ahead, warps):
         return sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse, torch.empty_like(lse), scale, out=out,
                                        indices_ahead=ahead, config=cfg)
 
-    shipped = {"dkv": (sag.GLUON_DKV_CONFIGS[0], sag.DKV_INDICES_AHEAD),
-               "dq": (sag.GLUON_DQ_SPLIT_CONFIGS[0], sag.DQ_INDICES_AHEAD["products"])}
+    shipped = {"dkv": (sag.GLUON_DKV_STAGED_CONFIG if sag.DKV_ATOMIC_WARPS else sag.GLUON_DKV_CONFIGS[0],
+                       sag.DKV_INDICES_AHEAD, sag.DKV_ATOMIC_WARPS),
+               "dq": (sag.GLUON_DQ_SPLIT_CONFIGS[0], sag.DQ_INDICES_AHEAD["products"], 0)}
+    staged = {"dkv": sag.GLUON_DKV_STAGED_CONFIG, "dq": None}
     kinds = {"dkv": (run_dkv, dkv_trials, 4 * per_token), "dq": (run_dq, dq_trials, 3 * per_token)}
     rows, best = [], {}
     for kind, (fn, trials, flops) in kinds.items():
-        base_cfg, base_ahead = shipped[kind]
-        reference = fn(base_cfg, base_ahead)
+        base_cfg, base_ahead, base_warps = shipped[kind]
+        reference = fn(base_cfg, base_ahead, base_warps)
         best_s = None
         for text in ["", *trials]:
-            cfg, ahead = parse_trial(text, base_cfg, base_ahead)
+            if text:
+                cfg, ahead, warps = parse_trial(text, base_cfg, base_ahead, staged[kind])
+            else:
+                cfg, ahead, warps = base_cfg, base_ahead, base_warps
             row = {"kernel": kind, "trial": text or "shipped", "config": dict(cfg.kwargs, maxnreg=cfg.maxnreg),
-                   "indices_ahead": ahead}
+                   "indices_ahead": ahead, "atomic_warps": warps}
             try:
-                row["seconds"], _ = timed(lambda: fn(cfg, ahead), reps)
+                row["seconds"], _ = timed(lambda: fn(cfg, ahead, warps), reps)
                 row["tflops"] = flops / row["seconds"] / 1e12
-                row["rel_diff"] = rel_err(fn(cfg, ahead), reference)
+                row["rel_diff"] = rel_err(fn(cfg, ahead, warps), reference)
                 if best_s is None or row["seconds"] < best_s:
-                    best_s, best[kind] = row["seconds"], (cfg, ahead, row["trial"])
+                    best_s, best[kind] = row["seconds"], (cfg, ahead, warps, row["trial"])
             except Exception as exc:   # a configuration that does not compile or fit: its row says why
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             rows.append(row)
@@ -100,16 +118,20 @@ def sweep(seq_len: int, shape: dict, reps: int, dkv_trials, dq_trials) -> tuple[
 
 
 def with_configs(best: dict):
-    """Set the two kernels' single configurations and the producers' ``INDICES_AHEAD`` to ``best``'s for this
-    process; returns the function that puts the shipped ones back."""
-    saved = (sag.sparse_mla_dkv_gluon_kernel.configs, sag.sparse_mla_dq_split_kernel.configs,
-             sag.DKV_INDICES_AHEAD, sag.DQ_INDICES_AHEAD["products"])
-    sag.sparse_mla_dkv_gluon_kernel.configs, sag.DKV_INDICES_AHEAD = [best["dkv"][0]], best["dkv"][1]
+    """Set the two kernels' single configurations, the producers' ``INDICES_AHEAD`` and the latent gradient's
+    ``ATOMIC_WARPS`` to ``best``'s for this process; returns the function that puts the shipped ones back."""
+    saved = (sag.sparse_mla_dkv_gluon_kernel.configs, sag.GLUON_DKV_STAGED_CONFIG, sag.DKV_ATOMIC_WARPS,
+             sag.sparse_mla_dq_split_kernel.configs, sag.DKV_INDICES_AHEAD, sag.DQ_INDICES_AHEAD["products"])
+    dkv_cfg, sag.DKV_INDICES_AHEAD, sag.DKV_ATOMIC_WARPS, _ = best["dkv"]
+    if sag.DKV_ATOMIC_WARPS:
+        sag.GLUON_DKV_STAGED_CONFIG = dkv_cfg
+    else:
+        sag.sparse_mla_dkv_gluon_kernel.configs = [dkv_cfg]
     sag.sparse_mla_dq_split_kernel.configs, sag.DQ_INDICES_AHEAD["products"] = [best["dq"][0]], best["dq"][1]
 
     def restore() -> None:
-        (sag.sparse_mla_dkv_gluon_kernel.configs, sag.sparse_mla_dq_split_kernel.configs, sag.DKV_INDICES_AHEAD,
-         sag.DQ_INDICES_AHEAD["products"]) = saved
+        (sag.sparse_mla_dkv_gluon_kernel.configs, sag.GLUON_DKV_STAGED_CONFIG, sag.DKV_ATOMIC_WARPS,
+         sag.sparse_mla_dq_split_kernel.configs, sag.DKV_INDICES_AHEAD, sag.DQ_INDICES_AHEAD["products"]) = saved
     return restore
 
 
@@ -129,7 +151,7 @@ def main() -> None:
     print(f"matmul anchor {ceil['matmul_tflops']:.0f} TF/s, copy {ceil['copy_tbps']:.2f} TB/s", flush=True)
     rows, best = sweep(args.seq_len, shape, args.reps, args.dkv_trials, args.dq_trials)
     torch.cuda.empty_cache()
-    picks = {k: v[2] for k, v in best.items()}
+    picks = {k: v[-1] for k, v in best.items()}
     table = []
     for label, setup in (("shipped", None), (f"picked: dkv {picks['dkv']}, dq {picks['dq']}", best)):
         restore = with_configs(setup) if setup else (lambda: None)
