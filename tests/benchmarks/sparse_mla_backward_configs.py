@@ -34,25 +34,25 @@ from dsa_check import rel_err  # noqa: E402
 from kernels.dsa import sparse_attention_gluon as sag  # noqa: E402
 
 DKV_TRIALS = ["GATHER_ROWS=8", "GATHER_ROWS=32", "GATHER_ROWS=64", "PRODUCER_REGS=40", "INDICES_AHEAD=1",
-              "GATHER_ROWS=32,INDICES_AHEAD=1", "ATOMIC_WARPS=4", "ATOMIC_WARPS=4,INDICES_AHEAD=1",
-              "ATOMIC_WARPS=4,ATOMIC_REGS=56,INDICES_AHEAD=1"]
+              "ATOMIC_WARPS=0", "ATOMIC_WARPS=0,INDICES_AHEAD=1", "ATOMIC_WARPS=4,INDICES_AHEAD=1",
+              "ATOMIC_WARPS=4,ATOMIC_REGS=56"]
 """Latent-gradient trials over the shipped configuration (``KEY=V,...``; ``INDICES_AHEAD`` is the launch's;
-``ATOMIC_WARPS=4`` the atomics partition, over :data:`kernels.dsa.sparse_attention_gluon.GLUON_DKV_STAGED_CONFIG`)."""
+``ATOMIC_WARPS`` 0 the consumers' own atomics over :data:`kernels.dsa.sparse_attention_gluon.GLUON_DKV_CONFIGS`,
+4 the atomics partition over :data:`kernels.dsa.sparse_attention_gluon.GLUON_DKV_STAGED_CONFIG`)."""
 DQ_TRIALS = ["GATHER_ROWS=8", "GATHER_ROWS=32", "PRODUCER_REGS=40,CONSUMER_REGS=232", "INDICES_AHEAD=0"]
 """Query-gradient trials over the shipped ``"products"`` configuration (its launch has ``INDICES_AHEAD`` on)."""
 
 
-def parse_trial(text: str, base: triton.Config, ahead: bool,
-                staged: triton.Config | None = None) -> tuple[triton.Config, bool, int]:
-    """``base`` with the ``KEY=V`` items of ``text`` replaced (``maxnreg`` too), ``INDICES_AHEAD`` (``ahead``
-    unless ``text`` sets it) and ``ATOMIC_WARPS`` (0 unless ``text`` sets it; then over ``staged``, the latent
-    gradient's configuration with an atomics partition). Raises ValueError for a key the configuration does not
-    have, or ``ATOMIC_WARPS`` without ``staged``."""
+def parse_trial(text: str, bases: dict[int, triton.Config], ahead: bool, warps: int) -> tuple[triton.Config, bool, int]:
+    """A trial's ``(configuration, INDICES_AHEAD, ATOMIC_WARPS)``: ``bases[ATOMIC_WARPS]`` with the ``KEY=V``
+    items of ``text`` replaced (``maxnreg`` too); ``INDICES_AHEAD`` and ``ATOMIC_WARPS`` are ``ahead`` and
+    ``warps`` (the shipped ones) unless ``text`` sets them. Raises ValueError for a key the configuration does not
+    have, or an ``ATOMIC_WARPS`` with no entry in ``bases``."""
     items = [item.split("=") for item in filter(None, text.split(","))]
-    warps = next((int(v) for k, v in items if k == "ATOMIC_WARPS"), 0)
-    if warps and staged is None:
-        raise ValueError(f"{text!r}: ATOMIC_WARPS is the latent gradient's")
-    base = staged if warps else base
+    warps = next((int(v) for k, v in items if k == "ATOMIC_WARPS"), warps)
+    if warps not in bases:
+        raise ValueError(f"{text!r}: ATOMIC_WARPS={warps} is not one of {sorted(bases)}")
+    base = bases[warps]
     kwargs, maxnreg = dict(base.kwargs), base.maxnreg
     for key, value in items:
         if key == "ATOMIC_WARPS":
@@ -66,6 +66,16 @@ def parse_trial(text: str, base: triton.Config, ahead: bool,
         else:
             raise ValueError(f"{text!r}: {key} is not one of {sorted(kwargs)}, INDICES_AHEAD, ATOMIC_WARPS, maxnreg")
     return triton.Config(kwargs, num_warps=base.num_warps, maxnreg=maxnreg), ahead, warps
+
+
+def shipped_and_bases() -> tuple[dict, dict]:
+    """The shipped ``{"dkv": (config, ahead, warps), "dq": ...}`` and each kernel's base configurations by
+    ``ATOMIC_WARPS`` (:func:`parse_trial`)."""
+    bases = {"dkv": {0: sag.GLUON_DKV_CONFIGS[0], 4: sag.GLUON_DKV_STAGED_CONFIG},
+             "dq": {0: sag.GLUON_DQ_SPLIT_CONFIGS[0]}}
+    shipped = {"dkv": (bases["dkv"][sag.DKV_ATOMIC_WARPS], sag.DKV_INDICES_AHEAD, sag.DKV_ATOMIC_WARPS),
+               "dq": (bases["dq"][0], sag.DQ_INDICES_AHEAD["products"], 0)}
+    return shipped, bases
 
 
 def sweep(seq_len: int, shape: dict, reps: int, dkv_trials, dq_trials) -> tuple[list[dict], dict]:
@@ -87,10 +97,7 @@ def sweep(seq_len: int, shape: dict, reps: int, dkv_trials, dq_trials) -> tuple[
         return sag.gluon_sparse_mla_dq(q, kv, idx, grad, lse, torch.empty_like(lse), scale, out=out,
                                        indices_ahead=ahead, config=cfg)
 
-    shipped = {"dkv": (sag.GLUON_DKV_STAGED_CONFIG if sag.DKV_ATOMIC_WARPS else sag.GLUON_DKV_CONFIGS[0],
-                       sag.DKV_INDICES_AHEAD, sag.DKV_ATOMIC_WARPS),
-               "dq": (sag.GLUON_DQ_SPLIT_CONFIGS[0], sag.DQ_INDICES_AHEAD["products"], 0)}
-    staged = {"dkv": sag.GLUON_DKV_STAGED_CONFIG, "dq": None}
+    shipped, bases = shipped_and_bases()
     kinds = {"dkv": (run_dkv, dkv_trials, 4 * per_token), "dq": (run_dq, dq_trials, 3 * per_token)}
     rows, best = [], {}
     for kind, (fn, trials, flops) in kinds.items():
@@ -98,10 +105,7 @@ def sweep(seq_len: int, shape: dict, reps: int, dkv_trials, dq_trials) -> tuple[
         reference = fn(base_cfg, base_ahead, base_warps)
         best_s = None
         for text in ["", *trials]:
-            if text:
-                cfg, ahead, warps = parse_trial(text, base_cfg, base_ahead, staged[kind])
-            else:
-                cfg, ahead, warps = base_cfg, base_ahead, base_warps
+            cfg, ahead, warps = parse_trial(text, bases[kind], base_ahead, base_warps)
             row = {"kernel": kind, "trial": text or "shipped", "config": dict(cfg.kwargs, maxnreg=cfg.maxnreg),
                    "indices_ahead": ahead, "atomic_warps": warps}
             try:
@@ -143,6 +147,9 @@ def main() -> None:
                         help="lengths of the whole-op rows, shipped and picked configurations")
     parser.add_argument("--dkv-trials", nargs="*", default=DKV_TRIALS)
     parser.add_argument("--dq-trials", nargs="*", default=DQ_TRIALS)
+    parser.add_argument("--op-trials", nargs="*", default=[],
+                        help="latent-gradient trials (as --dkv-trials) the op is also timed with, the query gradient "
+                             "shipped")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -153,7 +160,12 @@ def main() -> None:
     torch.cuda.empty_cache()
     picks = {k: v[-1] for k, v in best.items()}
     table = []
-    for label, setup in (("shipped", None), (f"picked: dkv {picks['dkv']}, dq {picks['dq']}", best)):
+    shipped, bases = shipped_and_bases()
+    setups = [("shipped", None), (f"picked: dkv {picks['dkv']}, dq {picks['dq']}", best)]
+    for text in args.op_trials:
+        setups.append((f"dkv {text}", {"dkv": (*parse_trial(text, bases["dkv"], *shipped["dkv"][1:]), text),
+                                       "dq": (*shipped["dq"], "shipped")}))
+    for label, setup in setups:
         restore = with_configs(setup) if setup else (lambda: None)
         try:
             for t in args.table_seq_lens:
