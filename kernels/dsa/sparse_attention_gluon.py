@@ -952,7 +952,7 @@ DKV_ATOMIC_LAYOUT = "lines"
 116.5 ms in 128-byte lines against 135.6 in the ``wgmma`` fragments and 138.1 in ``v4``: the number of requests
 each SM issues bounds the atomics, not the instructions; the conversion through shared memory costs ~10 ms of it."""
 
-DKV_ATOMIC_WARPS = 4
+DKV_ATOMIC_WARPS = 0
 """Warps of the latent gradient's own atomics partition (``ATOMIC_WARPS``, :func:`_dkv_atomics`; 0: the consumers
 issue the atomics). With 4 it launches :data:`GLUON_DKV_STAGED_CONFIG` in :data:`DKV_STAGED_PIECES` pieces."""
 DKV_STAGED_PIECES = 8
