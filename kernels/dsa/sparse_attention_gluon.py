@@ -954,7 +954,10 @@ each SM issues bounds the atomics, not the instructions; the conversion through 
 
 DKV_ATOMIC_WARPS = 0
 """Warps of the latent gradient's own atomics partition (``ATOMIC_WARPS``, :func:`_dkv_atomics`; 0: the consumers
-issue the atomics). With 4 it launches :data:`GLUON_DKV_STAGED_CONFIG` in :data:`DKV_STAGED_PIECES` pieces."""
+issue the atomics). With 4 it launches :data:`GLUON_DKV_STAGED_CONFIG` in :data:`DKV_STAGED_PIECES` pieces. Off:
+slower. One H100, ``full`` shape, 64k, same process (``sparse_mla_backward_configs.py``, anchor 781 TF/s): 121.4
+ms against 109.5 for the consumers' atomics, and the op's fwd+bwd 214.8 against 202.1 ms (256k: 888.5 against
+843.3)."""
 DKV_STAGED_PIECES = 8
 """Column pieces with an atomics partition: ``[64, 64]`` float32, the 16 KiB stage left beside ``q``, ``dO``, the
 latent buffer and ``P^T`` / ``dS^T`` (208 KiB)."""
@@ -962,8 +965,8 @@ GLUON_DKV_STAGED_CONFIG = triton.Config(
     {"BLOCK_K": 64, "GATHER_ROWS": 16, "PRODUCER_REGS": 56, "ATOMIC_REGS": 72}, num_warps=CONSUMER_WARPS, maxnreg=128)
 """The latent gradient with an atomics partition: 16 warps (``16 * 32 * 128 = 65,536`` registers at launch), then
 ``setmaxnreg`` gives the producer 56, the atomics 72 (a piece is 32 floats per thread) and the consumers 192.
-Offline sm_90 compile (Triton 3.6): 224 KiB of shared memory, the consumers spill 160 bytes (per-piece operand
-descriptors, one reload per piece)."""
+Offline sm_90 compile (Triton 3.6): 224 KiB of shared memory, the consumers spill 160 bytes (values reloaded
+once per piece)."""
 
 DKV_SCORES_AHEAD = True
 """Whether :func:`gluon_sparse_mla_dkv` issues the next key block's score products before the last piece's
@@ -1203,8 +1206,8 @@ def _dkv_atomics(IDX, DKV, stage, full, free, stride_dks, n_idx, n_blocks, BLOCK
     """The atomics partition of :func:`sparse_mla_dkv_gluon_kernel` (``ATOMIC_WARPS``): for each key block's
     ``PIECES`` column pieces in order, take the piece out of ``stage`` (``[BLOCK_K, PIECE]`` float32, once
     ``full``), release it (``free``) and add it to ``DKV``'s rows ``IDX[block]`` with relaxed float32 atomics,
-    8 lanes per 128-byte line of a row (the ``lines`` requests). The consumers never stall on the memory system's
-    atomic queue: their products run on while these warps wait for it."""
+    8 lanes per 128-byte line of a row (the ``lines`` requests), so that the consumers, which issue none, do not
+    stall on the atomic queue (:data:`DKV_ATOMIC_WARPS`: slower so far)."""
     warps: gl.constexpr = gl.num_warps()
     PIECE: gl.constexpr = stage.shape[1]
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [warps, 1], [1, 0])
@@ -1252,8 +1255,8 @@ def sparse_mla_dkv_gluon_kernel(
     (with ``PIECES >= 2`` and the products) also the next block's score products before the last piece's atomics
     (:func:`_dkv_consumer_ahead`). ``ATOMIC_WARPS`` (4; with ``SCORES_AHEAD`` and ``PIECES`` 8) moves the atomics
     to a partition of their own (:func:`_dkv_atomics`, ``ATOMIC_REGS`` registers): each finished ``[64, 64]``
-    piece goes through a 16 KiB shared ``stage`` (in place of the ``lines`` conversion's scratch), so that the
-    consumer warps, which no longer issue atomics, never wait for the atomic queue; 16 warps, ``maxnreg`` 128."""
+    piece goes through a 16 KiB shared ``stage`` (in place of the ``lines`` conversion's scratch) and the consumer
+    warps issue no atomics; 16 warps, ``maxnreg`` 128 (:data:`DKV_ATOMIC_WARPS`: slower so far)."""
     gl.static_assert(BLOCK_K == 64)   # the M of the dkv products: one wgmma tile of rows per warpgroup
     gl.static_assert(BLOCK_K % GATHER_ROWS == 0)
     b, q_row, do_row, lse_row, IDX, KV = _program_rows(IDX, KV, stride_qb, stride_qt, stride_qh, stride_kvb, stride_ib,
