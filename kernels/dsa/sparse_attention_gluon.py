@@ -84,8 +84,9 @@ schedule's 38.2, and 38.5 with conditional rescaling, ``GLUON_FWD_LAZY``) and th
 ``INDICES_AHEAD`` (:func:`_producer`; on in the ring forward's ``(64, 2)`` configuration, 46.6 -> 42.5 ms, and in
 the ``"products"`` query gradient, 57.2 -> 54.1 ms; off in the ``"keys"`` one and the latent gradient, where it
 changed nothing: 72.3 -> 72.0 and 135.4 -> 135.6 ms). With ``products=False`` the ring forward runs its gathers
-alone: 17.7 ms of its 41.5 at ``(64, 2)``, so the gathers do not bound it. So is the latent gradient with its
-atomics in a warpgroup of their own (:data:`DKV_ATOMIC_WARPS`, off: 121.4 ms against 109.5 on an H100).
+alone: 17.7 ms of its 41.5 at ``(64, 2)``, so the gathers do not bound it. Timed and checked the same way:
+the latent gradient with its atomics in a warpgroup of their own (:data:`DKV_ATOMIC_WARPS`, off: 121.4 ms
+against 109.5 on an H100).
 """
 
 from __future__ import annotations
