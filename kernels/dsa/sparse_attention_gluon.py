@@ -1144,7 +1144,7 @@ def _dkv_consumer_ahead(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem,
     if not STAGED:
         pa_l: gl.constexpr = _atomic_layout(BLOCK_K, PIECE, ATOMIC_LAYOUT)
     else:
-        pa_l: gl.constexpr = _wgmma_layout(PIECE)   # unused: the atomics partition has its own
+        pa_l: gl.constexpr = _wgmma_layout(PIECE)   # the rows' layout only: the atomics partition loads its own
     lse2, row_ok, delta = _backward_rows(LSE, DELTA, lse_row, s_l)
     s_init = gl.zeros([_BLOCK_H, BLOCK_K], gl.float32, s_l)
     p_init = gl.zeros([BLOCK_K, PIECE], gl.float32, _wgmma_layout(PIECE))
@@ -1164,10 +1164,8 @@ def _dkv_consumer_ahead(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem,
         for c in gl.static_range(PIECES):
             if c + 1 < PIECES:
                 acc, piece = _dkv_next_piece(acc, dst_smem, pt_smem, q_smem, do_smem, p_init, (c + 1) * PIECE)
-                if STAGED:
-                    _stage_piece(stage, full, free, piece, j * PIECES + c)
-                else:
-                    _add_rows(DKV, stride_dks, rows, c * PIECE, gl.convert_layout(piece, pa_l), ATOMICS)
+                _piece_out(DKV, stride_dks, rows, c * PIECE, piece, pa_l, ATOMICS, stage, full, free, j * PIECES + c,
+                           STAGED)
             else:
                 nb = gl.minimum(j + 1, n_blocks - 1)   # the last block's own buffer, unchanged: its scores again
                 mbarrier.wait(ready.index(0), nb & 1)
@@ -1178,10 +1176,8 @@ def _dkv_consumer_ahead(IDX, LSE, DELTA, DKV, q_smem, do_smem, kv_smem, pt_smem,
                 offs_k = nb * BLOCK_K + offs_kb
                 idx = gl.load(IDX + offs_k, mask=offs_k < n_idx, other=-1)
                 piece = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))   # S and dP may run on
-                if STAGED:
-                    _stage_piece(stage, full, free, piece, j * PIECES + c)
-                else:
-                    _add_rows(DKV, stride_dks, rows, c * PIECE, gl.convert_layout(piece, pa_l), ATOMICS)
+                _piece_out(DKV, stride_dks, rows, c * PIECE, piece, pa_l, ATOMICS, stage, full, free, j * PIECES + c,
+                           STAGED)
                 scores, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, dp_tok))
 
 
@@ -1200,6 +1196,17 @@ def _stage_piece(stage, full, free, piece, i):
     stage.store(piece)
     _cta_barrier()
     mbarrier.arrive(full)
+
+
+@gluon.jit
+def _piece_out(DKV, stride_dks, rows, col0: gl.constexpr, piece, pa_l: gl.constexpr, ATOMICS: gl.constexpr, stage,
+               full, free, i, STAGED: gl.constexpr):
+    """Finished column piece ``i`` (``[64, PIECE]`` float32, columns from ``col0``): to the atomics partition's
+    ``stage`` (``STAGED``, :func:`_stage_piece`), or added to ``DKV``'s ``rows`` here in the layout ``pa_l``."""
+    if STAGED:
+        _stage_piece(stage, full, free, piece, i)
+    else:
+        _add_rows(DKV, stride_dks, rows, col0, gl.convert_layout(piece, pa_l), ATOMICS)
 
 
 @gluon.jit

@@ -183,8 +183,9 @@ def pool_indices(seq_len: int, n_q: int, device: str = "cuda", layout: str = "wi
 
 def backward_inputs(seq_len: int, shape: dict, layout: str = "window") -> tuple:
     """Random inputs of the sparse MLA backward kernels at ``seq_len`` queries and keys of a DSA ``shape``, seeded,
-    as ``(q, kv, idx, grad, scale, out, lse)``: ``q [1, T, H, Dqk]``, ``kv [1, T, Dqk]``, ``grad`` (like ``q``) bf16, ``idx`` (:func:`pool_indices` in
-    ``layout``), ``scale``, and the Triton forward's ``out`` and ``lse`` (float32 ``[1, T, H]``)."""
+    as ``(q, kv, idx, grad, scale, out, lse)``: ``q [1, T, H, Dqk]``, ``kv [1, T, Dqk]``, ``grad`` (like ``q``)
+    bf16, ``idx`` (:func:`pool_indices` in ``layout``), ``scale``, and the Triton forward's ``out`` and ``lse``
+    (float32 ``[1, T, H]``)."""
     from kernels.dsa.sparse_attention_triton import triton_sparse_mla_fwd
 
     h, dqk = shape["heads"], shape["dqk"]

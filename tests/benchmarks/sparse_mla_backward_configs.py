@@ -34,7 +34,7 @@ from dsa_check import rel_err  # noqa: E402
 from kernels.dsa import sparse_attention_gluon as sag  # noqa: E402
 
 DKV_TRIALS = ["GATHER_ROWS=8", "GATHER_ROWS=32", "GATHER_ROWS=64", "PRODUCER_REGS=40", "INDICES_AHEAD=1",
-              "ATOMIC_WARPS=0", "ATOMIC_WARPS=0,INDICES_AHEAD=1", "ATOMIC_WARPS=4,INDICES_AHEAD=1",
+              "GATHER_ROWS=32,INDICES_AHEAD=1", "ATOMIC_WARPS=4", "ATOMIC_WARPS=4,INDICES_AHEAD=1",
               "ATOMIC_WARPS=4,ATOMIC_REGS=56"]
 """Latent-gradient trials over the shipped configuration (``KEY=V,...``; ``INDICES_AHEAD`` is the launch's;
 ``ATOMIC_WARPS`` 0 the consumers' own atomics over :data:`kernels.dsa.sparse_attention_gluon.GLUON_DKV_CONFIGS`,

@@ -146,18 +146,15 @@ def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, c
                                                                            dkv, pieces=n, scores_ahead=a)))
     # the atomics in a partition of their own, the consumers' pieces through a shared stage (indices ahead or not)
     for ahead in (False, True):
+        tag = ", indices ahead" if ahead else ""
         kernels += [
-            (f"gluon dkv, atomics partition{', INDICES_AHEAD' if ahead else ''}", 4 * per_token,
+            (f"gluon dkv, atomics partition{tag}", 4 * per_token,
              lambda a=ahead: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, atomic_warps=4,
                                                       indices_ahead=a)),
-            (f"gluon dkv, atomics partition, atomics predicated off{', INDICES_AHEAD' if ahead else ''}",
-             4 * per_token,
+            (f"gluon dkv, atomics partition, atomics predicated off{tag}", 4 * per_token,
              lambda a=ahead: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, atomic_warps=4,
                                                       atomics=False, indices_ahead=a)),
         ]
-    kernels.append(("gluon dkv, INDICES_AHEAD on", 4 * per_token,
-                    lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv,
-                                                     indices_ahead=True)))
     kernels.append(("gluon dkv, gathers and atomics only (no products)", None,
                     lambda: sag.gluon_sparse_mla_dkv(q, kv, idx, grad, lse_ref, delta, scale, dkv, products=False)))
     # the same atomic rows in other L2 requests
@@ -170,7 +167,7 @@ def _gluon_kernels(args, q, kv, idx, grad, scale, out_ref, lse_ref, fwd_flops, c
                                                        atomic_layout=a)),
         ]
     if args.dkv_only:
-        kernels = [k for k in kernels if k[0].startswith("gluon dkv") and "indices ahead" not in k[0]
+        kernels = [k for k in kernels if k[0].startswith("gluon dkv")
                    and not any(f"{a} atomics" in k[0] for a in sag.ATOMIC_LAYOUTS)]
     if args.fwd_only:
         kernels = []
@@ -220,8 +217,8 @@ def main() -> None:
                         help="only the Gluon kernels: every forward schedule and configuration against the "
                              "autotuned Triton forward, then the query and latent gradients; no Triton tilings")
     parser.add_argument("--dkv-only", action="store_true",
-                        help="with --gluon-only: only the Gluon latent gradient's rows (its launch, its column "
-                             "pieces, with its atomics predicated off, without products)")
+                        help="with --gluon-only: only the Gluon latent gradient's rows (its launch, its column pieces, "
+                             "indices ahead, its atomics partition, with its atomics predicated off, without products)")
     parser.add_argument("--dq-only", action="store_true",
                         help="with --gluon-only: only the query gradients' rows and the rowsum(dO O) pass")
     parser.add_argument("--fwd-only", action="store_true",
